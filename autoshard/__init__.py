@@ -1,0 +1,10 @@
+"""autoshard: a compiler-style auto-parallelizer for JAX.
+
+The passes, in order: ``trace`` (train step -> Graph), strategies, problem building, planning,
+emission, runtime. The public surface is deliberately small.
+"""
+
+from autoshard.trace import Graph, Op, Role, Tensor, TraceError, trace
+
+__all__ = ["Graph", "Op", "Role", "Tensor", "TraceError", "trace"]
+__version__ = "0.1.0"

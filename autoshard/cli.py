@@ -1,0 +1,103 @@
+"""The ``autoshard`` command line.
+
+Each subcommand is one entry in ``_COMMANDS``: a function that adds its arguments to a parser and a
+function that runs it. Subcommands import their heavy dependencies (JAX) lazily, so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class _Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_example_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a model file following the examples/ convention, e.g. examples/gpt.py")
+    p.add_argument("--preset", default="tiny", help="size preset from the file's PRESETS (default: tiny)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field of the preset's config, e.g. --set scan_layers=true (repeatable)",
+    )
+    p.add_argument(
+        "--concrete",
+        action="store_true",
+        help="build real arrays instead of abstract shapes (abstract is the default: nothing is allocated)",
+    )
+
+
+def _trace_arguments(p: argparse.ArgumentParser) -> None:
+    _add_example_arguments(p)
+    p.add_argument("--top", type=int, default=10, help="how many of the largest tensors to list")
+    p.add_argument("--json", metavar="PATH", help="also write the graph's summary statistics as JSON")
+
+
+def _trace_run(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from autoshard._examples import load_example
+    from autoshard.trace import trace
+
+    example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
+    t0 = time.perf_counter()
+    graph = trace(example.train_step, *example.args)
+    elapsed = time.perf_counter() - t0
+    graph.verify()
+    print(f"{example.name} preset={example.preset} traced in {elapsed:.2f} s")
+    print(graph.summary(top=args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(graph.stats() | {"trace_seconds": elapsed}, f, indent=2)
+    return 0
+
+
+_COMMANDS: dict[str, _Command] = {
+    "trace": _Command(
+        help="trace a model's train step into a graph and print its summary",
+        add_arguments=_trace_arguments,
+        run=_trace_run,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoshard",
+        description="Automatic parallelization of JAX train steps: trace, plan, run.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in _COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from autoshard.errors import AutoshardError
+
+    try:
+        return _COMMANDS[args.command].run(args)
+    except AutoshardError as e:
+        print(f"autoshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
