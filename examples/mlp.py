@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import flax.linen as nn
@@ -80,7 +81,7 @@ class MLP(nn.Module):
 def param_count(config: Config) -> int:
     """Kernels and biases of every dense layer."""
     dims = [config.in_dim] + [config.hidden] * (config.layers - 1) + [config.out_dim]
-    return sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=True))
+    return sum(a * b + b for a, b in itertools.pairwise(dims))
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -1,0 +1,222 @@
+"""GPT: a decoder-only transformer language model, with the GPT-3 shapes that Alpa evaluated.
+
+    tokens ─▶ wte + wpe ─▶ [block_0 … block_{L-1}] ─▶ ln_f ─▶ wteᵀ (tied head) ─▶ logits
+    block(x) = x + attn(ln_1(x));  x + mlp(ln_2(x))          (pre-LN, as in GPT-2 and GPT-3)
+    attn: qkv = x·W_qkv [h, 3h]; causal softmax(q·kᵀ/√d_head)·v per head; proj [h, h]
+    mlp:  fc [h, 4h] → gelu → proj [4h, h]
+
+The LM head is tied to the token embedding, as in GPT-2 and in Alpa's GPT (set ``tie_embeddings=False``
+for a separate ``lm_head`` kernel [h, vocab] without bias). There is no dropout: a step is deterministic.
+
+With ``scan_layers=True`` the blocks are one ``nn.scan`` named ``blocks`` whose parameters carry a leading
+layer axis (``params["blocks"]["attn"]["qkv"]["kernel"]`` is [L, h, 3h]); otherwise they are separate
+modules ``block_0`` … ``block_{L-1}``, and every traced equation's name stack carries its block's name.
+``remat=True`` wraps each block in ``nn.remat`` (activations recomputed in the backward pass).
+
+Presets: ``"tiny"`` for tests, and the GPT-3 family (Brown et al. 2020, Table 2.1) at Alpa's evaluation
+settings (Zheng et al. 2022, Table 4): sequence 1024, vocabulary 51200, global batch 1024 sequences.
+Reduce the batch for a concrete run, e.g. ``make("125m", batch=8)``.
+
+Batch: ``{"tokens": int32 [batch, seq_len + 1]}``; the model reads ``tokens[:, :-1]`` and predicts
+``tokens[:, 1:]``. Optimiser: AdamW (β₂ = 0.95, weight decay 0.1 on every parameter, as a simplification).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training.train_state import TrainState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    vocab: int = 256
+    seq_len: int = 32
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    batch: int = 8
+    dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
+    scan_layers: bool = False
+    remat: bool = False
+    tie_embeddings: bool = True
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.1
+
+
+def _gpt3(layers: int, hidden: int, heads: int) -> Config:
+    return Config(vocab=51200, seq_len=1024, hidden=hidden, layers=layers, heads=heads, batch=1024)
+
+
+PRESETS: dict[str, Config] = {
+    "tiny": Config(learning_rate=1e-3),
+    "125m": _gpt3(12, 768, 12),
+    "350m": _gpt3(24, 1024, 16),
+    "760m": _gpt3(24, 1536, 16),
+    "1.3b": _gpt3(24, 2048, 32),
+    "2.6b": _gpt3(32, 2560, 32),
+    "6.7b": _gpt3(32, 4096, 32),
+    "15b": _gpt3(48, 5120, 40),
+    "39b": _gpt3(48, 8192, 64),
+}
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def layer_norm(x: jax.Array, name: str) -> jax.Array:
+    """LayerNorm computed in float32 whatever the compute dtype (flax's LayerNorm would otherwise mix
+    bfloat16 inputs with float32 statistics, which strict dtype promotion rejects). Call it inside a
+    compact method: the LayerNorm becomes a submodule of the caller."""
+    return nn.LayerNorm(dtype=jnp.float32, name=name)(x.astype(jnp.float32))
+
+
+class Attention(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        batch, seq, hidden = x.shape
+        head_dim = hidden // c.heads
+        qkv = nn.Dense(3 * hidden, dtype=dtype, kernel_init=_INIT, name="qkv")(x)
+        q, k, v = (t.reshape(batch, seq, c.heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, hidden)
+        return nn.Dense(hidden, dtype=dtype, kernel_init=_INIT, name="proj")(out)
+
+
+class MLP(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = jnp.dtype(self.config.dtype)
+        hidden = x.shape[-1]
+        x = nn.Dense(4 * hidden, dtype=dtype, kernel_init=_INIT, name="fc")(x)
+        return nn.Dense(hidden, dtype=dtype, kernel_init=_INIT, name="proj")(nn.gelu(x))
+
+
+class Block(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
+        # (carry, per-layer input) -> (carry, per-layer output): the signature nn.scan wants.
+        x = x + Attention(self.config, name="attn")(layer_norm(x, "ln_1"))
+        x = x + MLP(self.config, name="mlp")(layer_norm(x, "ln_2"))
+        return x, None
+
+
+class GPT(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """int32 [batch, seq] tokens → float32 [batch, seq, vocab] logits."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        wte = nn.Embed(c.vocab, c.hidden, dtype=dtype, embedding_init=_INIT, name="wte")
+        wpe = nn.Embed(c.seq_len, c.hidden, dtype=dtype, embedding_init=_INIT, name="wpe")
+        x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None]
+
+        block = nn.remat(Block, prevent_cse=not c.scan_layers) if c.remat else Block
+        if c.scan_layers:
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers)
+            x, _ = stack(c, name="blocks")(x, None)
+        else:
+            for i in range(c.layers):
+                x, _ = block(c, name=f"block_{i}")(x)
+
+        x = layer_norm(x, "ln_f")
+        if c.tie_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = nn.Dense(c.vocab, use_bias=False, dtype=dtype, kernel_init=_INIT, name="lm_head")(x)
+        return logits.astype(jnp.float32)
+
+    def loss(self, batch: dict[str, jax.Array]) -> jax.Array:
+        """Mean next-token cross-entropy."""
+        tokens = batch["tokens"]
+        logits = self(tokens[:, :-1])
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+
+
+def param_count(config: Config) -> int:
+    """Exact parameter count: embeddings, 12h² + 13h per block, the final LayerNorm, an untied head.
+
+    Per block: qkv 3h² + 3h, attention proj h² + h, fc 4h² + 4h, mlp proj 4h² + h, two LayerNorms 4h.
+    """
+    h = config.hidden
+    head = 0 if config.tie_embeddings else config.vocab * h
+    return (config.vocab + config.seq_len) * h + config.layers * (12 * h * h + 13 * h) + 2 * h + head
+
+
+def forward_flops(config: Config) -> float:
+    """Matrix-multiply flops of one forward pass (2 per multiply-add; the dot_generals of the trace).
+
+    With B = batch, S = seq_len, h = hidden, L = layers, V = vocab:
+
+        2·B·S·(12·L·h² + V·h)   the dense layers (qkv, proj, fc, proj) and the LM head
+      + 4·B·S²·h·L              attention scores q·kᵀ and probs·v, full S×S (the causal mask is
+                                applied after the matmul, so the masked half is still computed)
+
+    The embedding lookup is a gather, not a matmul; biases, norms, softmax and GELU are left out.
+    """
+    b, s, h, n, v = config.batch, config.seq_len, config.hidden, config.layers, config.vocab
+    return 2.0 * b * s * (12 * n * h * h + v * h) + 4.0 * b * s * s * h * n
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def loss_fn(params: Any) -> jax.Array:
+        return state.apply_fn({"params": params}, batch, method="loss")
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    # optax's Adam computes `b1 ** count` (a Python float to an int32 power), which strict dtype
+    # promotion rejects; the model above is strict-clean, only the update needs standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        state = state.apply_gradients(grads=grads)
+    return state, {"loss": loss}
+
+
+def _build(config: Config, seed: int) -> tuple[TrainState, dict[str, jax.Array]]:
+    init_key, data_key = jax.random.split(jax.random.key(seed))
+    tokens = jax.random.randint(data_key, (config.batch, config.seq_len + 1), 0, config.vocab, jnp.int32)
+    model = GPT(config)
+    params = model.init(init_key, tokens[:1, :-1])["params"]
+    tx = optax.adamw(config.learning_rate, b1=0.9, b2=0.95, weight_decay=config.weight_decay)
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx), {"tokens": tokens}
+
+
+def make(
+    preset: str = "tiny", *, abstract: bool = False, seed: int = 0, **overrides: Any
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    config = dataclasses.replace(PRESETS[preset], **overrides)
+    if config.hidden % config.heads:
+        raise ValueError(f"gpt: hidden ({config.hidden}) must be a multiple of heads ({config.heads})")
+    build = functools.partial(_build, config, seed)
+    return jax.eval_shape(build) if abstract else build()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    state, batch = make(args.preset)
+    print(f"gpt {args.preset}: {param_count(PRESETS[args.preset]):,} parameters")
+    step = jax.jit(train_step)
+    for _ in range(args.steps):
+        state, metrics = step(state, batch)
+        print(f"step {int(state.step)}: loss {float(metrics['loss']):.4f}")
