@@ -1,0 +1,469 @@
+"""Trace a train step into a ``Graph``: ``jax.make_jaxpr``, then one walk over the equations.
+
+What the walk does with each kind of equation:
+
+- nested ``jit``/``pjit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``: inlined; their
+  equations join the enclosing graph (their scope is prefixed with the call site's). The custom
+  differentiation rules are no longer needed: the step is already differentiated when it is traced.
+- ``scan``: one op whose body is a Graph of its own, with ``trip_count = length`` (a layer stack made
+  by ``nn.scan`` stays one op, not L copies).
+- ``while``: one op with bodies ``(cond, body)``; ``trip_count`` is known for counter loops
+  (``i < N`` with a literal start and step 1), else None and the body is counted once.
+- ``cond``: one op with one body per branch; its flops are the largest branch's.
+- ``checkpoint`` (remat): one op with its body, kept as a unit so the planner can price recomputation.
+- other primitives carrying jaxprs (``shard_map``, ``custom_linear_solve``, ...): one op with those bodies.
+- everything else: one op; flops from ``costs.FLOP_RULES``; a primitive with no rule counts 0 flops and
+  is logged once per trace.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from autoshard.errors import TraceError
+from autoshard.trace import roles as _roles
+from autoshard.trace.costs import op_flops
+from autoshard.trace.graph import Graph, Op, Role, Tensor
+
+log = logging.getLogger("autoshard")
+
+_INLINE_KEYS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+_REMAT = frozenset({"checkpoint", "remat2", "remat"})
+_INHERITED_ROLES = frozenset({Role.PARAM, Role.OPT_STATE, Role.BATCH, Role.STATE, Role.CONST})
+_WRAPPER = re.compile(r"[A-Za-z_][\w]*\(([^()]*)\)")
+_NUMBERED = re.compile(r".*_\d+$")
+
+try:  # source locations; jax keeps these helpers private, so degrade to "" if they move
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover
+    _siu = None
+
+
+_LIBRARY_MARKERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def _source(eqn: Any) -> str:
+    """The line of the user's code that made this equation: the innermost frame outside installed
+    libraries (so a flax Dense reports the model line that called it), else the innermost non-JAX frame."""
+    if _siu is None:
+        return ""
+    try:
+        frames = list(_siu.user_frames(eqn.source_info.traceback))
+    except Exception:  # any failure here only loses a location
+        return ""
+    if not frames:
+        return ""
+    frame = next((f for f in frames if not any(m in f.file_name for m in _LIBRARY_MARKERS)), frames[0])
+    path = frame.file_name
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{frame.start_line} ({frame.function_name})"
+
+
+def _clean_scope(stack: str) -> tuple[list[str], str]:
+    """Split a name stack into scope components without transform wrappers, and the phase it implies."""
+    phase = "backward" if "transpose(" in stack else ("forward" if "jvp(" in stack else "other")
+    prev = None
+    while prev != stack:
+        prev, stack = stack, _WRAPPER.sub(r"\1", stack)
+    return [p for p in stack.split("/") if p], phase
+
+
+def _dtype_info(aval: Any) -> tuple[tuple[int, ...], str, int]:
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:  # tokens and other non-array values
+        return shape, type(aval).__name__, 0
+    try:
+        itemsize = int(dtype.itemsize)
+    except (AttributeError, TypeError):
+        itemsize = 8  # extended dtypes such as PRNG keys (two uint32 words for threefry)
+    return shape, str(dtype), math.prod(shape) * itemsize
+
+
+def _params_digest(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for k, v in params.items():
+        if isinstance(v, ClosedJaxpr | Jaxpr) or callable(v):
+            continue
+        if isinstance(v, tuple) and v and isinstance(v[0], ClosedJaxpr | Jaxpr):
+            continue
+        s = str(v)
+        out.append((k, s if len(s) <= 80 else s[:77] + "..."))
+    return tuple(out)
+
+
+def _as_closed(j: Any) -> ClosedJaxpr:
+    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
+
+
+class _Ctx:
+    """What a nested walk inherits from its call site."""
+
+    __slots__ = ("phase", "scope", "source")
+
+    def __init__(self, scope: Sequence[str] = (), phase: str = "other", source: str = "") -> None:
+        self.scope = list(scope)
+        self.phase = phase
+        self.source = source
+
+
+class _Builder:
+    """Accumulates tensors and ops for one Graph (a top-level step or one nested body)."""
+
+    def __init__(self, warned: set[str]) -> None:
+        self.warned = warned
+        self.t_name: list[str] = []
+        self.t_shape: list[tuple[int, ...]] = []
+        self.t_dtype: list[str] = []
+        self.t_nbytes: list[int] = []
+        self.t_role: list[Role] = []
+        self.t_producer: list[int | None] = []
+        self.ops: list[dict[str, Any]] = []
+
+    # ---- tensors ---------------------------------------------------------------------------------------
+
+    def tensor(self, aval: Any, role: Role, name: str, producer: int | None) -> int:
+        shape, dtype, nbytes = _dtype_info(aval)
+        tid = len(self.t_name)
+        self.t_name.append(name or f"t{tid}")
+        self.t_shape.append(shape)
+        self.t_dtype.append(dtype)
+        self.t_nbytes.append(nbytes)
+        self.t_role.append(role)
+        self.t_producer.append(producer)
+        return tid
+
+    def read(self, env: dict[Any, int], v: Any) -> int:
+        if isinstance(v, Literal):
+            return self.tensor(v.aval, Role.CONST, f"literal {v.val!r}"[:40], None)
+        return env[v]
+
+    def bind_consts(self, closed: ClosedJaxpr, env: dict[Any, int]) -> None:
+        for cv, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+            env[cv] = self.tensor(cv.aval, Role.CONST, f"const {np.shape(c)}", None)
+
+    # ---- walking -----------------------------------------------------------------------------------------
+
+    def walk(self, jaxpr: Jaxpr, env: dict[Any, int], ctx: _Ctx) -> None:
+        for eqn in jaxpr.eqns:
+            ins = [self.read(env, v) for v in eqn.invars]
+            name = eqn.primitive.name
+            parts, phase = _clean_scope(str(eqn.source_info.name_stack))
+            scope = ctx.scope + parts
+            if phase == "other":
+                phase = ctx.phase
+            source = _source(eqn) or ctx.source
+            key = _INLINE_KEYS.get(name)
+            if key is not None and key in eqn.params:
+                sub = _as_closed(eqn.params[key])
+                sub_env: dict[Any, int] = {}
+                self.bind_consts(sub, sub_env)
+                for v, t in zip(sub.jaxpr.invars, ins, strict=True):
+                    sub_env[v] = t
+                self.walk(sub.jaxpr, sub_env, _Ctx(scope, phase, source))
+                for v, ov in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
+                    env[v] = self.read(sub_env, ov)
+                continue
+            self.add_op(eqn, ins, env, _Ctx(scope, phase, source))
+
+    def add_op(self, eqn: Any, ins: list[int], env: dict[Any, int], ctx: _Ctx) -> None:
+        name = eqn.primitive.name
+        op_id = len(self.ops)
+        scope, phase, source = ctx.scope, ctx.phase, ctx.source
+        bodies, trip, flops = self.bodies_of(eqn, ins, ctx)
+        if flops is None:
+            flops = op_flops(
+                name,
+                [self.t_shape[i] for i in ins],
+                [tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars],
+                eqn.params,
+            )
+        if flops is None:
+            flops = 0.0
+            if name not in self.warned:
+                self.warned.add(name)
+                log.warning(
+                    "autoshard: no cost rule for primitive %r (first seen at %s); it counts 0 flops and "
+                    "its operands will be replicated",
+                    name,
+                    source or "an unknown location",
+                )
+        outs = []
+        for v in eqn.outvars:
+            tid = self.tensor(v.aval, Role.ACTIVATION, "", op_id)
+            outs.append(tid)
+            if not _is_dropvar(v):
+                env[v] = tid
+        layer = None
+        for i, part in enumerate(scope):
+            if _NUMBERED.match(part):
+                layer = "/".join(scope[: i + 1])
+                break
+        self.ops.append(
+            dict(
+                primitive=name,
+                inputs=tuple(ins),
+                outputs=tuple(outs),
+                flops=float(flops),
+                bytes_in=sum(self.t_nbytes[i] for i in ins),
+                bytes_out=sum(self.t_nbytes[i] for i in outs),
+                source=source,
+                scope="/".join(scope),
+                layer=layer,
+                phase=phase,
+                params=_params_digest(eqn.params),
+                bodies=bodies,
+                trip_count=trip,
+                eqn=eqn,
+            )
+        )
+
+    def bodies_of(
+        self, eqn: Any, ins: list[int], ctx: _Ctx
+    ) -> tuple[tuple[Graph, ...], int | None, float | None]:
+        """Nested bodies of a control-flow op, its trip count and its flops (None: use the flop rule)."""
+        name, p = eqn.primitive.name, eqn.params
+
+        def sub(j: Any, operands: Sequence[int]) -> Graph:
+            return self.subgraph(_as_closed(j), operands, ctx)
+
+        if name == "scan":
+            body = sub(p["jaxpr"], ins)
+            return (body,), int(p["length"]), p["length"] * body.total_flops
+        if name == "while":
+            nc, nb = p["cond_nconsts"], p["body_nconsts"]
+            carry = ins[nc + nb :]
+            cond = sub(p["cond_jaxpr"], ins[:nc] + carry)
+            body = sub(p["body_jaxpr"], ins[nc : nc + nb] + carry)
+            trip = _counter_trip_count(eqn)
+            return (cond, body), trip, (trip or 1) * (body.total_flops + cond.total_flops)
+        if name == "cond":
+            branches = tuple(sub(b, ins[1:]) for b in p["branches"])
+            return branches, None, max(b.total_flops for b in branches)
+        if name in _REMAT:
+            body = sub(p["jaxpr"], ins)
+            return (body,), None, body.total_flops
+        inner = [j for j in jax.extend.core.jaxprs_in_params(p)]
+        if inner:
+            bodies = []
+            for j in inner:
+                closed = _as_closed(j)
+                if len(closed.jaxpr.invars) == len(ins):
+                    bodies.append(self.subgraph(closed, ins, ctx))
+            if bodies:
+                return tuple(bodies), None, sum(b.total_flops for b in bodies)
+        return (), None, None
+
+    def subgraph(self, closed: ClosedJaxpr, operands: Sequence[int], ctx: _Ctx) -> Graph:
+        b = _Builder(self.warned)
+        env: dict[Any, int] = {}
+        b.bind_consts(closed, env)
+        inputs = []
+        for k, (v, outer) in enumerate(zip(closed.jaxpr.invars, operands, strict=True)):
+            role = self.t_role[outer] if self.t_role[outer] in _INHERITED_ROLES else Role.ACTIVATION
+            tid = b.tensor(v.aval, role, f"{self.t_name[outer]}" if role is not Role.ACTIVATION else f"in{k}", None)
+            env[v] = tid
+            inputs.append(tid)
+        b.walk(closed.jaxpr, env, ctx)
+        outputs = [b.read(env, v) for v in closed.jaxpr.outvars]
+        return b.finish(inputs, outputs, [f"out[{k}]" for k in range(len(outputs))], {}, closed)
+
+    # ---- finishing -------------------------------------------------------------------------------------
+
+    def finish(
+        self,
+        inputs: Sequence[int],
+        outputs: Sequence[int],
+        output_names: Sequence[str],
+        aliases: Mapping[int, int],
+        closed: ClosedJaxpr,
+        in_tree: Any = None,
+        out_tree: Any = None,
+    ) -> Graph:
+        n_ops = len(self.ops)
+        consumers: list[list[int]] = [[] for _ in self.t_name]
+        for i, op in enumerate(self.ops):
+            for t in op["inputs"]:
+                c = consumers[t]
+                if not c or c[-1] != i:
+                    c.append(i)
+        out_set = set(outputs)
+        tensors = []
+        for tid in range(len(self.t_name)):
+            prod = self.t_producer[tid]
+            start = 0 if prod is None else prod
+            cons = consumers[tid]
+            if tid in out_set:
+                end = n_ops
+            elif cons:
+                end = cons[-1] + 1
+            else:
+                end = start + 1 if prod is not None else start
+            role = self.t_role[tid]
+            if tid in out_set and role is Role.ACTIVATION and in_tree is not None:
+                role = Role.OUTPUT
+            tensors.append(
+                Tensor(
+                    id=tid,
+                    name=self.t_name[tid],
+                    shape=self.t_shape[tid],
+                    dtype=self.t_dtype[tid],
+                    nbytes=self.t_nbytes[tid],
+                    role=role,
+                    producer=prod,
+                    consumers=tuple(cons),
+                    live=(start, max(end, start)),
+                )
+            )
+        for name, tid in zip(output_names, outputs, strict=True):
+            t = tensors[tid]
+            if t.producer is not None and t.role is Role.OUTPUT:
+                tensors[tid] = Tensor(**{s: getattr(t, s) for s in Tensor.__slots__} | {"name": name})
+        ops = tuple(Op(id=i, **op) for i, op in enumerate(self.ops))
+        return Graph(
+            ops=ops,
+            tensors=tuple(tensors),
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            output_names=tuple(output_names),
+            output_aliases=dict(aliases),
+            jaxpr=closed,
+            in_tree=in_tree,
+            out_tree=out_tree,
+        )
+
+
+def _is_dropvar(v: Any) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def _counter_trip_count(eqn: Any) -> int | None:
+    """Trip count of a ``while`` that counts a carry from a literal start to a literal bound by +1."""
+    p = eqn.params
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
+        return None
+    a, bound = cond.eqns[0].invars
+    if not isinstance(bound, Literal) or a not in cond.invars[nc:]:
+        return None
+    k = cond.invars[nc:].index(a)
+    start = eqn.invars[nc + nb + k]
+    if not isinstance(start, Literal):
+        return None
+    out = body.outvars[k]
+    for e in body.eqns:
+        if e.outvars and e.outvars[0] is out and e.primitive.name == "add":
+            x, one = e.invars
+            if x is body.invars[nb + k] and isinstance(one, Literal) and one.val == 1:
+                return max(int(bound.val) - int(start.val), 0)
+    return None
+
+
+_OK_LEAVES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
+
+
+def _describe_args(names: Sequence[str], leaves: Sequence[Any], limit: int = 8) -> str:
+    lines = []
+    for n, x in list(zip(names, leaves, strict=True))[:limit]:
+        shape = getattr(x, "shape", None)
+        dtype = getattr(x, "dtype", None)
+        lines.append(f"  {n}: {dtype}{list(shape) if shape is not None else ''}")
+    if len(leaves) > limit:
+        lines.append(f"  ... and {len(leaves) - limit} more")
+    return "\n".join(lines)
+
+
+def trace(
+    fn: Callable[..., Any],
+    *args: Any,
+    roles: Mapping[str, Role | str] | None = None,
+) -> Graph:
+    """Trace ``fn(*args)`` into a Graph without running it.
+
+    ``args`` may hold real arrays or ``jax.ShapeDtypeStruct`` leaves (nothing is allocated either way), so a
+    39B-parameter step can be traced on a laptop. Roles of the argument leaves are inferred from their
+    pytree paths (see ``autoshard.trace.roles``); ``roles`` overrides them by path prefix.
+    """
+    fname = getattr(fn, "__name__", type(fn).__name__)
+    if not callable(fn):
+        raise TraceError(f"autoshard.trace expects a function to trace, got {type(fn).__name__}: {fn!r}")
+    names_of_args = _roles.arg_names(fn, len(args))
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as e:
+        raise TraceError(
+            f"{fname} cannot take the {len(args)} example argument(s) given ({e}); "
+            f"pass one example per parameter of {fname}, e.g. trace({fname}, state, batch)"
+        ) from None
+    except ValueError:  # no signature available (builtins, some callables): let tracing decide
+        pass
+    flat, in_tree = jax.tree_util.tree_flatten_with_path(args)
+    in_paths = [(path[0].idx, tuple(path[1:])) for path, _ in flat]
+    in_names = [_roles.leaf_name(names_of_args[a], p) for a, p in in_paths]
+    leaves = [x for _, x in flat]
+    for n, x in zip(in_names, leaves, strict=True):
+        if not isinstance(x, _OK_LEAVES):
+            raise TraceError(
+                f"example argument {n} is a {type(x).__name__}; example arguments must hold arrays, "
+                "jax.ShapeDtypeStruct or Python numbers (build abstract ones with jax.eval_shape), or mark "
+                "non-array fields static in the pytree"
+            )
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+            jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
+        raise TraceError(
+            f"{fname} is not traceable by JAX: it turns a traced value into a concrete NumPy or Python value "
+            f"({type(e).__name__}). Use jax.numpy instead of numpy inside the step, jax.lax.cond/while_loop "
+            f"instead of Python branching on array values. JAX's message:\n{str(e).splitlines()[0]}"
+        ) from e
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TraceError(
+            f"tracing {fname} with the example arguments failed: {type(e).__name__}: {first}\n"
+            f"The example arguments were:\n{_describe_args(in_names, leaves)}\n"
+            f"Check that their pytree structure, shapes and dtypes are what {fname} expects."
+        ) from e
+
+    role_list = [_roles.infer_role(a, names_of_args[a], p) for a, p in in_paths]
+    if roles:
+        _roles.apply_overrides(in_names, role_list, roles)
+    out_flat, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    out_paths = [tuple(p) for p, _ in out_flat]
+    single = not isinstance(out_shape, tuple | list)
+    out_names = [_roles.leaf_name("out", p) for p in out_paths]
+    aliases = _roles.output_aliases(in_paths, out_paths, closed.in_avals, closed.out_avals, single)
+
+    b = _Builder(set())
+    env: dict[Any, int] = {}
+    b.bind_consts(closed, env)
+    inputs = []
+    for v, n, r in zip(closed.jaxpr.invars, in_names, role_list, strict=True):
+        env[v] = b.tensor(v.aval, r, n, None)
+        inputs.append(env[v])
+    b.walk(closed.jaxpr, env, _Ctx())
+    outputs = [b.read(env, v) for v in closed.jaxpr.outvars]
+    return b.finish(inputs, outputs, out_names, aliases, closed, in_tree, out_tree)
