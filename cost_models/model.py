@@ -1,0 +1,190 @@
+"""``CostModel``: the prices the planner asks for, from one profile (a preset or a measured file) and a mesh.
+
+Byte conventions, used throughout:
+
+* ``bytes_accessed`` (``compute_time``): total bytes one device reads and writes for the op.
+* ``nbytes`` (``collective_time``): the larger per-device buffer (see ``cost_models.collectives``).
+* ``shape`` (``reshard``, ``bytes_per_device``): the full logical (global, unsharded) tensor shape.
+
+Compute roofline (Williams, Waterman & Patterson, CACM 2009)::
+
+    compute_time(F, M, dtype) = max(F / (peak(dtype) · matmul_efficiency),  M / (HBM bandwidth · mem_eff))
+
+with ``peak(dtype)`` from ``Device.peak_flops``. A measured profile replaces the first term for matmuls of
+measured dtypes, and the second by the measured copy bandwidth (see ``cost_models.profile``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cost_models.collectives import check_kind, collective_time
+from cost_models.dtypes import DtypeLike, dtype_bytes
+from cost_models.errors import CostModelError
+from cost_models.hardware import Cluster, Device
+from cost_models.mesh import Axes, LogicalMesh
+from cost_models.profile import Curve, Profile, collective_key, load_profile
+from cost_models.reshard import CollectiveStep, per_device_bytes, plan_reshard
+from cost_models.spec import ShardingSpec
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReshardCost:
+    """Seconds to take a tensor from ``src`` to ``dst`` and the collectives that make it up."""
+
+    time: float
+    steps: tuple[CollectiveStep, ...]
+    src: ShardingSpec
+    dst: ShardingSpec
+
+    def __str__(self) -> str:
+        if not self.steps:
+            return f"{self.src} -> {self.dst}: free"
+        parts = "; ".join(str(s) for s in self.steps)
+        return f"{self.src} -> {self.dst}: {self.time * 1e6:.1f} us [{parts}]"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """Prices on ``mesh`` from ``profile``. Build with ``CostModel.load`` (the one loading path)."""
+
+    profile: Profile
+    mesh: LogicalMesh
+    _matmul: dict[str, Curve] = field(init=False, repr=False, compare=False)
+    _collective: dict[tuple[str, int, frozenset[str]], Curve] = field(init=False, repr=False, compare=False)
+    _copy_bandwidth: float | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        mm: dict[str, tuple[list[float], list[float]]] = {}
+        for s in self.profile.matmuls:
+            xs, ys = mm.setdefault(s.dtype, ([], []))
+            xs.append(s.flops)
+            ys.append(s.seconds)
+        object.__setattr__(self, "_matmul", {d: Curve.of(x, y) for d, (x, y) in mm.items()})
+        cc: dict[tuple[str, int, frozenset[str]], tuple[list[float], list[float]]] = {}
+        for s in self.profile.collectives:
+            xs, ys = cc.setdefault(s.key, ([], []))
+            xs.append(s.nbytes)
+            ys.append(s.seconds)
+        object.__setattr__(self, "_collective", {k: Curve.of(x, y) for k, (x, y) in cc.items()})
+        bw = None
+        if self.profile.copies:
+            c = Curve.of(
+                [2 * s.nbytes for s in self.profile.copies], [s.seconds for s in self.profile.copies]
+            )
+            bw = 1.0 / c.b
+        object.__setattr__(self, "_copy_bandwidth", bw)
+
+    # ------------------------------------------------------------------------------------ construction
+    @classmethod
+    def load(
+        cls,
+        source: str | Path | Profile | Cluster,
+        *,
+        mesh: LogicalMesh | None = None,
+        mesh_shape: Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+        **preset_overrides: Any,
+    ) -> CostModel:
+        """From a preset name (``"h100"``; extra keywords go to ``presets.get``), a profile JSON path or
+        shipped file name, a ``Profile`` or a ``Cluster``. The mesh is ``mesh`` if given, else
+        ``cluster.logical_mesh(mesh_shape, axis_names)`` when a shape is given, else the mesh the profile was
+        measured on, else the cluster's ``(hosts, devices_per_host)`` mesh."""
+        profile = load_profile(source, **preset_overrides)
+        if mesh is None:
+            if mesh_shape is None and axis_names is None and profile.mesh is not None:
+                mesh = profile.mesh
+            else:
+                mesh = profile.cluster.logical_mesh(mesh_shape, axis_names)
+        return cls(profile=profile, mesh=mesh)
+
+    def with_mesh(self, shape: Sequence[int], axis_names: Sequence[str] | None = None) -> CostModel:
+        """The same prices on another mesh of this cluster."""
+        return replace(self, mesh=self.cluster.logical_mesh(shape, axis_names))
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.profile.cluster
+
+    @property
+    def device(self) -> Device:
+        return self.profile.cluster.device
+
+    @property
+    def memory_capacity(self) -> float:
+        """Bytes of device memory (HBM) per device."""
+        return self.device.memory_capacity
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Achievable bytes/s of device memory traffic (measured copy bandwidth when profiled)."""
+        return self._copy_bandwidth or self.device.achievable_memory_bandwidth
+
+    # ----------------------------------------------------------------------------------------- compute
+    def compute_time(
+        self, flops: float, bytes_accessed: float, dtype: DtypeLike = "float32", *, matmul: bool = True
+    ) -> float:
+        """Roofline seconds for one device: ``max(flops / rate(dtype), bytes_accessed / bandwidth)``.
+        ``matmul=False`` prices the FLOPs at the vector (non-tensor-core) fp32 rate."""
+        if flops < 0 or bytes_accessed < 0:
+            raise CostModelError(f"flops and bytes must be >= 0, got {flops} and {bytes_accessed}")
+        mem = bytes_accessed / self.memory_bandwidth
+        key = str(dtype)
+        if matmul and key in self._matmul and flops > 0:
+            return max(self._matmul[key](flops), mem)
+        return max(flops / self.device.achievable_flops(dtype, matmul=matmul), mem)
+
+    def matmul_time(self, m: int, n: int, k: int, dtype: DtypeLike = "float32", *, batch: int = 1) -> float:
+        """Seconds for ``batch`` × ``[m,k] @ [k,n]`` on one device: ``2·b·m·n·k`` FLOPs and
+        ``b·(m·k + k·n + m·n)·dtype_bytes`` bytes through the roofline."""
+        flops = 2.0 * batch * m * n * k
+        nbytes = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+        return self.compute_time(flops, nbytes, dtype)
+
+    def memory_time(self, bytes_accessed: float) -> float:
+        """Seconds to move ``bytes_accessed`` through device memory (an elementwise op, a copy)."""
+        return bytes_accessed / self.memory_bandwidth
+
+    # ------------------------------------------------------------------------------------- collectives
+    def collective_time(self, kind: str, nbytes: float, axes: Axes) -> float:
+        """Seconds for collective ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+        ``all_to_all``, ``send_recv``) over mesh ``axes`` (a name or several; several are priced as a
+        hierarchical collective). ``nbytes``: the larger per-device buffer (``cost_models.collectives``)."""
+        check_kind(kind)
+        names = self.mesh.normalize_axes(axes)
+        p = self.mesh.size(names)
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        links = [self.mesh.link(a) for a in names]
+        curve = self._collective.get(collective_key(kind, p, [lk.name for lk in links]))
+        if curve is not None:
+            return curve(nbytes)
+        return collective_time(
+            kind, nbytes, [(self.mesh.axis_size(a), lk) for a, lk in zip(names, links, strict=True)]
+        )
+
+    # ------------------------------------------------------------------------------ sharding and memory
+    def bytes_per_device(self, shape: Sequence[int], dtype: DtypeLike, spec: ShardingSpec) -> int:
+        """Bytes one device holds of a tensor of global ``shape`` laid out as ``spec`` (ceil-padded blocks;
+        a partial-sum tensor takes a full block on every device)."""
+        return per_device_bytes(shape, dtype_bytes(dtype), spec, self.mesh)
+
+    def reshard(
+        self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec
+    ) -> ReshardCost:
+        """Collectives and seconds to take a tensor of global ``shape`` from ``src`` to ``dst``
+        (rules in ``cost_models.reshard``; each step priced by ``collective_time``)."""
+        steps = tuple(
+            replace(s, time=self.collective_time(s.kind, s.nbytes, s.axes))
+            for s in plan_reshard(shape, dtype_bytes(dtype), src, dst, self.mesh)
+        )
+        return ReshardCost(time=math.fsum(s.time for s in steps), steps=steps, src=src, dst=dst)
+
+    def reshard_time(
+        self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec
+    ) -> float:
+        return self.reshard(shape, dtype, src, dst).time
