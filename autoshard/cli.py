@@ -63,11 +63,45 @@ def _trace_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default="2x4", help="mesh shape to measure collectives on, e.g. 2x4 (default)")
+    p.add_argument("--axis-names", help="comma-separated mesh axis names (default x,y,...)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (~1 min on 8 CPU devices)")
+    p.add_argument("--repeats", type=int, help="timed runs per measurement (the median is kept)")
+    p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices to ask JAX for (default 8)")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the profile JSON here")
+
+
+def _profile_run(args: argparse.Namespace) -> int:
+    from autoshard.profiler import ProfileConfig, ensure_cpu_devices, run_profile
+
+    ensure_cpu_devices(args.cpu_devices)  # before any JAX operation initialises the backends
+    shape = tuple(int(s) for s in args.mesh.lower().split("x"))
+    names = tuple(args.axis_names.split(",")) if args.axis_names else None
+    config = (ProfileConfig.quick if args.quick else ProfileConfig)(mesh_shape=shape, axis_names=names)
+    if args.repeats:
+        from dataclasses import replace
+
+        config = replace(config, repeats=args.repeats)
+    profile = run_profile(config, log=print)
+    print(f"profiled in {profile.environment['seconds']} s; fitted {profile.cluster.device}")
+    print(f"links: {profile.cluster.intra_link}, {profile.cluster.inter_link}")
+    if args.output:
+        profile.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
 _COMMANDS: dict[str, _Command] = {
     "trace": _Command(
         help="trace a model's train step into a graph and print its summary",
         add_arguments=_trace_arguments,
         run=_trace_run,
+    ),
+    "profile": _Command(
+        help="measure this machine's devices (matmuls, copies, collectives) and write a cost profile",
+        add_arguments=_profile_arguments,
+        run=_profile_run,
     ),
 }
 
