@@ -4,8 +4,8 @@ Conventions follow XLA's HloCostAnalysis closely enough that totals agree with
 ``compiled.cost_analysis()["flops"]`` on matmul-heavy programs:
 
 - ``dot_general``: 2 · (output elements) · (product of contracting dimension sizes); a multiply-add is 2.
-- ``conv_general_dilated``: 2 · (output elements) · (kernel elements per output feature), which covers
-  feature and batch grouping.
+- ``conv_general_dilated``: 2 per multiply-add actually performed: taps that fall on padding or on holes of
+  input dilation are not counted (XLA's convention), and feature/batch grouping is covered.
 - elementwise arithmetic (transcendentals included): 1 per output element.
 - reductions and cumulative ops: 1 per input element.
 - data movement (reshape, transpose, broadcast, slicing, gather, concatenate, convert, ...): 0.
@@ -34,12 +34,36 @@ def _dot_general(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[st
     return 2.0 * _size(outs[0]) * k
 
 
+def _valid_taps(n_in: int, n_out: int, n_k: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """Number of (output position, kernel tap) pairs of one spatial dimension that land on real input
+    (not padding, not a hole of lhs dilation): XLA counts only these."""
+    extent = (n_in - 1) * lhs_dil + 1
+    count = 0
+    for k in range(n_k):
+        for o in range(n_out):
+            i = o * stride - pad_lo + k * rhs_dil
+            if 0 <= i < extent and i % lhs_dil == 0:
+                count += 1
+    return count
+
+
 def _conv(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any]) -> float:
-    rhs = ins[1]
-    dn = params["dimension_numbers"]
-    out_feature_dim = dn.rhs_spec[0]  # ConvDimensionNumbers: rhs_spec = (out feature, in feature, spatial...)
-    per_output = _size(rhs) // max(rhs[out_feature_dim], 1)
-    return 2.0 * _size(outs[0]) * per_output
+    """2 · (output batch · output features) · (input features per group) · Σ valid (position, tap) pairs."""
+    lhs, rhs, out = ins[0], ins[1], outs[0]
+    lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
+    in_per_group = rhs[rhs_spec[1]]
+    taps = 1
+    for d in range(len(lhs_spec) - 2):
+        taps *= _valid_taps(
+            lhs[lhs_spec[2 + d]],
+            out[out_spec[2 + d]],
+            rhs[rhs_spec[2 + d]],
+            params["window_strides"][d],
+            params["padding"][d][0],
+            params["lhs_dilation"][d],
+            params["rhs_dilation"][d],
+        )
+    return 2.0 * out[out_spec[0]] * out[out_spec[1]] * in_per_group * taps
 
 
 def _per_output(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any]) -> float:
