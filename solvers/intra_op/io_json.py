@@ -1,0 +1,105 @@
+"""Saving and loading intra-operator problems as JSON, so that any tool can hand the solver a problem.
+
+Format ``autoshard.intra_op_problem``, version 1 (a ``.gz`` suffix gzips the file)::
+
+    {"format": "autoshard.intra_op_problem", "version": 1,
+     "memory_limit": 1.5e9 | null,
+     "nodes": [{"name": "dot_general @ model.py:42" | null,
+                "costs": [1.0, "inf", ...], "memory": [4096, ...], "interval": [start, end]}, ...],
+     "edges": [{"u": 0, "v": 1, "costs": [[0.0, "inf"], [2.5, 0.0]]}, ...]}
+
+``"inf"`` stands for +inf (JSON has no infinity). ``costs[a][b]`` is the cost of node ``u`` taking strategy
+``a`` while node ``v`` takes ``b``. Readers must reject other formats and newer versions.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from solvers.intra_op.problem import IntraOpProblem
+
+__all__ = ["FORMAT", "VERSION", "load_problem", "problem_from_dict", "problem_to_dict", "save_problem"]
+
+FORMAT = "autoshard.intra_op_problem"
+VERSION = 1
+
+
+def _enc(a: np.ndarray) -> list[Any]:
+    return [_enc(x) for x in a] if a.ndim > 1 else ["inf" if x == np.inf else float(x) for x in a.tolist()]
+
+
+def _dec(x: Any) -> np.ndarray:
+    def one(v: Any) -> float:
+        if v == "inf":
+            return np.inf
+        if isinstance(v, str):
+            raise ValueError(f"unexpected string {v!r} in a numeric field (only 'inf' is allowed)")
+        return float(v)
+
+    if x and isinstance(x[0], list):
+        return np.array([[one(v) for v in row] for row in x], dtype=np.float64)
+    return np.array([one(v) for v in x], dtype=np.float64)
+
+
+def problem_to_dict(problem: IntraOpProblem) -> dict[str, Any]:
+    names = problem.node_names
+    nodes = [
+        {
+            "name": None if names is None else names[i],
+            "costs": _enc(problem.node_costs[i]),
+            "memory": _enc(problem.node_memory[i]),
+            "interval": [int(x) for x in problem.intervals[i]],
+        }
+        for i in range(problem.num_nodes)
+    ]
+    edges = [
+        {"u": int(u), "v": int(v), "costs": _enc(m)}
+        for (u, v), m in zip(problem.edges.tolist(), problem.edge_costs, strict=True)
+    ]
+    return {"format": FORMAT, "version": VERSION, "memory_limit": problem.memory_limit, "nodes": nodes,
+            "edges": edges}
+
+
+def problem_from_dict(data: dict[str, Any]) -> IntraOpProblem:
+    if data.get("format") != FORMAT:
+        raise ValueError(f"not an intra-op problem: format is {data.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(data.get("version"), int) or data["version"] > VERSION:
+        raise ValueError(f"unsupported version {data.get('version')!r}; this reader knows <= {VERSION}")
+    nodes = data["nodes"]
+    names = [nd.get("name") for nd in nodes]
+    problem = IntraOpProblem(
+        node_costs=[_dec(nd["costs"]) for nd in nodes],
+        node_memory=[_dec(nd["memory"]) for nd in nodes],
+        intervals=np.array([nd["interval"] for nd in nodes], dtype=np.int64).reshape(-1, 2),
+        edges=np.array([[e["u"], e["v"]] for e in data["edges"]], dtype=np.int64).reshape(-1, 2),
+        edge_costs=[_dec(e["costs"]).reshape(len(nodes[e["u"]]["costs"]), -1) for e in data["edges"]],
+        memory_limit=data.get("memory_limit"),
+        node_names=None if all(x is None for x in names) else [x or "" for x in names],
+    )
+    problem.verify()
+    return problem
+
+
+def save_problem(problem: IntraOpProblem, path: str | Path) -> None:
+    """Write ``problem`` to ``path`` as JSON (gzipped when the name ends in ``.gz``)."""
+    text = json.dumps(problem_to_dict(problem), separators=(",", ":"))
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+
+
+def load_problem(path: str | Path) -> IntraOpProblem:
+    """Read a problem written by ``save_problem`` (or any tool following the format above)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return problem_from_dict(json.load(f))
+    return problem_from_dict(json.loads(path.read_text(encoding="utf-8")))

@@ -1,0 +1,446 @@
+"""Exact reductions that shrink an intra-operator problem to its hard core before any ILP.
+
+Every reduction keeps the optimum (and the set of optimal assignments' costs) unchanged:
+
+* **forbidden strategies**: a strategy with ``+inf`` node cost, with no finite partner on some edge, or
+  whose extra memory alone overflows some step of its live interval is disabled (its cost set to +inf).
+* **dominance**: strategy ``b`` of node ``u`` is dropped when another strategy ``a`` is no worse in node
+  cost, in the memory of every member value, and in every incident edge row (ties keep the lower index).
+* **fixing**: a node with one strategy left is folded into its neighbours' node costs.
+* **following** (XLA's "follow" aliasing): when an edge allows exactly one strategy of ``u`` per strategy
+  of ``v`` (an ``+inf`` off-diagonal pattern: "``u`` must agree with ``v``"), ``u`` is merged into ``v``:
+  ``v`` keeps its strategies, ``u``'s cost, memory and other edges are re-indexed through the map.
+* **reparametrisation**: an edge's row minima move into ``u``'s costs and column minima into ``v``'s; an
+  edge left all zero is dropped.
+* **variable elimination** (the DP over trees and chains): a node whose memory does not depend on its
+  strategy and that has degree 0, 1 or 2 is eliminated exactly — degree 1 adds
+  ``min_{s_u} c_u(s_u) + E(s_u, s_v)`` to ``v``'s costs, degree 2 adds ``min_{s_u} c_u + E_uv + E_uw`` as a
+  new ``(v, w)`` edge — and its argmin tables are replayed backwards once the rest is solved. Repeated to
+  a fixed point this solves any tree or chain exactly and contracts series chains inside a graph.
+
+Memory. Let ``B_t = Σ_{i live at t} min_s mem_i(s)`` (the least usage at ``t``) and ``slack_t = M − B_t``;
+the rows become ``Σ_i exc_i(s_i) <= slack_t`` with ``exc_i = mem_i − min mem_i >= 0``. A row whose live
+nodes' largest excesses sum to at most its slack never binds and is dropped; a node live only at dropped
+rows is *memory-free*. Only memory-free nodes may be eliminated; merges and fixes carry memory along.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
+
+__all__ = ["Core", "Reduced", "presolve"]
+
+_TOL = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Core:
+    """The hard core: what presolve could not remove, with only its enabled strategies.
+
+    Node ``a`` (working node ``nodes[a]``) has strategies ``strategies[a]`` (indices into its original
+    node's strategies) costing ``costs[a]``. ``edge_nodes[e] = (a, b)`` with matrix ``edge_costs[e]``
+    (``k_a × k_b``, may hold +inf). Memory term ``j`` adds ``mem_usage[j][s]`` to rows
+    ``mem_lo[j] <= r < mem_hi[j]`` when node ``mem_node[j]`` takes strategy ``s``; row ``r`` must stay within
+    ``slack[r]``. ``constant`` is the cost already committed by presolve.
+    """
+
+    nodes: np.ndarray
+    strategies: tuple[np.ndarray, ...]
+    costs: tuple[np.ndarray, ...]
+    edge_nodes: np.ndarray
+    edge_costs: tuple[np.ndarray, ...]
+    mem_node: np.ndarray
+    mem_lo: np.ndarray
+    mem_hi: np.ndarray
+    mem_usage: tuple[np.ndarray, ...]
+    slack: np.ndarray
+    constant: float
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.costs)
+
+    def objective(self, choice: np.ndarray) -> float:
+        """Core cost of ``choice`` (compressed strategy indices), without ``constant``."""
+        total = float(sum(c[s] for c, s in zip(self.costs, choice.tolist(), strict=True)))
+        for (a, b), m in zip(self.edge_nodes.tolist(), self.edge_costs, strict=True):
+            total += float(m[choice[a], choice[b]])
+        return total
+
+    def usage(self, choice: np.ndarray) -> np.ndarray:
+        diff = np.zeros(self.slack.shape[0] + 1)
+        if self.mem_node.size:
+            vals = np.array([u[choice[a]] for a, u in zip(self.mem_node.tolist(), self.mem_usage, strict=True)])
+            np.add.at(diff, self.mem_lo, vals)
+            np.add.at(diff, self.mem_hi, -vals)
+        return np.cumsum(diff)[:-1]
+
+    def violation(self, choice: np.ndarray) -> float:
+        if self.slack.size == 0:
+            return 0.0
+        return float(np.maximum(self.usage(choice) - self.slack, 0.0).sum())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Reduced:
+    """A presolved problem: the core, plus what is needed to expand a core answer to every node."""
+
+    core: Core
+    members: tuple[tuple[tuple[int, np.ndarray], ...], ...]
+    log: tuple[tuple, ...]
+    counts: dict[str, int]
+
+    def expand(self, core_choice: np.ndarray, num_nodes: int) -> np.ndarray:
+        """The original assignment for a core assignment (compressed indices)."""
+        out = np.full(num_nodes, -1, dtype=np.int64)
+
+        def assign(w: int, s: int) -> None:
+            for o, m in self.members[w]:
+                out[o] = m[s]
+
+        for a, w in enumerate(self.core.nodes.tolist()):
+            assign(w, int(self.core.strategies[a][core_choice[a]]))
+        for rec in reversed(self.log):
+            if rec[0] == "fix":
+                assign(rec[1], rec[2])
+            elif rec[0] == "leaf":
+                assign(rec[1], int(rec[3][out[rec[2]]]))
+            else:  # series
+                assign(rec[1], int(rec[4][out[rec[2]], out[rec[3]]]))
+        return out
+
+
+class _Graph:
+    """Mutable working graph, private to one presolve call."""
+
+    def __init__(self, problem: IntraOpProblem) -> None:
+        n = problem.num_nodes
+        self.cost = [np.array(c, dtype=np.float64) for c in problem.node_costs]
+        self.members: list[list[tuple[int, np.ndarray]]] = [
+            [(i, np.arange(c.shape[0], dtype=np.int64))] for i, c in enumerate(self.cost)
+        ]
+        self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
+        for (u, v), m in zip(problem.edges.tolist(), problem.edge_costs, strict=True):
+            self._add_edge(u, v, np.asarray(m, dtype=np.float64))
+        self.alive = np.ones(n, dtype=bool)
+        self.log: list[tuple] = []
+        self.constant = 0.0
+        self.counts = dict(dominated=0, fixed=0, merged=0, eliminated=0, dropped_edges=0)
+        self.problem = problem
+        self._setup_memory(problem)
+
+    # ------------------------------------------------------------ memory bookkeeping
+    def _setup_memory(self, p: IntraOpProblem) -> None:
+        n = p.num_nodes
+        self.relevant = np.zeros(n, dtype=bool)
+        self.exc: list[np.ndarray] = [np.zeros_like(c) for c in self.cost]
+        self.row_lo = np.zeros(n, dtype=np.int64)
+        self.row_hi = np.zeros(n, dtype=np.int64)
+        self.slack = np.zeros(0)
+        self.fixed_usage = np.zeros(1)
+        if p.memory_limit is None or n == 0:
+            return
+        p.check_memory_lower_bound()
+        mins = p.min_memory()
+        points = p.time_points()
+        lo, hi = p.live_ranges(points)
+        _, base = p.usage_at_points(mins)
+        slack = p.memory_limit - base
+        self.exc = [np.asarray(m) - mn for m, mn in zip(p.node_memory, mins, strict=True)]
+        # a strategy whose extra memory alone overflows its tightest live step can never be chosen
+        rmin = _range_min(slack, lo, hi)
+        for i in range(n):
+            if hi[i] > lo[i]:
+                bad = self.exc[i] > rmin[i] + _TOL * max(1.0, abs(p.memory_limit))
+                if bad.any():
+                    self.cost[i][bad] = np.inf
+        maxexc = np.array([e[np.isfinite(c)].max(initial=0.0) for e, c in zip(self.exc, self.cost, strict=True)])
+        _, potential = p.usage_at_points(maxexc)
+        binding = potential > slack + _TOL * max(1.0, abs(p.memory_limit))
+        bcount = np.concatenate([[0], np.cumsum(binding)])
+        self.row_lo, self.row_hi = bcount[lo], bcount[hi]
+        self.relevant = (self.row_hi > self.row_lo) & (maxexc > 0)
+        self.slack = slack[binding]
+        self.fixed_usage = np.zeros(self.slack.shape[0] + 1)
+
+    def _mem_members(self, u: int) -> list[tuple[int, np.ndarray]]:
+        return [(o, m) for o, m in self.members[u] if self.relevant[o]]
+
+    def _commit_memory(self, u: int, s: int) -> None:
+        for o, m in self._mem_members(u):
+            val = self.exc[o][m[s]]
+            self.fixed_usage[self.row_lo[o]] += val
+            self.fixed_usage[self.row_hi[o]] -= val
+
+    def _memory_free(self, u: int, en: np.ndarray) -> bool:
+        for o, m in self._mem_members(u):
+            vals = self.exc[o][m[en]]
+            if vals.max() - vals.min() > 0:
+                return False
+        return True
+
+    # ------------------------------------------------------------ edges
+    def _add_edge(self, u: int, v: int, m: np.ndarray) -> None:
+        if v in self.adj[u]:
+            m = self.adj[u][v] + m
+        self.adj[u][v] = m
+        self.adj[v][u] = m.T
+
+    def _drop_edge(self, u: int, v: int) -> None:
+        del self.adj[u][v]
+        del self.adj[v][u]
+
+    def _kill(self, u: int) -> None:
+        for v in list(self.adj[u]):
+            self._drop_edge(u, v)
+        self.alive[u] = False
+
+    def _infeasible(self, u: int) -> InfeasibleError:
+        p = self.problem
+        names = ", ".join(p.node_label(o) for o, _ in self.members[u][:5])
+        return InfeasibleError(
+            f"no finite-cost assignment exists: {p.node_label(u)} (merged with {len(self.members[u]) - 1} "
+            f"others: {names}) has no strategy left that is finite and compatible with its neighbours"
+            + (" within the memory limit" if p.memory_limit is not None else "")
+            + ". Look for +inf node costs or edge matrices with no finite entry in a row/column."
+        )
+
+    # ------------------------------------------------------------ the reductions
+    def run(self, queue: deque[int]) -> None:
+        queued = np.zeros(self.alive.shape[0], dtype=bool)
+        queued[list(queue)] = True
+        while queue:
+            u = queue.popleft()
+            queued[u] = False
+            if not self.alive[u]:
+                continue
+            touched = self._examine(u)
+            for w in touched:
+                if self.alive[w] and not queued[w]:
+                    queued[w] = True
+                    queue.append(w)
+
+    def _examine(self, u: int) -> list[int]:
+        cost = self.cost[u]
+        en = np.isfinite(cost)
+        touched: list[int] = []
+        # 1. strategies without a finite partner on some edge
+        changed = True
+        while changed:
+            changed = False
+            for v, m in self.adj[u].items():
+                env = np.isfinite(self.cost[v])
+                fin = np.isfinite(m) & en[:, None] & env[None, :]
+                bad_u = en & ~fin.any(1)
+                if bad_u.any():
+                    cost[bad_u] = np.inf
+                    en = en & ~bad_u
+                    changed = True
+                bad_v = env & ~fin.any(0)
+                if bad_v.any():
+                    self.cost[v][bad_v] = np.inf
+                    touched.append(v)
+        if not en.any():
+            raise self._infeasible(u)
+        if touched:
+            touched.append(u)
+        # 2. one strategy left: fold into the neighbours
+        if en.sum() == 1:
+            s = int(np.flatnonzero(en)[0])
+            return touched + self._fix(u, s)
+        # 3. follow: u or v determined by the other through an +inf pattern
+        for v, m in self.adj[u].items():
+            env = np.isfinite(self.cost[v])
+            fin = np.isfinite(m) & en[:, None] & env[None, :]
+            if (fin.sum(0)[env] == 1).all():
+                return touched + self._merge(u, v, fin.argmax(0))
+            if (fin.sum(1)[en] == 1).all():
+                return touched + self._merge(v, u, fin.argmax(1))
+        deg = len(self.adj[u])
+        # 4. exact elimination of memory-free nodes of degree <= 2
+        if deg <= 2 and self._memory_free(u, en):
+            return touched + self._eliminate(u)
+        # 5. reparametrise edges; drop the ones that become zero
+        for v in list(self.adj[u]):
+            if self._reparametrise(u, v):
+                touched.append(v)
+        # 6. dominance
+        if self._dominance(u, en):
+            touched.append(u)
+            touched.extend(self.adj[u])
+        return touched
+
+    def _fix(self, u: int, s: int) -> list[int]:
+        self.constant += float(self.cost[u][s])
+        nbrs = list(self.adj[u])
+        for v in nbrs:
+            self.cost[v] = self.cost[v] + self.adj[u][v][s, :]
+        self._commit_memory(u, s)
+        self._kill(u)
+        self.log.append(("fix", u, s))
+        self.counts["fixed"] += 1
+        return nbrs
+
+    def _merge(self, u: int, v: int, f: np.ndarray) -> list[int]:
+        """Merge ``u`` into ``v``; ``f[s_v]`` is ``u``'s strategy when ``v`` takes ``s_v``."""
+        m = self.adj[u][v]
+        idx = np.arange(f.shape[0])
+        self.cost[v] = self.cost[v] + self.cost[u][f] + m[f, idx]
+        self.members[v].extend((o, mo[f]) for o, mo in self.members[u])
+        self._drop_edge(u, v)
+        nbrs = list(self.adj[u])
+        for w in nbrs:
+            self._add_edge(v, w, self.adj[u][w][f, :])
+        self._kill(u)
+        self.counts["merged"] += 1
+        return [v, *nbrs]
+
+    def _eliminate(self, u: int) -> list[int]:
+        cost = self.cost[u]
+        en = np.isfinite(cost)
+        s_any = int(np.flatnonzero(en)[0])
+        self._commit_memory(u, s_any)  # memory-free: every enabled strategy has this usage
+        nbrs = list(self.adj[u])
+        if len(nbrs) == 0:
+            s = int(np.argmin(cost))
+            self.constant += float(cost[s])
+            self.log.append(("fix", u, s))
+        elif len(nbrs) == 1:
+            (v,) = nbrs
+            t = cost[:, None] + self.adj[u][v]
+            arg = t.argmin(0)
+            self.cost[v] = self.cost[v] + t[arg, np.arange(t.shape[1])]
+            self.log.append(("leaf", u, v, arg))
+        else:
+            v, w = nbrs
+            t = cost[:, None, None] + self.adj[u][v][:, :, None] + self.adj[u][w][:, None, :]
+            arg = t.argmin(0)
+            best = np.take_along_axis(t, arg[None], 0)[0]
+            self._add_edge(v, w, best)
+            self.log.append(("series", u, v, w, arg))
+        self._kill(u)
+        self.counts["eliminated"] += 1
+        return nbrs
+
+    def _reparametrise(self, u: int, v: int) -> bool:
+        m = self.adj[u][v]
+        en_u, en_v = np.isfinite(self.cost[u]), np.isfinite(self.cost[v])
+        sub = m[np.ix_(en_u, en_v)]
+        r = sub.min(1)
+        c = (sub - r[:, None]).min(0)
+        if not (r.any() or c.any()):
+            if (sub == 0).all():
+                self._drop_edge(u, v)
+                self.counts["dropped_edges"] += 1
+                return True
+            return False
+        self.cost[u][en_u] += r
+        self.cost[v][en_v] += c
+        new = m.copy()
+        new[np.ix_(en_u, en_v)] = sub - r[:, None] - c[None, :]
+        self.adj[u][v] = new
+        self.adj[v][u] = new.T
+        if (new[np.ix_(en_u, en_v)] == 0).all():
+            self._drop_edge(u, v)
+            self.counts["dropped_edges"] += 1
+        return True
+
+    def _dominance(self, u: int, en: np.ndarray) -> bool:
+        idx = np.flatnonzero(en)
+        cost = self.cost[u][idx]
+        dom = cost[:, None] <= cost[None, :]
+        for v, m in self.adj[u].items():
+            rows = m[idx][:, np.isfinite(self.cost[v])]
+            dom &= (rows[:, None, :] <= rows[None, :, :]).all(-1)
+            if not dom.any():
+                return False
+        mem = self._mem_members(u)
+        if mem:
+            x = np.stack([self.exc[o][mo[idx]] for o, mo in mem], axis=1)
+            dom &= (x[:, None, :] <= x[None, :, :]).all(-1)
+        np.fill_diagonal(dom, False)
+        if not dom.any():
+            return False
+        removed = np.zeros(idx.shape[0], dtype=bool)
+        for b in range(idx.shape[0]):
+            for a in np.flatnonzero(dom[:, b]):
+                if not removed[a] and (a < b or not dom[b, a]):
+                    removed[b] = True
+                    break
+        self.cost[u][idx[removed]] = np.inf
+        self.counts["dominated"] += int(removed.sum())
+        return bool(removed.any())
+
+    # ------------------------------------------------------------ the core
+    def core(self) -> Core:
+        nodes = np.flatnonzero(self.alive)
+        pos = np.full(self.alive.shape[0], -1, dtype=np.int64)
+        pos[nodes] = np.arange(nodes.shape[0])
+        strategies = tuple(np.flatnonzero(np.isfinite(self.cost[w])) for w in nodes)
+        costs = tuple(self.cost[w][s] for w, s in zip(nodes, strategies, strict=True))
+        edge_nodes, edge_costs = [], []
+        for a, w in enumerate(nodes.tolist()):
+            for x, m in self.adj[w].items():
+                b = int(pos[x])
+                if b > a:
+                    edge_nodes.append((a, b))
+                    edge_costs.append(m[np.ix_(strategies[a], strategies[b])])
+        mem_node, mem_lo, mem_hi, mem_usage = [], [], [], []
+        for a, w in enumerate(nodes.tolist()):
+            for o, mo in self._mem_members(w):
+                usage = self.exc[o][mo[strategies[a]]]
+                if usage.any():
+                    mem_node.append(a)
+                    mem_lo.append(self.row_lo[o])
+                    mem_hi.append(self.row_hi[o])
+                    mem_usage.append(usage)
+        slack = self.slack - np.cumsum(self.fixed_usage)[:-1]
+        return Core(
+            nodes=nodes,
+            strategies=strategies,
+            costs=costs,
+            edge_nodes=np.array(edge_nodes, dtype=np.int64).reshape(-1, 2),
+            edge_costs=tuple(edge_costs),
+            mem_node=np.array(mem_node, dtype=np.int64),
+            mem_lo=np.array(mem_lo, dtype=np.int64),
+            mem_hi=np.array(mem_hi, dtype=np.int64),
+            mem_usage=tuple(mem_usage),
+            slack=slack,
+            constant=self.constant,
+        )
+
+
+def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``min(values[lo[i]:hi[i]])`` for every i (+inf for empty ranges), by a sparse table."""
+    out = np.full(lo.shape[0], np.inf)
+    if values.size == 0:
+        return out
+    table = [values]
+    while (1 << len(table)) <= values.shape[0]:
+        prev, half = table[-1], 1 << (len(table) - 1)
+        table.append(np.minimum(prev[:-half], prev[half:]))
+    ok = hi > lo
+    length = hi[ok] - lo[ok]
+    level = np.floor(np.log2(length)).astype(np.int64)
+    for lev in np.unique(level):
+        sel = np.flatnonzero(ok)[level == lev]
+        t = table[lev]
+        out[sel] = np.minimum(t[lo[sel]], t[hi[sel] - (1 << lev)])
+    return out
+
+
+def presolve(problem: IntraOpProblem) -> Reduced:
+    """Apply the exact reductions above until none applies; raise InfeasibleError if they prove it."""
+    g = _Graph(problem)
+    g.run(deque(range(problem.num_nodes)))
+    return Reduced(
+        core=g.core(),
+        members=tuple(tuple(ms) for ms in g.members),
+        log=tuple(g.log),
+        counts=dict(g.counts),
+    )

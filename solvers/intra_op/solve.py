@@ -1,0 +1,146 @@
+"""``solve_intra_op``: presolve, a feasible incumbent by local search, then the ILP on the hard core.
+
+Timeline of one call with budget ``T``: verify the problem; run the exact reductions of ``presolve``; if
+a core is left, build a memory-feasible start and improve it by ICM (at most a tenth of what is left);
+hand the core and the incumbent (as a warm start) to HiGHS until the deadline; keep the better of the
+two; expand the core answer to every node by replaying the eliminations. When time runs out the best
+feasible answer found so far is returned with ``optimal=False`` and a status that says so.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from solvers.intra_op.ilp import solve_ilp
+from solvers.intra_op.local_search import LocalSearch
+from solvers.intra_op.presolve import presolve
+from solvers.intra_op.problem import IntraOpProblem
+from solvers.intra_op.solution import IntraOpSolution, PresolveStats
+
+__all__ = ["solve_intra_op"]
+
+
+def solve_intra_op(
+    problem: IntraOpProblem,
+    *,
+    time_budget_s: float = 60.0,
+    mip_rel_gap: float = 1e-6,
+    backend: str = "highs",
+    verify: bool = True,
+) -> IntraOpSolution:
+    """Best assignment found within ``time_budget_s`` seconds (proven optimal when ``optimal``).
+
+    ``backend`` is ``"highs"`` (highspy, the default; CBC through pulp when highspy is missing) or
+    ``"cbc"``. ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
+    no finite, memory-feasible assignment exists and that is proven; never raises because time ran out.
+    """
+    start = time.perf_counter()
+    deadline = start + time_budget_s
+    if verify:
+        problem.verify()
+    reduced = presolve(problem)
+    core = reduced.core
+    k_core = sum(c.shape[0] for c in core.costs)
+    counts = reduced.counts
+    stats = PresolveStats(
+        nodes_before=problem.num_nodes,
+        edges_before=problem.num_edges,
+        strategies_before=int(problem.num_strategies.sum()),
+        nodes_after=core.num_nodes,
+        edges_after=int(core.edge_nodes.shape[0]),
+        strategies_after=int(k_core),
+        memory_rows=int(core.slack.shape[0]),
+        dominated_strategies=counts["dominated"],
+        fixed_nodes=counts["fixed"],
+        merged_nodes=counts["merged"],
+        eliminated_nodes=counts["eliminated"],
+        dropped_edges=counts["dropped_edges"],
+    )
+    if core.slack.size and (core.slack < -1e-9 * max(1.0, abs(problem.memory_limit or 0.0))).any():
+        raise _proven_infeasible(problem)  # what presolve had to fix already overflows a step
+    if core.num_nodes == 0:
+        return _finish(problem, reduced.expand(np.zeros(0, np.int64), problem.num_nodes), None, "optimal",
+                       "presolve", start, stats, True, verify)
+
+    ls = LocalSearch(core)
+    ls.start_min_memory()
+    if ls.feasible():
+        ls.improve(time.perf_counter() + 0.1 * max(0.0, deadline - time.perf_counter()))
+    incumbent = ls.choice.copy() if ls.feasible() else None
+    inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
+
+    remaining = deadline - time.perf_counter()
+    res = solve_ilp(core, time_limit_s=max(0.05, remaining - 0.02 * time_budget_s), warm_start=incumbent,
+                    mip_rel_gap=mip_rel_gap, backend=backend)
+    if res.status == "infeasible":
+        raise _proven_infeasible(problem)
+    bound = None if res.bound is None else res.bound + core.constant
+    if res.choice is not None and res.objective is not None and res.objective <= inc_obj:
+        choice, method = res.choice, "ilp"
+        if res.status == "optimal":
+            return _finish(problem, reduced.expand(choice, problem.num_nodes), bound, "optimal", method,
+                           start, stats, True, verify)
+    elif incumbent is not None:
+        choice, method = incumbent, "local search"
+    else:
+        choice, method = ls.choice, "none feasible"
+        full = reduced.expand(choice, problem.num_nodes)
+        return _finish(problem, full, bound, "no feasible assignment found (time budget reached)", method,
+                       start, stats, False, False, feasible=False)
+    status = "feasible (time budget reached)" if res.status == "time limit" else f"feasible ({res.status})"
+    return _finish(problem, reduced.expand(choice, problem.num_nodes), bound, status, method, start, stats,
+                   False, verify)
+
+
+def _finish(
+    problem: IntraOpProblem,
+    choice: np.ndarray,
+    bound: float | None,
+    status: str,
+    method: str,
+    start: float,
+    stats: PresolveStats,
+    optimal: bool,
+    verify: bool,
+    *,
+    feasible: bool = True,
+) -> IntraOpSolution:
+    cost = problem.cost_of(choice)
+    if optimal:
+        bound = cost if bound is None else min(bound, cost)
+    elif bound is not None:
+        bound = min(bound, cost)
+    sol = IntraOpSolution(
+        choice=choice,
+        cost=cost,
+        optimal=optimal,
+        lower_bound=bound,
+        status=status,
+        solve_seconds=time.perf_counter() - start,
+        stats=stats,
+        feasible=feasible,
+        method=method,
+    )
+    if verify and feasible:
+        sol.verify(problem)
+    return sol
+
+
+def _proven_infeasible(problem: IntraOpProblem) -> Exception:
+    from solvers.intra_op.problem import InfeasibleError
+
+    if problem.memory_limit is None:
+        return InfeasibleError("no finite-cost assignment exists (the ILP over the presolved core is infeasible)")
+    mins = problem.min_memory()
+    points, usage = problem.usage_at_points(mins)
+    worst = int(np.argmax(usage - problem.memory_limit))
+    return problem.memory_error(
+        int(points[worst]), float(usage[worst]), mins,
+        reason=(
+            "; each node's least memory fits on its own, but the +inf edge couplings (or node merges) stop "
+            "every node from taking its least-memory strategy at once, and the ILP proves that no assignment "
+            "fits"
+        ),
+    )
