@@ -2,13 +2,15 @@
 
 What is measured (every device of the mesh runs the same program at once, as in an SPMD step):
 
-* matmuls ``[m,k] @ [k,n]`` (square, a few sizes) per dtype, one per device;
+* matmuls ``[m,k] @ [k,n]`` per dtype, one per device: for a few sizes ``s`` the cube and three shapes
+  with one side ``s/8`` (``matmul_shapes``);
 * device memory copies (``x * 2`` on a per-device buffer: ``2·nbytes`` of traffic);
 * each collective (``psum`` = all_reduce, ``all_gather``, ``psum_scatter`` = reduce_scatter,
   ``all_to_all``, ``ppermute`` = send_recv, a ring shift) over each mesh axis and over all axes together, at
   several sizes, with ``nbytes`` following ``cost_models.collectives`` (larger per-device buffer).
 
-Each program is jitted, run ``warmup`` times, then timed ``repeats`` times; the median is kept. The median
+Each program is jitted, run ``warmup`` times, then timed ``repeats`` times; the median is kept. Timed runs
+of one category are interleaved (round-robin), so that background load spreads over all sizes alike. The median
 time of an empty program on the mesh (the dispatch overhead, which a fused step does not pay per op) is
 subtracted from every sample and stored as ``overhead``.
 
@@ -80,17 +82,31 @@ def ensure_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
-def _median_time(fn: Callable[..., Any], args: Sequence[Any], warmup: int, repeats: int) -> float:
+def _median_times(thunks: Sequence[Callable[[], Any]], warmup: int, repeats: int) -> list[float]:
+    """Median seconds of each thunk. Runs are interleaved (each round runs every thunk once) so that load
+    from other processes on the machine falls on all measurements alike."""
     import jax
 
-    for _ in range(max(warmup, 1)):
-        jax.block_until_ready(fn(*args))
-    times = []
+    for f in thunks:
+        for _ in range(max(warmup, 1)):
+            jax.block_until_ready(f())
+    times: list[list[float]] = [[] for _ in thunks]
     for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for i, f in enumerate(thunks):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def matmul_shapes(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(m, n, k)`` measured for each size ``s``: the cube and three skinny shapes with one side ``s/8``
+    (sharded matmuls are rarely square; CPU and GPU kernels are slower on thin operands)."""
+    out = []
+    for s in sizes:
+        t = max(s // 8, 1)
+        out += [(s, s, s), (t, s, s), (s, t, s), (s, s, t)]
+    return out
 
 
 def _base_cluster(device: Any, num_hosts: int, devices_per_host: int) -> Cluster:
@@ -148,25 +164,37 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
         )
 
     w, r = config.warmup, config.repeats
-    overhead = _median_time(spmd(lambda x: x + 1), [sharded((1,), jnp.float32)], w + 2, max(r, 9))
+    tiny = sharded((1,), jnp.float32)
+    empty = spmd(lambda x: x + 1)
+    (overhead,) = _median_times([lambda: empty(tiny)], w + 2, max(r, 9))
     say(f"dispatch overhead {overhead * 1e6:.1f} us on {ndev} {devices[0].platform} devices")
 
     def net(t: float) -> float:
         return max(t - overhead, 1e-7)
 
-    matmuls = []
-    for dtype in config.matmul_dtypes:
-        for s in config.matmul_sizes:
-            f = spmd(lambda a, b: a @ b, 2)
-            t = net(_median_time(f, [sharded((s, s), dtype), sharded((s, s), dtype)], w, r))
-            matmuls.append(MatmulSample(m=s, n=s, k=s, dtype=str(jnp.dtype(dtype)), seconds=t))
-            say(f"matmul {dtype} {s}^3: {t * 1e3:.3f} ms = {2 * s**3 / t / 1e9:.1f} GFLOP/s per device")
+    def call(f: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        return lambda: f(*args)
 
-    copies = []
-    for nbytes in config.copy_sizes:
-        t = net(_median_time(spmd(lambda x: x * 2), [sharded((nbytes // 4,), jnp.float32)], w, r))
-        copies.append(CopySample(nbytes=nbytes, seconds=t))
-        say(f"copy {nbytes} B: {t * 1e6:.1f} us = {2 * nbytes / t / 1e9:.2f} GB/s per device")
+    matmuls = []
+    mm = spmd(lambda a, b: a @ b, 2)
+    for dtype in config.matmul_dtypes:
+        shapes = matmul_shapes(config.matmul_sizes)
+        thunks = [call(mm, sharded((m, k), dtype), sharded((k, n), dtype)) for m, n, k in shapes]
+        for (m, n, k), t in zip(shapes, _median_times(thunks, w, r), strict=True):
+            matmuls.append(MatmulSample(m=m, n=n, k=k, dtype=str(jnp.dtype(dtype)), seconds=net(t)))
+        say(
+            f"matmul {dtype}: "
+            + ", ".join(f"{s.m}x{s.n}x{s.k} {s.flops / s.seconds / 1e9:.1f}" for s in matmuls[-len(shapes) :])
+            + " GFLOP/s per device"
+        )
+
+    dbl = spmd(lambda x: x * 2)
+    thunks = [call(dbl, sharded((nbytes // 4,), jnp.float32)) for nbytes in config.copy_sizes]
+    copies = [
+        CopySample(nbytes=nbytes, seconds=net(t))
+        for nbytes, t in zip(config.copy_sizes, _median_times(thunks, w, r), strict=True)
+    ]
+    say("copy: " + ", ".join(f"{c.nbytes} B {2 * c.nbytes / c.seconds / 1e9:.2f} GB/s" for c in copies))
 
     groups: list[tuple[str, ...]] = [(a,) for a in names if lmesh.axis_size(a) > 1]
     if len(groups) > 1:
@@ -186,23 +214,21 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
         for kind in config.collectives:
             body, input_is_shard = bodies[kind]
             f = spmd(body)
-            for nbytes in config.collective_sizes:
-                elems = max(p, nbytes // 4 // p * p)
-                x = sharded((elems // p if input_is_shard else elems,), jnp.float32)
-                t = net(_median_time(f, [x], w, r))
+            elems = [max(p, nbytes // 4 // p * p) for nbytes in config.collective_sizes]
+            thunks = [call(f, sharded((e // p if input_is_shard else e,), jnp.float32)) for e in elems]
+            for e, t in zip(elems, _median_times(thunks, w, r), strict=True):
                 collectives.append(
                     CollectiveSample(
                         kind=kind,
                         axes=axes,
                         axis_sizes=tuple(lmesh.axis_size(a) for a in axes),
                         links=tuple(lmesh.link(a).name for a in axes),
-                        nbytes=elems * 4,
-                        seconds=t,
+                        nbytes=e * 4,
+                        seconds=net(t),
                     )
                 )
-            say(
-                f"{kind} over {axes}: {', '.join(f'{s.seconds * 1e6:.0f}' for s in collectives[-len(config.collective_sizes) :])} us"
-            )
+            done = collectives[-len(elems) :]
+            say(f"{kind} over {axes}: " + ", ".join(f"{c.nbytes} B {c.seconds * 1e6:.0f} us" for c in done))
 
     cluster = _fitted_cluster(cluster0, lmesh, matmuls, copies, collectives)
     fitted_mesh = cluster.logical_mesh(lmesh.shape, lmesh.axis_names)

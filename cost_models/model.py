@@ -10,8 +10,9 @@ Compute roofline (Williams, Waterman & Patterson, CACM 2009)::
 
     compute_time(F, M, dtype) = max(F / (peak(dtype) · matmul_efficiency),  M / (HBM bandwidth · mem_eff))
 
-with ``peak(dtype)`` from ``Device.peak_flops``. A measured profile replaces the first term for matmuls of
-measured dtypes, and the second by the measured copy bandwidth (see ``cost_models.profile``).
+with ``peak(dtype)`` from ``Device.peak_flops``. A measured profile replaces the rate by the measured one
+(interpolated by shape) for measured dtypes, and the bandwidth by the measured copy bandwidth (see
+``cost_models.profile``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from cost_models.dtypes import DtypeLike, dtype_bytes
 from cost_models.errors import CostModelError
 from cost_models.hardware import Cluster, Device
 from cost_models.mesh import Axes, LogicalMesh
-from cost_models.profile import Curve, Profile, collective_key, load_profile
+from cost_models.profile import Curve, Profile, RateTable, collective_key, load_profile
 from cost_models.reshard import CollectiveStep, per_device_bytes, plan_reshard
 from cost_models.spec import ShardingSpec
 
@@ -54,17 +55,15 @@ class CostModel:
 
     profile: Profile
     mesh: LogicalMesh
-    _matmul: dict[str, Curve] = field(init=False, repr=False, compare=False)
+    _matmul: dict[str, RateTable] = field(init=False, repr=False, compare=False)
     _collective: dict[tuple[str, int, frozenset[str]], Curve] = field(init=False, repr=False, compare=False)
     _copy_bandwidth: float | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        mm: dict[str, tuple[list[float], list[float]]] = {}
+        by_dtype: dict[str, list[Any]] = {}
         for s in self.profile.matmuls:
-            xs, ys = mm.setdefault(s.dtype, ([], []))
-            xs.append(s.flops)
-            ys.append(s.seconds)
-        object.__setattr__(self, "_matmul", {d: Curve.of(x, y) for d, (x, y) in mm.items()})
+            by_dtype.setdefault(s.dtype, []).append(s)
+        object.__setattr__(self, "_matmul", {d: RateTable.of(v) for d, v in by_dtype.items()})
         cc: dict[tuple[str, int, frozenset[str]], tuple[list[float], list[float]]] = {}
         for s in self.profile.collectives:
             xs, ys = cc.setdefault(s.key, ([], []))
@@ -129,21 +128,29 @@ class CostModel:
         self, flops: float, bytes_accessed: float, dtype: DtypeLike = "float32", *, matmul: bool = True
     ) -> float:
         """Roofline seconds for one device: ``max(flops / rate(dtype), bytes_accessed / bandwidth)``.
-        ``matmul=False`` prices the FLOPs at the vector (non-tensor-core) fp32 rate."""
+        ``matmul=False`` prices the FLOPs at the vector (non-tensor-core) fp32 rate. With a measured
+        profile, a matmul's rate is that of a measured cube of the same FLOPs (use ``matmul_time`` when
+        the shape is known)."""
         if flops < 0 or bytes_accessed < 0:
             raise CostModelError(f"flops and bytes must be >= 0, got {flops} and {bytes_accessed}")
-        mem = bytes_accessed / self.memory_bandwidth
-        key = str(dtype)
-        if matmul and key in self._matmul and flops > 0:
-            return max(self._matmul[key](flops), mem)
-        return max(flops / self.device.achievable_flops(dtype, matmul=matmul), mem)
+        side = (flops / 2) ** (1 / 3)
+        return self._roofline(flops, bytes_accessed, dtype, matmul, (side, side, side))
+
+    def _roofline(
+        self, flops: float, nbytes: float, dtype: DtypeLike, matmul: bool, mnk: tuple[float, float, float]
+    ) -> float:
+        mem = nbytes / self.memory_bandwidth
+        table = self._matmul.get(str(dtype)) if matmul else None
+        rate = table.rate(*mnk) if table is not None else self.device.achievable_flops(dtype, matmul=matmul)
+        return max(flops / rate, mem)
 
     def matmul_time(self, m: int, n: int, k: int, dtype: DtypeLike = "float32", *, batch: int = 1) -> float:
         """Seconds for ``batch`` × ``[m,k] @ [k,n]`` on one device: ``2·b·m·n·k`` FLOPs and
-        ``b·(m·k + k·n + m·n)·dtype_bytes`` bytes through the roofline."""
+        ``b·(m·k + k·n + m·n)·dtype_bytes`` bytes through the roofline (measured rate of this shape when
+        the profile has samples of this dtype)."""
         flops = 2.0 * batch * m * n * k
         nbytes = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
-        return self.compute_time(flops, nbytes, dtype)
+        return self._roofline(flops, nbytes, dtype, True, (m, n, k))
 
     def memory_time(self, bytes_accessed: float) -> float:
         """Seconds to move ``bytes_accessed`` through device memory (an elementwise op, a copy)."""

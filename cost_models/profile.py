@@ -26,12 +26,16 @@ Semantics of the samples (all times are medians over repeats, every device of th
 * ``copies``: copying a buffer of ``nbytes`` per device (``2·nbytes`` of memory traffic).
 * ``collectives``: ``nbytes`` follows ``cost_models.collectives`` (larger per-device buffer).
 
-How a model uses them (``CostModel``): a matmul whose FLOP count lies inside the measured range of its
-dtype gets its time interpolated linearly in FLOPs between samples (floored by the memory roofline); a
-collective is matched to samples with the same kind, group size and set of link names and interpolated
-linearly in ``nbytes``. Outside the measured range both continue with the slope of the alpha-beta line
-``t = a + b·x`` least-squares fitted to the samples (``Curve``), i.e. the analytic formula with measured
-constants; dtypes and collectives with no samples use the analytic formulas with the profile's cluster.
+How a model uses them (``CostModel``):
+
+* A matmul of a measured dtype runs at the achieved rate interpolated in log-shape space (``RateTable``:
+  inverse-squared-distance weights on the 4 nearest samples in ``(log m, log n, log k)``, exact at a
+  sample), floored by the memory roofline. Far from the samples this is the roofline with the rate of the
+  nearest measured shapes.
+* A collective is matched to samples with the same kind, group size and set of link names and interpolated
+  linearly in ``nbytes`` (``Curve``); beyond the samples it continues with the slope of the alpha-beta line
+  ``t = a + b·n`` least-squares fitted to them, i.e. the analytic formula with measured constants.
+* Dtypes and collectives with no samples use the analytic formulas with the profile's (fitted) cluster.
 """
 
 from __future__ import annotations
@@ -301,3 +305,29 @@ class Curve:
         if x < self.x[0]:
             return float(max(0.0, min(self.a + self.b * x, self.y[0])))
         return float(np.interp(x, self.x, self.y))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RateTable:
+    """Measured matmul rates of one dtype, interpolated in ``(log2 m, log2 n, log2 k)`` space: exact at a
+    sample, else the weighted geometric mean of the 4 nearest samples' rates (weights ``1/distance²``)."""
+
+    logdims: np.ndarray  # (N, 3)
+    lograte: np.ndarray  # (N,)
+
+    @classmethod
+    def of(cls, samples: Sequence[MatmulSample]) -> RateTable:
+        dims = np.log2(np.array([[s.m, s.n, s.k] for s in samples], float))
+        rate = np.log(np.array([s.flops / s.seconds for s in samples], float))
+        return cls(dims, rate)
+
+    def rate(self, m: float, n: float, k: float) -> float:
+        """Achieved FLOP/s for one ``[m,k] @ [k,n]``."""
+        q = np.log2(np.maximum(np.array([m, n, k], float), 1.0))
+        d2 = ((self.logdims - q) ** 2).sum(axis=1)
+        near = np.argsort(d2, kind="stable")[:4]
+        if d2[near[0]] < 1e-12:
+            exact = d2 < 1e-12
+            return float(np.exp(np.median(self.lograte[exact])))
+        w = 1.0 / d2[near]
+        return float(np.exp(np.dot(w, self.lograte[near]) / w.sum()))

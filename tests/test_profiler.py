@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from autoshard.profiler import ProfileConfig, run_profile
+from autoshard.profiler import ProfileConfig, matmul_shapes, run_profile
 from cost_models import CostModel, Profile
 from cost_models.collectives import KINDS
 
@@ -27,7 +27,8 @@ def tiny_profile() -> Profile:
 def test_profile_has_every_measurement(tiny_profile: Profile) -> None:
     assert len(jax.devices()) == 8
     p = tiny_profile
-    assert {(s.m, s.dtype) for s in p.matmuls} == {(64, "float32"), (128, "float32")}
+    assert {(s.m, s.n, s.k) for s in p.matmuls} == set(matmul_shapes((64, 128)))
+    assert {s.dtype for s in p.matmuls} == {"float32"}
     assert len(p.copies) == 2
     groups = {s.axes for s in p.collectives}
     assert groups == {("x",), ("y",), ("x", "y")}

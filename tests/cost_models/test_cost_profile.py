@@ -17,7 +17,7 @@ from cost_models import (
     load_profile,
     presets,
 )
-from cost_models.profile import Curve, fit_link, shipped_profiles
+from cost_models.profile import Curve, RateTable, fit_link, shipped_profiles
 
 
 def _profile() -> Profile:
@@ -123,3 +123,16 @@ def test_shipped_profiles_load() -> None:
         assert m.profile.is_measured
         assert m.matmul_time(1024, 1024, 1024, "float32") > 0
         assert m.collective_time("all_reduce", 1 << 20, m.mesh.axis_names) > 0
+
+
+def test_matmul_rates_are_interpolated_by_shape() -> None:
+    fast = MatmulSample(m=512, n=512, k=512, dtype="float32", seconds=2 * 512**3 / 1e10)
+    thin = MatmulSample(m=64, n=512, k=512, dtype="float32", seconds=2 * 64 * 512 * 512 / 2.5e9)
+    table = RateTable.of([fast, thin])
+    assert table.rate(512, 512, 512) == pytest.approx(1e10)
+    assert table.rate(64, 512, 512) == pytest.approx(2.5e9)
+    mid = table.rate(2**7.5, 512, 512)  # halfway in log2 space: geometric mean
+    assert mid == pytest.approx((1e10 * 2.5e9) ** 0.5)
+    # a thin matmul is priced at the thin rate, not at the rate of a cube of equal FLOPs
+    m = CostModel.load(Profile(name="t", cluster=presets.get("cpu"), matmuls=(fast, thin)))
+    assert m.matmul_time(64, 512, 512, "float32") == pytest.approx(thin.seconds)
