@@ -107,7 +107,7 @@ DATA_MOVEMENT = (
     "concatenate pad gather rev copy copy_p convert_element_type bitcast_convert_type iota select_and_gather_add "
     "stop_gradient optimization_barrier sharding_constraint device_put random_bits random_seed random_wrap "
     "random_unwrap random_fold_in random_split threefry2x32 split mesh_cast reshard pvary pcast "
-    "empty empty2 broadcast full"
+    "empty empty2 broadcast full stack unstack"
 ).split()
 
 FLOP_RULES: dict[str, FlopRule] = {

@@ -1,0 +1,18 @@
+"""Pass 2: candidate shardings per op, from a registry of rules keyed by primitive.
+
+Importing this package registers every rule module (elementwise, dot, reduce, layout, indexing).
+Control flow (scan, while, cond, remat) is not a rule: the problem builder plans the bodies.
+"""
+
+from autoshard.strategies import dot, elementwise, indexing, layout, reduce  # noqa: F401 - registers rules
+from autoshard.strategies.registry import (
+    RULES,
+    Candidate,
+    RuleContext,
+    Strategy,
+    enumerate_specs,
+    register,
+    strategies_for,
+)
+
+__all__ = ["RULES", "Candidate", "RuleContext", "Strategy", "enumerate_specs", "register", "strategies_for"]

@@ -1,0 +1,208 @@
+"""Sharding strategies per op: a registry of rules keyed by primitive.
+
+A *rule* looks at one op (shapes, params) and the mesh and proposes ``Candidate``s: the specs the op needs
+on its inputs and produces on its outputs, the collectives the op itself must run (e.g. the all-reduce of
+a ``reduce_max`` over a split dimension), and which mesh axes divide its work. ``strategies_for`` prices
+each candidate with the cost model and returns ``Strategy`` objects. Resharding *between* ops is not a
+rule's business: the problem builder prices it on the edges.
+
+Primitives without a rule get one strategy, everything replicated, and a warning naming the primitive
+and its source line (once per primitive per planning run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from autoshard.trace.graph import Graph, Op
+from cost_models import CollectiveStep, CostModel, LogicalMesh, ShardingSpec
+
+log = logging.getLogger("autoshard")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Candidate:
+    """What a rule proposes. ``work_axes``: mesh axes that split the op's work (default: every axis its
+    first output uses, partial axes included). ``comm``: collectives run inside the op, as
+    (kind, axes, nbytes per device in the collectives' convention)."""
+
+    in_specs: tuple[ShardingSpec, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    comm: tuple[tuple[str, tuple[str, ...], float], ...] = ()
+    work_axes: frozenset[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run an op on the mesh, priced: seconds of compute and of in-op collectives."""
+
+    in_specs: tuple[ShardingSpec, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    compute_time: float
+    comm_time: float
+    comm: tuple[CollectiveStep, ...] = ()
+
+    @property
+    def time(self) -> float:
+        return self.compute_time + self.comm_time
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.in_specs))
+        outs = ", ".join(map(str, self.out_specs))
+        return f"({ins}) -> ({outs})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RuleContext:
+    """What a rule may look at besides the op."""
+
+    graph: Graph
+    mesh: LogicalMesh
+
+    def shape(self, tid: int) -> tuple[int, ...]:
+        return self.graph.tensors[tid].shape
+
+    def in_shapes(self, op: Op) -> list[tuple[int, ...]]:
+        return [self.graph.tensors[t].shape for t in op.inputs]
+
+    def out_shapes(self, op: Op) -> list[tuple[int, ...]]:
+        return [self.graph.tensors[t].shape for t in op.outputs]
+
+    def fanout(self, tid: int) -> int:
+        return len(self.graph.tensors[tid].consumers) + (1 if tid in self.graph.outputs else 0)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Mesh axes worth splitting over (size > 1)."""
+        return tuple(a for a, s in zip(self.mesh.axis_names, self.mesh.shape, strict=True) if s > 1)
+
+    def size(self, axes: Iterable[str]) -> int:
+        return math.prod(self.mesh.axis_size(a) for a in axes)
+
+
+Rule = Callable[[Op, RuleContext], list[Candidate]]
+RULES: dict[str, Rule] = {}
+
+
+def register(*primitives: str) -> Callable[[Rule], Rule]:
+    def deco(rule: Rule) -> Rule:
+        for p in primitives:
+            RULES[p] = rule
+        return rule
+
+    return deco
+
+
+# ---- spec enumeration ---------------------------------------------------------------------------------
+
+
+def assignments(
+    sizes: Sequence[int], ctx: RuleContext, *, max_axes_per_dim: int = 2
+) -> list[tuple[tuple[str, ...], ...]]:
+    """Every way to give each mesh axis (size > 1) to at most one of ``len(sizes)`` slots (or to none) such
+    that each slot's size is divisible by the product of its axes. Axes within a slot keep mesh order
+    (major to minor). Returns, per assignment, the axes of each slot."""
+    axes = ctx.axes
+    out: list[tuple[tuple[str, ...], ...]] = []
+    n = len(sizes)
+    for choice in itertools.product(range(-1, n), repeat=len(axes)):
+        slots: list[list[str]] = [[] for _ in range(n)]
+        for a, c in zip(axes, choice, strict=True):
+            if c >= 0:
+                slots[c].append(a)
+        ok = True
+        for s, size in zip(slots, sizes, strict=True):
+            if len(s) > max_axes_per_dim or (s and size % ctx.size(s)):
+                ok = False
+                break
+        if ok:
+            out.append(tuple(tuple(s) for s in slots))
+    return out
+
+
+def enumerate_specs(shape: Sequence[int], ctx: RuleContext) -> list[ShardingSpec]:
+    """All non-partial specs of a tensor of ``shape`` whose split dimensions divide evenly."""
+    return [ShardingSpec(dims=dims) for dims in assignments(list(shape), ctx)]
+
+
+def replicated(shape: Sequence[int]) -> ShardingSpec:
+    return ShardingSpec.replicated(len(shape))
+
+
+def dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
+    seen: set[tuple[tuple[ShardingSpec, ...], tuple[ShardingSpec, ...]]] = set()
+    out = []
+    for c in cands:
+        key = (c.in_specs, c.out_specs)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# ---- pricing ------------------------------------------------------------------------------------------
+
+
+def _dtype_of(op: Op, graph: Graph) -> str:
+    for t in op.inputs:
+        if graph.tensors[t].shape:
+            return graph.tensors[t].dtype
+    return graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
+
+
+def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strategy:
+    """Roofline compute on the per-device share of the work, plus the candidate's own collectives."""
+    graph = ctx.graph
+    work_axes = cand.work_axes
+    if work_axes is None:
+        work_axes = cand.out_specs[0].axes_used if cand.out_specs else frozenset()
+    shards = ctx.size(work_axes)
+    nbytes = 0.0
+    for tid, spec in itertools.chain(zip(op.inputs, cand.in_specs, strict=True),
+                                     zip(op.outputs, cand.out_specs, strict=True)):
+        t = graph.tensors[tid]
+        if t.nbytes:
+            nbytes += t.nbytes / max(1, spec.num_shards(ctx.mesh))
+    is_matmul = op.primitive in ("dot_general", "conv_general_dilated")
+    compute = cost.compute_time(op.flops / shards, nbytes, _dtype_of(op, graph), matmul=is_matmul)
+    steps = tuple(
+        CollectiveStep(kind=k, axes=tuple(ax), nbytes=b, time=cost.collective_time(k, b, ax))
+        for k, ax, b in cand.comm
+    )
+    return Strategy(
+        in_specs=cand.in_specs,
+        out_specs=cand.out_specs,
+        compute_time=compute,
+        comm_time=math.fsum(s.time for s in steps),
+        comm=steps,
+    )
+
+
+def fallback_candidate(op: Op, ctx: RuleContext) -> Candidate:
+    return Candidate(
+        in_specs=tuple(replicated(s) for s in ctx.in_shapes(op)),
+        out_specs=tuple(replicated(s) for s in ctx.out_shapes(op)),
+    )
+
+
+def strategies_for(op: Op, ctx: RuleContext, cost: CostModel, warned: set[str] | None = None) -> list[Strategy]:
+    """Priced strategies of ``op``; the replicated fallback (with a warning) when no rule applies."""
+    rule = RULES.get(op.primitive)
+    cands: list[Candidate] = []
+    if rule is not None:
+        cands = dedupe(rule(op, ctx))
+    if not cands:
+        if rule is None and warned is not None and op.primitive not in warned:
+            warned.add(op.primitive)
+            log.warning(
+                "autoshard: no sharding rule for primitive %r (first seen at %s); its operands and results "
+                "are replicated",
+                op.primitive,
+                op.source or "an unknown location",
+            )
+        cands = [fallback_candidate(op, ctx)]
+    return [price(op, c, ctx, cost) for c in cands]
