@@ -7,6 +7,7 @@ function that runs it. Subcommands import their heavy dependencies (JAX) lazily,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except AutoshardError as e:
         print(f"autoshard {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at interpreter exit
+        return 0
 
 
 if __name__ == "__main__":
