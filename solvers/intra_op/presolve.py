@@ -125,6 +125,9 @@ class _Graph:
             [(i, np.arange(c.shape[0], dtype=np.int64))] for i, c in enumerate(self.cost)
         ]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
+        self.inf_edges: set[tuple[int, int]] = set()
+        self.fresh: set[tuple[int, int]] = set()
+        self.dom_done = np.zeros(n, dtype=bool)
         for (u, v), m in zip(problem.edges.tolist(), problem.edge_costs, strict=True):
             self._add_edge(u, v, np.asarray(m, dtype=np.float64))
         self.alive = np.ones(n, dtype=bool)
@@ -133,6 +136,7 @@ class _Graph:
         self.counts = dict(dominated=0, fixed=0, merged=0, eliminated=0, dropped_edges=0)
         self.problem = problem
         self._setup_memory(problem)
+        self.en = [np.isfinite(c) for c in self.cost]
 
     # ------------------------------------------------------------ memory bookkeeping
     def _setup_memory(self, p: IntraOpProblem) -> None:
@@ -184,16 +188,31 @@ class _Graph:
                 return False
         return True
 
-    # ------------------------------------------------------------ edges
+    # ------------------------------------------------------------ edges and costs
     def _add_edge(self, u: int, v: int, m: np.ndarray) -> None:
         if v in self.adj[u]:
             m = self.adj[u][v] + m
         self.adj[u][v] = m
         self.adj[v][u] = m.T
+        key = (u, v) if u < v else (v, u)
+        if np.isfinite(m).all():
+            self.inf_edges.discard(key)
+        else:
+            self.inf_edges.add(key)
+        self.fresh.add(key)
+        self.dom_done[u] = self.dom_done[v] = False
 
     def _drop_edge(self, u: int, v: int) -> None:
         del self.adj[u][v]
         del self.adj[v][u]
+        key = (u, v) if u < v else (v, u)
+        self.inf_edges.discard(key)
+        self.fresh.discard(key)
+
+    def _set_cost(self, u: int, cost: np.ndarray) -> None:
+        self.cost[u] = cost
+        self.en[u] = np.isfinite(cost)
+        self.dom_done[u] = False
 
     def _kill(self, u: int) -> None:
         for v in list(self.adj[u]):
@@ -226,60 +245,67 @@ class _Graph:
                     queue.append(w)
 
     def _examine(self, u: int) -> list[int]:
-        cost = self.cost[u]
-        en = np.isfinite(cost)
         touched: list[int] = []
-        # 1. strategies without a finite partner on some edge
-        changed = True
-        while changed:
-            changed = False
+        # 1. strategies without a finite partner on some edge (only edges holding +inf can cause this)
+        while True:
+            en = self.en[u]
+            patterns = []
+            pruned = False
             for v, m in self.adj[u].items():
-                env = np.isfinite(self.cost[v])
-                fin = np.isfinite(m) & en[:, None] & env[None, :]
-                bad_u = en & ~fin.any(1)
-                if bad_u.any():
-                    cost[bad_u] = np.inf
-                    en = en & ~bad_u
-                    changed = True
-                bad_v = env & ~fin.any(0)
+                if ((u, v) if u < v else (v, u)) not in self.inf_edges:
+                    continue
+                env = self.en[v]
+                fin = np.isfinite(m)
+                fin &= en[:, None]
+                fin &= env[None, :]
+                per_row, per_col = fin.sum(1), fin.sum(0)
+                bad_v = env & (per_col == 0)
                 if bad_v.any():
-                    self.cost[v][bad_v] = np.inf
+                    self._set_cost(v, np.where(bad_v, np.inf, self.cost[v]))
                     touched.append(v)
-        if not en.any():
-            raise self._infeasible(u)
-        if touched:
+                bad_u = en & (per_row == 0)
+                if bad_u.any():
+                    self._set_cost(u, np.where(bad_u, np.inf, self.cost[u]))
+                    pruned = True
+                    break
+                patterns.append((v, fin, per_row, per_col))
+            if not pruned:
+                break
             touched.append(u)
+        en = self.en[u]
+        n_en = int(en.sum())
+        if n_en == 0:
+            raise self._infeasible(u)
         # 2. one strategy left: fold into the neighbours
-        if en.sum() == 1:
-            s = int(np.flatnonzero(en)[0])
-            return touched + self._fix(u, s)
+        if n_en == 1:
+            return touched + self._fix(u, int(np.flatnonzero(en)[0]))
         # 3. follow: u or v determined by the other through an +inf pattern
-        for v, m in self.adj[u].items():
-            env = np.isfinite(self.cost[v])
-            fin = np.isfinite(m) & en[:, None] & env[None, :]
-            if (fin.sum(0)[env] == 1).all():
+        for v, fin, per_row, per_col in patterns:
+            env = self.en[v]
+            if (per_col[env] == 1).all():
                 return touched + self._merge(u, v, fin.argmax(0))
-            if (fin.sum(1)[en] == 1).all():
+            if (per_row[en] == 1).all():
                 return touched + self._merge(v, u, fin.argmax(1))
-        deg = len(self.adj[u])
         # 4. exact elimination of memory-free nodes of degree <= 2
-        if deg <= 2 and self._memory_free(u, en):
+        if len(self.adj[u]) <= 2 and self._memory_free(u, en):
             return touched + self._eliminate(u)
-        # 5. reparametrise edges; drop the ones that become zero
+        # 5. reparametrise new edges; drop the ones that become zero
         for v in list(self.adj[u]):
-            if self._reparametrise(u, v):
+            if ((u, v) if u < v else (v, u)) in self.fresh and self._reparametrise(u, v):
                 touched.append(v)
         # 6. dominance
-        if self._dominance(u, en):
-            touched.append(u)
-            touched.extend(self.adj[u])
+        if not self.dom_done[u]:
+            self.dom_done[u] = True
+            if self._dominance(u, en):
+                touched.append(u)
+                touched.extend(self.adj[u])
         return touched
 
     def _fix(self, u: int, s: int) -> list[int]:
         self.constant += float(self.cost[u][s])
         nbrs = list(self.adj[u])
         for v in nbrs:
-            self.cost[v] = self.cost[v] + self.adj[u][v][s, :]
+            self._set_cost(v, self.cost[v] + self.adj[u][v][s, :])
         self._commit_memory(u, s)
         self._kill(u)
         self.log.append(("fix", u, s))
@@ -290,7 +316,7 @@ class _Graph:
         """Merge ``u`` into ``v``; ``f[s_v]`` is ``u``'s strategy when ``v`` takes ``s_v``."""
         m = self.adj[u][v]
         idx = np.arange(f.shape[0])
-        self.cost[v] = self.cost[v] + self.cost[u][f] + m[f, idx]
+        self._set_cost(v, self.cost[v] + self.cost[u][f] + m[f, idx])
         self.members[v].extend((o, mo[f]) for o, mo in self.members[u])
         self._drop_edge(u, v)
         nbrs = list(self.adj[u])
@@ -302,8 +328,7 @@ class _Graph:
 
     def _eliminate(self, u: int) -> list[int]:
         cost = self.cost[u]
-        en = np.isfinite(cost)
-        s_any = int(np.flatnonzero(en)[0])
+        s_any = int(np.flatnonzero(self.en[u])[0])
         self._commit_memory(u, s_any)  # memory-free: every enabled strategy has this usage
         nbrs = list(self.adj[u])
         if len(nbrs) == 0:
@@ -314,7 +339,7 @@ class _Graph:
             (v,) = nbrs
             t = cost[:, None] + self.adj[u][v]
             arg = t.argmin(0)
-            self.cost[v] = self.cost[v] + t[arg, np.arange(t.shape[1])]
+            self._set_cost(v, self.cost[v] + t[arg, np.arange(t.shape[1])])
             self.log.append(("leaf", u, v, arg))
         else:
             v, w = nbrs
@@ -328,26 +353,34 @@ class _Graph:
         return nbrs
 
     def _reparametrise(self, u: int, v: int) -> bool:
+        """Move row and column minima of edge (u, v) into the node costs; True if costs changed."""
+        self.fresh.discard((u, v) if u < v else (v, u))
         m = self.adj[u][v]
-        en_u, en_v = np.isfinite(self.cost[u]), np.isfinite(self.cost[v])
-        sub = m[np.ix_(en_u, en_v)]
+        en_u, en_v = self.en[u], self.en[v]
+        sub = m[en_u][:, en_v]
         r = sub.min(1)
-        c = (sub - r[:, None]).min(0)
-        if not (r.any() or c.any()):
-            if (sub == 0).all():
-                self._drop_edge(u, v)
-                self.counts["dropped_edges"] += 1
-                return True
-            return False
-        self.cost[u][en_u] += r
-        self.cost[v][en_v] += c
-        new = m.copy()
-        new[np.ix_(en_u, en_v)] = sub - r[:, None] - c[None, :]
-        self.adj[u][v] = new
-        self.adj[v][u] = new.T
-        if (new[np.ix_(en_u, en_v)] == 0).all():
+        sub = sub - r[:, None]
+        c = sub.min(0)
+        sub -= c[None, :]
+        zero = bool((sub == 0).all())
+        if zero:
             self._drop_edge(u, v)
             self.counts["dropped_edges"] += 1
+        elif not (r.any() or c.any()):
+            return False
+        else:
+            new = m.copy()
+            new[np.ix_(en_u, en_v)] = sub
+            self.adj[u][v] = new
+            self.adj[v][u] = new.T
+        if r.any():
+            cu = self.cost[u].copy()
+            cu[en_u] += r
+            self._set_cost(u, cu)
+        if c.any():
+            cv = self.cost[v].copy()
+            cv[en_v] += c
+            self._set_cost(v, cv)
         return True
 
     def _dominance(self, u: int, en: np.ndarray) -> bool:
@@ -355,7 +388,7 @@ class _Graph:
         cost = self.cost[u][idx]
         dom = cost[:, None] <= cost[None, :]
         for v, m in self.adj[u].items():
-            rows = m[idx][:, np.isfinite(self.cost[v])]
+            rows = m[idx][:, self.en[v]]
             dom &= (rows[:, None, :] <= rows[None, :, :]).all(-1)
             if not dom.any():
                 return False
@@ -372,7 +405,10 @@ class _Graph:
                 if not removed[a] and (a < b or not dom[b, a]):
                     removed[b] = True
                     break
-        self.cost[u][idx[removed]] = np.inf
+        cost = self.cost[u].copy()
+        cost[idx[removed]] = np.inf
+        self._set_cost(u, cost)
+        self.dom_done[u] = True
         self.counts["dominated"] += int(removed.sum())
         return bool(removed.any())
 
