@@ -1,0 +1,462 @@
+"""Build the intra-operator sharding problem (``solvers.IntraOpProblem``) from a traced Graph.
+
+Nodes
+-----
+- one node per *input* of the step that something reads (parameters, optimizer state, batch, other
+  state): its strategies are the layouts of that tensor, its cost 0, its memory the bytes per device of
+  the layout, live from the start of the step to its last use (the buffer is donated afterwards);
+- one node per *op group*: an op together with the unary elementwise ops that can only follow it (a
+  ``convert``, ``exp``, ``mul`` by a scalar...), merged before solving so the solver sees fewer nodes.
+  A group's strategies are its leader's; each follower takes the leader's output layout;
+- control flow is planned in place: the bodies of ``scan``, ``while``, ``cond`` and ``remat`` become
+  nodes of the same problem, their costs multiplied by the trip count; a body input gets a *port* node
+  fed by the outer operand, a loop's carried value is tied to itself across iterations by a resharding
+  edge weighted by the trip count, and each result of the op gets a port node fed by the body's output.
+
+For strategy s of node i: ``c_i[s]`` = compute time + the op's own collectives (``autoshard.strategies``)
++ ε·m_i[s] with ε = 1% of the time to read a byte from device memory (a tie-break toward layouts that hold
+less: slicing an input is free, so time alone cannot choose between a replicated and a split batch);
+``m_i[s]`` = peak bytes per device of the group's tensors over their live ranges.
+
+Edges
+-----
+For each tensor produced in node u and read in node v, ``R_uv[s, t]`` = seconds to reshard it from u's
+output layout under s to the layout v's reader needs under t (``CostModel.reshard_time``, which prices
+pending partial sums as all-reduce or reduce-scatter). Train state that the step returns (new parameters,
+new optimizer state) is tied to the input node it replaces by an edge from its producer: returning it in
+another layout than it came in costs that resharding.
+
+The solver then minimises ``Σ_i c_i[s_i] + Σ_uv R_uv[s_u, s_v]`` subject to, at every time step t,
+``Σ_{i live at t} m_i[s_i] <= memory budget`` (see ``solvers.intra_op`` for the ILP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from autoshard.strategies import RuleContext, Strategy, strategies_for
+from autoshard.strategies.elementwise import UNARY_FOLLOWERS
+from autoshard.strategies.registry import Candidate, enumerate_specs, price
+from autoshard.trace.costs import ELEMENTWISE
+from autoshard.trace.graph import Graph, Op, Role
+from cost_models import CostModel, ShardingSpec
+from solvers import IntraOpProblem
+
+Scope = tuple[tuple[int, int], ...]  # path of (op id, body index) from the top-level graph
+TensorKey = tuple[Scope, int]
+_FOLLOW = frozenset(ELEMENTWISE) | UNARY_FOLLOWERS
+MEMORY_TIE_BREAK = 0.01
+_BODY_PRIMS = frozenset({"scan", "while", "cond", "checkpoint", "remat2", "remat"})
+
+
+@dataclasses.dataclass(slots=True)
+class NodeInfo:
+    """One solver node: what it stands for and, per strategy, the layout of every tensor it produces and
+    the layout it needs for every tensor it reads."""
+
+    name: str
+    kind: str  # "input", "op", "port"
+    ops: list[tuple[Scope, int]]
+    produces: list[list[tuple[TensorKey, ShardingSpec]]]  # per strategy
+    reads: list[list[tuple[TensorKey, ShardingSpec]]]  # per strategy; same keys in the same order
+    cost: np.ndarray
+    compute: np.ndarray
+    comm: np.ndarray
+    memory: np.ndarray
+    interval: tuple[int, int]
+    weight: float = 1.0
+    strategies: list[Strategy | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def k(self) -> int:
+        return len(self.produces)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EdgeInfo:
+    u: int
+    v: int
+    tensor: TensorKey
+    weight: float
+    kind: str  # "data", "state" (returned train state), "carry" (loop-carried value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BuiltProblem:
+    problem: IntraOpProblem
+    nodes: tuple[NodeInfo, ...]
+    edges: tuple[EdgeInfo, ...]
+    producer_node: dict[TensorKey, int]
+    graphs: dict[Scope, Graph]
+
+
+class _Build:
+    def __init__(self, graph: Graph, cost: CostModel) -> None:
+        self.root = graph
+        self.cost = cost
+        self.mesh = cost.mesh
+        self.nodes: list[NodeInfo] = []
+        self.edges: list[EdgeInfo] = []
+        self.producer: dict[TensorKey, int] = {}  # tensor -> node that produces it
+        self.graphs: dict[Scope, Graph] = {(): graph}
+        self.warned: set[str] = set()
+        self._strategy_cache: dict[Any, list[Strategy]] = {}
+        self._spec_cache: dict[tuple[int, ...], list[ShardingSpec]] = {}
+        self._matrix_cache: dict[Any, np.ndarray] = {}
+        self._pair_cache: dict[Any, dict[tuple[ShardingSpec, ShardingSpec], float]] = {}
+        self.edge_mats: list[np.ndarray] = []
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+
+    def specs(self, shape: tuple[int, ...], ctx: RuleContext) -> list[ShardingSpec]:
+        if shape not in self._spec_cache:
+            self._spec_cache[shape] = enumerate_specs(shape, ctx)
+        return self._spec_cache[shape]
+
+    def bytes_on_device(self, nbytes: int, spec: ShardingSpec) -> float:
+        return nbytes / max(1, spec.num_shards(self.mesh))
+
+    def op_strategies(self, op: Op, ctx: RuleContext) -> list[Strategy]:
+        g = ctx.graph
+        key = (
+            op.primitive,
+            op.params,
+            tuple((g.tensors[t].shape, g.tensors[t].dtype) for t in op.inputs),
+            tuple((g.tensors[t].shape, g.tensors[t].dtype, ctx.fanout(t)) for t in op.outputs),
+            op.flops,
+        )
+        hit = self._strategy_cache.get(key)
+        if hit is None:
+            hit = strategies_for(op, ctx, self.cost, self.warned)
+            self._strategy_cache[key] = hit
+        return hit
+
+    def add_node(self, node: NodeInfo) -> int:
+        idx = len(self.nodes)
+        self.nodes.append(node)
+        for key, _ in node.produces[0]:
+            self.producer[key] = idx
+        return idx
+
+    def port_node(self, name: str, key: TensorKey, shape: tuple[int, ...], nbytes: int, ctx: RuleContext,
+                  interval: tuple[int, int], kind: str = "port", reads: TensorKey | None = None) -> int:
+        specs = self.specs(shape, ctx)
+        k = len(specs)
+        mem = np.array([self.bytes_on_device(nbytes, s) for s in specs])
+        zeros = np.zeros(k)
+        return self.add_node(NodeInfo(
+            name=name, kind=kind, ops=[], produces=[[(key, s)] for s in specs],
+            reads=[[(reads, s)] for s in specs] if reads is not None else [[] for _ in specs],
+            cost=zeros, compute=zeros, comm=zeros, memory=mem, interval=interval,
+            strategies=[None] * k,
+        ))
+
+    # ---- graphs ------------------------------------------------------------------------------------
+
+    def build_scope(self, graph: Graph, scope: Scope, weight: float, t0: int | None) -> None:
+        """Add nodes for every op of ``graph``. Top level: ``t0`` None, times are op indices; inside a body
+        every node lives at the enclosing op's time ``t0``."""
+        ctx = RuleContext(graph, self.mesh)
+        followers = self.find_followers(graph, scope)
+
+        def when(a: int, b: int) -> tuple[int, int]:
+            return (a, max(b, a + 1)) if t0 is None else (t0, t0 + 1)
+
+        for op in graph.ops:
+            if op.id in followers:
+                continue
+            if op.primitive in _BODY_PRIMS and op.bodies:
+                self.build_control_flow(graph, scope, op, weight, ctx, when)
+                continue
+            group = [op.id, *self.follower_chain(graph, op.id, followers)]
+            self.group_node(graph, scope, group, weight, ctx, when)
+
+    def find_followers(self, graph: Graph, scope: Scope) -> dict[int, int]:
+        """op id -> the op id it follows (its single non-scalar operand's producer), for unary elementwise
+        ops whose leader is an ordinary op of the same scope."""
+        out: dict[int, int] = {}
+        for op in graph.ops:
+            if op.primitive not in _FOLLOW or len(op.outputs) != 1:
+                continue
+            big = [t for t in op.inputs if graph.tensors[t].shape]
+            if len(big) != 1:
+                continue
+            t = graph.tensors[big[0]]
+            if t.shape != graph.tensors[op.outputs[0]].shape or t.producer is None:
+                continue
+            leader = graph.ops[t.producer]
+            if leader.bodies or len(leader.outputs) != 1:
+                continue
+            out[op.id] = out.get(leader.id, leader.id)
+        return out
+
+    @staticmethod
+    def follower_chain(graph: Graph, leader: int, followers: dict[int, int]) -> list[int]:
+        return [f for f, lead in followers.items() if lead == leader]
+
+    def group_node(self, graph: Graph, scope: Scope, group: list[int], weight: float, ctx: RuleContext,
+                   when: Any) -> None:
+        leader = graph.ops[group[0]]
+        strategies = self.op_strategies(leader, ctx)
+        members = [graph.ops[i] for i in sorted(group)]
+        produces, reads, compute, comm, memory = [], [], [], [], []
+        for st in strategies:
+            spec_of = {t: s for t, s in zip(leader.outputs, st.out_specs, strict=True)}
+            prod = [((scope, t), s) for t, s in spec_of.items()]
+            rd = [((scope, t), s) for t, s in zip(leader.inputs, st.in_specs, strict=True)]
+            c_time, m_time = st.compute_time, st.comm_time
+            for f in members[1:]:
+                src = next(t for t in f.inputs if graph.tensors[t].shape)
+                in_spec = spec_of[src]
+                fst = self.follow(f, in_spec, ctx)
+                c_time += fst.compute_time
+                m_time += fst.comm_time
+                for t, s in zip(f.inputs, fst.in_specs, strict=True):
+                    if t != src:
+                        rd.append(((scope, t), s))
+                spec_of[f.outputs[0]] = fst.out_specs[0]
+                prod.append(((scope, f.outputs[0]), fst.out_specs[0]))
+            produces.append(prod)
+            reads.append(rd)
+            compute.append(c_time)
+            comm.append(m_time)
+            memory.append(self.peak_bytes(graph, prod, when))
+        starts = [graph.tensors[key[1]].live for key, _ in produces[0]]
+        interval = when(min(s for s, _ in starts), max(e for _, e in starts))
+        name = leader.where() + (f" (+{len(members) - 1} followers)" if len(members) > 1 else "")
+        compute_a, comm_a = np.array(compute) * weight, np.array(comm) * weight
+        self.add_node(NodeInfo(
+            name=name, kind="op", ops=[(scope, i) for i in sorted(group)], produces=produces, reads=reads,
+            cost=compute_a + comm_a, compute=compute_a, comm=comm_a, memory=np.array(memory),
+            interval=interval, weight=weight, strategies=list(strategies),
+        ))
+
+    def follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext) -> Strategy:
+        """The follower's strategy when its operand arrives as ``in_spec``: same layout out; a pending sum
+        is reduced first unless the op is linear in it."""
+        g = ctx.graph
+        src = next(t for t in op.inputs if g.tensors[t].shape)
+        linear = op.primitive in ("neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "mul",
+                                  "div") and (op.primitive != "div" or op.inputs[0] == src)
+        spec = in_spec if (linear or not in_spec.partial) else ShardingSpec(dims=in_spec.dims)
+        in_specs = tuple(spec if t == src else ShardingSpec.replicated(len(g.tensors[t].shape)) for t in op.inputs)
+        st = price(op, Candidate(in_specs, (spec,)), ctx, self.cost)
+        if spec is not in_spec:  # the reduction happens here
+            t = g.tensors[src]
+            extra = self.cost.reshard_time(t.shape, t.dtype, in_spec, spec)
+            st = dataclasses.replace(st, in_specs=tuple(in_spec if x == src else s for x, s in
+                                                        zip(op.inputs, in_specs, strict=True)),
+                                     comm_time=st.comm_time + extra)
+        return st
+
+    def peak_bytes(self, graph: Graph, prod: Sequence[tuple[TensorKey, ShardingSpec]], when: Any) -> float:
+        events: list[tuple[int, float]] = []
+        for (_, tid), spec in prod:
+            t = graph.tensors[tid]
+            s, e = when(*t.live)
+            b = self.bytes_on_device(t.nbytes, spec)
+            events.append((s, b))
+            events.append((e, -b))
+        events.sort(key=lambda x: (x[0], x[1]))
+        cur = peak = 0.0
+        for _, b in events:
+            cur += b
+            peak = max(peak, cur)
+        return peak
+
+    # ---- control flow ------------------------------------------------------------------------------
+
+    def build_control_flow(self, graph: Graph, scope: Scope, op: Op, weight: float, ctx: RuleContext,
+                           when: Any) -> None:
+        t_op = when(op.id, op.id + 1)[0]
+        trips = float(op.trip_count or 1)
+        p = op.primitive
+        if p == "scan":
+            body = op.bodies[0]
+            n_consts, n_carry = int(op.eqn.params["num_consts"]), int(op.eqn.params["num_carry"])
+            outer_in = list(op.inputs)
+            sub = (*scope, (op.id, 0))
+            self.enter_body(body, sub, outer_in, weight * trips, t_op, stacked_from=n_consts + n_carry)
+            carry_in = body.inputs[n_consts:n_consts + n_carry]
+            carry_out = body.outputs[:n_carry]
+            for ci, co in zip(carry_in, carry_out, strict=True):
+                self.tie(sub, co, sub, ci, weight * trips, "carry")
+            self.result_ports(graph, scope, op, [(sub, t) for t in body.outputs], ctx, when,
+                              stacked=[k >= n_carry for k in range(len(op.outputs))])
+        elif p == "while":
+            cond, body = op.bodies
+            nc, nb = int(op.eqn.params["cond_nconsts"]), int(op.eqn.params["body_nconsts"])
+            carry = list(op.inputs[nc + nb:])
+            s_cond, s_body = (*scope, (op.id, 0)), (*scope, (op.id, 1))
+            self.enter_body(cond, s_cond, list(op.inputs[:nc]) + carry, weight * trips, t_op)
+            self.enter_body(body, s_body, list(op.inputs[nc:nc + nb]) + carry, weight * trips, t_op)
+            for k, co in enumerate(body.outputs):
+                self.tie(s_body, co, s_body, body.inputs[nb + k], weight * trips, "carry")
+            self.result_ports(graph, scope, op, [(s_body, t) for t in body.outputs], ctx, when)
+        elif p == "cond":
+            branch_outs = []
+            for b_idx, branch in enumerate(op.bodies):
+                sub = (*scope, (op.id, b_idx))
+                self.enter_body(branch, sub, list(op.inputs[1:]), weight, t_op)
+                branch_outs.append([(sub, t) for t in branch.outputs])
+            self.result_ports(graph, scope, op, branch_outs[0], ctx, when, also=branch_outs[1:])
+        else:  # remat
+            body = op.bodies[0]
+            sub = (*scope, (op.id, 0))
+            self.enter_body(body, sub, list(op.inputs), weight, t_op)
+            self.result_ports(graph, scope, op, [(sub, t) for t in body.outputs], ctx, when)
+
+    def enter_body(self, body: Graph, sub: Scope, outer: Sequence[int], weight: float, t_op: int,
+                   stacked_from: int | None = None) -> None:
+        """Port nodes for the body's inputs, fed by the outer operands; then the body's own nodes."""
+        self.graphs[sub] = body
+        bctx = RuleContext(body, self.mesh)
+        parent = sub[:-1]
+        for k, (tid, outer_tid) in enumerate(zip(body.inputs, outer, strict=True)):
+            t = body.tensors[tid]
+            if t.role is Role.CONST and not t.shape:
+                continue
+            port = self.port_node(f"{t.name} (into {self.root_name(sub)})", (sub, tid), t.shape, t.nbytes, bctx,
+                                  (t_op, t_op + 1))
+            is_stacked = stacked_from is not None and k >= stacked_from
+            self.feed(parent, outer_tid, port, stacked=is_stacked)
+        self.build_scope(body, sub, weight, t_op)
+
+    def root_name(self, sub: Scope) -> str:
+        op_id, b = sub[-1]
+        g = self.graphs[sub[:-1]]
+        return f"{g.ops[op_id].primitive} (op {op_id}) body {b}"
+
+    def feed(self, parent: Scope, outer_tid: int, port: int, *, stacked: bool) -> None:
+        """Record that ``port`` reads outer tensor ``outer_tid`` (its per-iteration slice when stacked)."""
+        node = self.nodes[port]
+        for s in range(node.k):
+            spec = node.produces[s][0][1]
+            need = ShardingSpec(dims=((), *spec.dims)) if stacked else spec
+            node.reads[s] = [((parent, outer_tid), need)]
+
+    def tie(self, s_from: Scope, t_from: int, s_to: Scope, t_to: int, weight: float, kind: str) -> None:
+        self.ties.append(((s_from, t_from), (s_to, t_to), weight, kind))
+
+    def result_ports(self, graph: Graph, scope: Scope, op: Op, sources: list[TensorKey], ctx: RuleContext,
+                     when: Any, stacked: Sequence[bool] | None = None,
+                     also: Sequence[list[TensorKey]] = ()) -> None:
+        for k, (tid, src) in enumerate(zip(op.outputs, sources, strict=True)):
+            t = graph.tensors[tid]
+            interval = when(*t.live)
+            port = self.port_node(f"{t.name} (result {k} of {op.where()})", (scope, tid), t.shape, t.nbytes,
+                                  ctx, interval)
+            node = self.nodes[port]
+            node.ops = [(scope, op.id)]
+            st = bool(stacked[k]) if stacked is not None else False
+            for s in range(node.k):
+                spec = node.produces[s][0][1]
+                inner = ShardingSpec(dims=spec.dims[1:]) if st else spec
+                if st and spec.dims[0]:
+                    inner = None  # a stacked result split on the iteration axis: no body layout gives it
+                node.reads[s] = [(src, inner)] + [(alt[k], inner) for alt in also]
+
+    # ---- finishing -------------------------------------------------------------------------------------
+
+    def build(self) -> BuiltProblem:
+        self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
+        g = self.root
+        ctx = RuleContext(g, self.mesh)
+        for tid in g.inputs:
+            t = g.tensors[tid]
+            if not t.consumers and tid not in g.outputs:
+                continue
+            end = t.live[1] if t.consumers else 1
+            self.port_node(t.name, ((), tid), t.shape, t.nbytes, ctx, (0, max(end, 1)), kind="input")
+        self.build_scope(g, (), 1.0, None)
+        edge_u, edge_v, mats = [], [], []
+        for v, node in enumerate(self.nodes):
+            keys = [key for key, _ in node.reads[0]] if node.reads else []
+            for j, key in enumerate(keys):
+                u = self.producer.get(key)
+                if u is None or u == v:
+                    continue  # constants, literals, or read inside the same group
+                mat = self.matrix(key, u, v, j)
+                if mat is not None:
+                    edge_u.append(u)
+                    edge_v.append(v)
+                    mats.append(mat * node.weight)
+                    self.edges.append(EdgeInfo(u, v, key, node.weight, "data"))
+        for src, dst, weight, kind in self.ties:
+            self.add_tie(src, dst, weight, kind, edge_u, edge_v, mats)
+        for o, i in g.output_aliases.items():
+            src, dst = ((), g.outputs[o]), ((), g.inputs[i])
+            if dst in self.producer and src in self.producer and self.producer[src] != self.producer[dst]:
+                self.add_tie(src, dst, 1.0, "state", edge_u, edge_v, mats)
+        # Tie-break toward less memory: holding a byte costs 1% of reading it once. Between layouts of
+        # equal time (slicing an input is free), the one that keeps less per device wins.
+        hold = MEMORY_TIE_BREAK / self.cost.memory_bandwidth
+        problem = IntraOpProblem(
+            node_costs=[n.cost + hold * n.memory for n in self.nodes],
+            node_memory=[n.memory for n in self.nodes],
+            intervals=np.array([n.interval for n in self.nodes], dtype=np.int64).reshape(-1, 2),
+            edges=np.array(list(zip(edge_u, edge_v, strict=True)), dtype=np.int64).reshape(-1, 2),
+            edge_costs=mats,
+            node_names=[n.name for n in self.nodes],
+        )
+        return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.producer), dict(self.graphs))
+
+    def add_tie(self, src: TensorKey, dst: TensorKey, weight: float, kind: str,
+                edge_u: list[int], edge_v: list[int], mats: list[np.ndarray]) -> None:
+        u, v = self.producer.get(src), self.producer.get(dst)
+        if u is None or v is None or u == v:
+            return
+        g = self.graphs[src[0]]
+        t = g.tensors[src[1]]
+        a = [self.spec_in(u, src, s) for s in range(self.nodes[u].k)]
+        b = [self.spec_in(v, dst, s) for s in range(self.nodes[v].k)]
+        mats.append(self.reshard_matrix(t.shape, t.dtype, a, b) * weight)
+        edge_u.append(u)
+        edge_v.append(v)
+        self.edges.append(EdgeInfo(u, v, src, weight, kind))
+
+    def spec_in(self, node: int, key: TensorKey, s: int) -> ShardingSpec:
+        for k, spec in self.nodes[node].produces[s]:
+            if k == key:
+                return spec
+        raise KeyError(key)
+
+    def matrix(self, key: TensorKey, u: int, v: int, j: int) -> np.ndarray | None:
+        g = self.graphs[key[0]]
+        t = g.tensors[key[1]]
+        src = [self.spec_in(u, key, s) for s in range(self.nodes[u].k)]
+        dst = [self.nodes[v].reads[s][j][1] for s in range(self.nodes[v].k)]
+        return self.reshard_matrix(t.shape, t.dtype, src, dst)
+
+    def reshard_matrix(self, shape: tuple[int, ...], dtype: str, src: Sequence[ShardingSpec],
+                       dst: Sequence[ShardingSpec | None]) -> np.ndarray:
+        key = (shape, dtype, tuple(src), tuple(dst))
+        hit = self._matrix_cache.get(key)
+        if hit is not None:
+            return hit
+        cache = self._pair_cache.setdefault((shape, dtype), {})
+        m = np.empty((len(src), len(dst)))
+        for i, a in enumerate(src):
+            for j, b in enumerate(dst):
+                if b is None or len(b.dims) != len(shape) or len(a.dims) != len(shape):
+                    m[i, j] = math.inf
+                    continue
+                c = cache.get((a, b))
+                if c is None:
+                    c = self.cost.reshard_time(shape, dtype, a, b) if a != b else 0.0
+                    cache[(a, b)] = c
+                m[i, j] = c
+        self._matrix_cache[key] = m
+        return m
+
+
+def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None) -> BuiltProblem:
+    """The solver problem for ``graph`` on ``cost.mesh`` (see the module docstring)."""
+    built = _Build(graph, cost).build()
+    problem = dataclasses.replace(built.problem, memory_limit=memory_budget)
+    return dataclasses.replace(built, problem=problem)

@@ -1,0 +1,205 @@
+"""Sharding rules per primitive, and the solver problem built from a graph.
+
+The golden cases solve the problem built from the examples and check the layouts chosen for the
+parameters and the batch: data parallel for a small model on a big batch, Megatron column-then-row for a
+very wide MLP on a small batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard._examples import load_example
+from autoshard.planner.build import build_problem
+from autoshard.strategies import RULES, RuleContext, strategies_for
+from autoshard.strategies.layout import reshape_groups
+from autoshard.trace.graph import Role
+from cost_models import CostModel, ShardingSpec
+from solvers import solve_intra_op
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+
+
+def _cost(shape=(2, 4), names=("data", "model")) -> CostModel:
+    return CostModel.load("h100", mesh_shape=shape, axis_names=names)
+
+
+def _strategies(fn, *args, cost=None):
+    graph = autoshard.trace(fn, *args)
+    cost = cost or _cost()
+    ctx = RuleContext(graph, cost.mesh)
+    return graph, [(op, strategies_for(op, ctx, cost)) for op in graph.ops]
+
+
+def test_dot_general_offers_data_column_row_and_partial_layouts() -> None:
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    _, [(_, strategies)] = _strategies(lambda x, w: x @ w, x, w)
+    found = {(str(s.in_specs[0]), str(s.in_specs[1]), str(s.out_specs[0])) for s in strategies}
+    assert ("S(data)·R", "R·R", "S(data)·R") in found  # data parallel
+    assert ("R·R", "R·S(model)", "R·S(model)") in found  # column parallel
+    assert ("R·S(model)", "S(model)·R", "R·R +P(model)") in found  # row parallel: a pending sum
+    assert ("S(data)·S(model)", "S(model)·R", "S(data)·R +P(model)") in found
+    # Work splits over every axis the strategy uses.
+    full = next(s for s in strategies if s.in_specs[0].is_replicated() and s.in_specs[1].is_replicated())
+    split = next(s for s in strategies if str(s.out_specs[0]) == "S(data)·S(model)")
+    assert split.compute_time < full.compute_time
+
+
+def test_dot_with_several_consumers_reduces_inside() -> None:
+    def f(x, w):
+        y = x @ w
+        return jnp.sin(y) + jnp.cos(y)
+
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    _, ops = _strategies(f, x, w)
+    dot = next(s for op, s in ops if op.primitive == "dot_general")
+    row = [s for s in dot if str(s.in_specs[1]) == "S(model)·R"]
+    assert row and all(not s.out_specs[0].partial and s.comm_time > 0 for s in row)
+    assert all(c.kind == "all_reduce" and c.axes == ("model",) for s in row for c in s.comm)
+
+
+def test_reductions_and_layout_rules() -> None:
+    def f(x):
+        a = jnp.sum(x, axis=1)
+        b = jnp.max(x, axis=1)
+        c = x.reshape(8, 4, 16).transpose(1, 0, 2)
+        return a, b, c
+
+    _, ops = _strategies(f, jax.ShapeDtypeStruct((8, 64), jnp.float32))
+    by = {op.primitive: s for op, s in ops}
+    sums = {(str(s.in_specs[0]), str(s.out_specs[0])) for s in by["reduce_sum"]}
+    assert ("R·S(model)", "R +P(model)") in sums
+    maxes = [s for s in by["reduce_max"] if str(s.in_specs[0]) == "R·S(model)"]
+    assert maxes and maxes[0].comm and not maxes[0].out_specs[0].partial
+    reshapes = {(str(s.in_specs[0]), str(s.out_specs[0])) for s in by["reshape"]}
+    assert ("S(data)·R", "S(data)·R·R") in reshapes
+    assert ("R·S(model)", "R·S(model)·R") in reshapes  # 64 -> (4, 16): the major piece takes the split
+    transposes = {(str(s.in_specs[0]), str(s.out_specs[0])) for s in by["transpose"]}
+    assert ("S(data)·S(model)·R", "S(model)·S(data)·R") in transposes
+
+
+def test_reshape_groups() -> None:
+    assert reshape_groups((2, 3, 4), (6, 4)) == [([0, 1], [0]), ([2], [1])]
+    assert reshape_groups((8, 1, 16), (8, 16)) == [([0], [0]), ([2], [1])]
+    assert reshape_groups((4, 6), (2, 12)) == [([0, 1], [0, 1])]
+
+
+def test_embedding_gather_and_its_gradient() -> None:
+    table = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+
+    def f(table, tokens):
+        return jnp.take(table, tokens, axis=0).sum()
+
+    def grad(table, tokens):
+        return jax.grad(f)(table, tokens)
+
+    _, ops = _strategies(grad, table, tokens)
+    gather = next(s for op, s in ops if op.primitive == "gather")
+    outs = {str(s.out_specs[0]) for s in gather}
+    assert "S(data)·R·S(model)" in outs  # tokens split by batch, table by hidden
+    scatter = next(s for op, s in ops if op.primitive in ("scatter-add", "scatter_add"))
+    dp = [s for s in scatter if str(s.in_specs[2]).startswith("S(data)")]
+    assert dp and all("data" in s.out_specs[0].partial for s in dp)  # per-device partial table gradient
+
+
+def test_every_primitive_in_the_examples_has_a_rule_or_a_deliberate_fallback() -> None:
+    deliberate = {"scan", "while", "cond", "checkpoint", "remat2", "random_bits", "random_wrap",
+                  "random_unwrap", "random_seed", "random_fold_in", "random_split", "threefry2x32"}
+    seen: set[str] = set()
+    for path in EXAMPLES:
+        ex = load_example(path, "tiny", abstract=True)
+        graph = autoshard.trace(ex.train_step, *ex.args)
+        seen |= {op.primitive for _, op in graph.walk()}
+    missing = sorted(seen - set(RULES) - deliberate)
+    assert not missing, f"primitives with neither a sharding rule nor a deliberate fallback: {missing}"
+
+
+def test_unknown_primitive_is_replicated_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    prim = jax.extend.core.Primitive("autoshard_test_opaque")
+    prim.def_abstract_eval(lambda x: x)
+    graph, _ = _strategies(lambda x: prim.bind(x * 2.0), jax.ShapeDtypeStruct((8, 8), jnp.float32))
+    cost = _cost()
+    ctx = RuleContext(graph, cost.mesh)
+    warned: set[str] = set()
+    op = next(op for op in graph.ops if op.primitive == "autoshard_test_opaque")
+    with caplog.at_level("WARNING", logger="autoshard"):
+        (only,) = strategies_for(op, ctx, cost, warned)
+        strategies_for(op, ctx, cost, warned)
+    assert only.in_specs[0].is_replicated() and only.out_specs[0].is_replicated()
+    assert sum("no sharding rule for primitive 'autoshard_test_opaque'" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- the problem built from a graph, solved -----------------------------------------------------------
+
+
+def _solve(path: str, preset: str, shape, names):
+    ex = load_example(ROOT / "examples" / path, preset, abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    built = build_problem(graph, _cost(shape, names), None)
+    built.problem.verify()
+    sol = solve_intra_op(built.problem, time_budget_s=60)
+    chosen = {}
+    for i, node in enumerate(built.nodes):
+        if node.kind == "input":
+            (key, spec), = node.produces[sol.choice[i]]
+            chosen[graph.tensors[key[1]].name] = spec
+    return graph, built, sol, chosen
+
+
+def test_golden_data_parallel_for_a_small_model_on_a_big_batch() -> None:
+    graph, built, sol, chosen = _solve("mlp.py", "big-batch", (8,), ("data",))
+    for t in graph.input_tensors(Role.PARAM):
+        assert chosen[t.name].is_replicated(), (t.name, chosen[t.name])
+    for t in graph.input_tensors(Role.BATCH):
+        assert chosen[t.name].dims[0] == ("data",), (t.name, chosen[t.name])
+    # Every forward matmul splits the batch; the backward weight-gradient matmuls leave a pending sum
+    # over the data axis (the gradient all-reduce).
+    dots = [(node, node.strategies[sol.choice[i]]) for i, node in enumerate(built.nodes)
+            if node.kind == "op" and node.name.startswith("dot_general")]
+    forward = [(n, s) for n, s in dots if graph.ops[n.ops[0][1]].phase == "forward"]
+    assert len(forward) == 4
+    assert all(s.in_specs[0].dims[0] == ("data",) for _, s in forward)
+    assert sum("data" in s.out_specs[0].partial for _, s in dots) == 4
+
+
+def test_golden_megatron_column_then_row_for_a_wide_mlp() -> None:
+    graph, _, _, chosen = _solve("mlp.py", "wide", (8,), ("model",))
+    kernels = sorted(t.name for t in graph.input_tensors(Role.PARAM) if t.name.endswith("kernel"))
+    first, second = kernels
+    assert chosen[first].dims == ((), ("model",)), chosen[first]  # column parallel
+    assert chosen[second].dims == (("model",), ()), chosen[second]  # row parallel
+    # Adam's moments live with their parameter.
+    for t in graph.input_tensors(Role.OPT_STATE):
+        if t.name.endswith(first.split("state.params.")[1]) and t.shape == graph.tensor(first).shape:
+            assert chosen[t.name] == chosen[first]
+
+
+def test_memory_costs_and_intervals_are_consistent() -> None:
+    ex = load_example(ROOT / "examples" / "mlp.py", "tiny", abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    cost = _cost((8,), ("data",))
+    built = build_problem(graph, cost, 1e9)
+    p = built.problem
+    p.verify()
+    assert p.memory_limit == 1e9
+    for node, mem in zip(built.nodes, p.node_memory, strict=True):
+        assert np.all(mem >= 0)
+        if node.kind == "input":
+            (key, _), = node.produces[0]
+            t = graph.tensors[key[1]]
+            full = [k for k, s in enumerate(node.produces) if s[0][1].is_replicated()]
+            assert mem[full[0]] == t.nbytes
+            assert node.interval[0] == 0
+    # A parameter's optimizer update reads it: the tie from new to old parameter exists.
+    assert any(e.kind == "state" for e in built.edges)
+    assert ShardingSpec.parse("S(data)·R").dims == (("data",), ())
