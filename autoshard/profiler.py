@@ -49,7 +49,7 @@ class ProfileConfig:
 
     mesh_shape: tuple[int, ...] = (2, 4)
     axis_names: tuple[str, ...] | None = None
-    matmul_sizes: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    matmul_sizes: tuple[int, ...] = (128, 256, 512, 1024)
     matmul_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     copy_sizes: tuple[int, ...] = (2**16, 2**20, 2**22, 2**24)
     collective_sizes: tuple[int, ...] = (2**12, 2**15, 2**18, 2**20, 2**22, 2**24)
@@ -62,7 +62,7 @@ class ProfileConfig:
     def quick(cls, **overrides: Any) -> ProfileConfig:
         """Fewer sizes and repeats: about a minute on 8 CPU devices of a 2-core machine."""
         base = cls(
-            matmul_sizes=(128, 256, 512, 1024),
+            matmul_sizes=(128, 256, 512),
             copy_sizes=(2**16, 2**20, 2**23),
             collective_sizes=(2**12, 2**16, 2**20, 2**23),
             warmup=1,

@@ -279,8 +279,9 @@ def fit_link(samples: Sequence[CollectiveSample], name: str) -> Link:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Curve:
-    """Measured ``(x, y)`` with ``y`` made non-decreasing in ``x`` (running maximum, so more work is never
-    cheaper). Inside the measured range: linear interpolation. Above it: the last sample continued with the
+    """Measured ``(x, y)`` with ``y`` made non-decreasing in ``x`` by a running minimum from the largest
+    ``x`` down (so more work is never cheaper; a slow outlier, the usual noise on a shared machine, is
+    dropped rather than propagated to larger sizes). Inside the measured range: linear interpolation. Above it: the last sample continued with the
     slope ``b`` of the least-squares line ``a + b·x``. Below it: that line, capped by the first sample."""
 
     x: np.ndarray
@@ -292,7 +293,7 @@ class Curve:
     def of(cls, x: Sequence[float], y: Sequence[float]) -> Curve:
         xs, ys = np.asarray(x, float), np.asarray(y, float)
         ux = np.unique(xs)
-        uy = np.maximum.accumulate(np.array([np.median(ys[xs == v]) for v in ux]))
+        uy = np.minimum.accumulate(np.array([np.median(ys[xs == v]) for v in ux])[::-1])[::-1]
         a, b = fit_affine(ux, uy)
         return cls(ux, uy, a, b)
 
