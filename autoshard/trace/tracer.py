@@ -18,6 +18,7 @@ What the walk does with each kind of equation:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -72,13 +73,17 @@ def _source(eqn: Any) -> str:
     if not frames:
         return ""
     frame = next((f for f in frames if not any(m in f.file_name for m in _LIBRARY_MARKERS)), frames[0])
-    path = frame.file_name
+    return f"{_display_path(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+
+
+@functools.lru_cache(maxsize=1024)
+def _display_path(path: str) -> str:
+    """Relative to the working directory when below it, else absolute."""
     try:
         rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
     except ValueError:
-        pass
-    return f"{path}:{frame.start_line} ({frame.function_name})"
+        return path
+    return rel if not rel.startswith("..") else path
 
 
 def _clean_scope(stack: str) -> tuple[list[str], str]:
@@ -108,6 +113,9 @@ def _params_digest(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         if isinstance(v, ClosedJaxpr | Jaxpr) or callable(v):
             continue
         if isinstance(v, tuple) and v and isinstance(v[0], ClosedJaxpr | Jaxpr):
+            continue
+        if isinstance(v, np.ndarray):  # printing arrays is slow and says little
+            out.append((k, f"ndarray{list(v.shape)}:{v.dtype}"))
             continue
         s = str(v)
         out.append((k, s if len(s) <= 80 else s[:77] + "..."))
