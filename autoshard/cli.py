@@ -69,6 +69,7 @@ def _profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--axis-names", help="comma-separated mesh axis names (default x,y,...)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (~1 min on 8 CPU devices)")
     p.add_argument("--repeats", type=int, help="timed runs per measurement (the median is kept)")
+    p.add_argument("--estimator", choices=("median", "min"), default="median", help="how repeats are reduced")
     p.add_argument("--cpu-devices", type=int, default=8, help="CPU devices to ask JAX for (default 8)")
     p.add_argument("-o", "--output", metavar="PATH", help="write the profile JSON here")
 
@@ -79,7 +80,9 @@ def _profile_run(args: argparse.Namespace) -> int:
     ensure_cpu_devices(args.cpu_devices)  # before any JAX operation initialises the backends
     shape = tuple(int(s) for s in args.mesh.lower().split("x"))
     names = tuple(args.axis_names.split(",")) if args.axis_names else None
-    config = (ProfileConfig.quick if args.quick else ProfileConfig)(mesh_shape=shape, axis_names=names)
+    config = (ProfileConfig.quick if args.quick else ProfileConfig)(
+        mesh_shape=shape, axis_names=names, estimator=args.estimator
+    )
     if args.repeats:
         from dataclasses import replace
 

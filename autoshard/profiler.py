@@ -9,15 +9,16 @@ What is measured (every device of the mesh runs the same program at once, as in 
   ``all_to_all``, ``ppermute`` = send_recv, a ring shift) over each mesh axis and over all axes together, at
   several sizes, with ``nbytes`` following ``cost_models.collectives`` (larger per-device buffer).
 
-Each program is jitted, run ``warmup`` times, then timed ``repeats`` times; the median is kept. Timed runs
-of one category are interleaved (round-robin), so that background load spreads over all sizes alike. The median
-time of an empty program on the mesh (the dispatch overhead, which a fused step does not pay per op) is
-subtracted from every sample and stored as ``overhead``.
+Each program is jitted, run ``warmup`` times, then timed ``repeats`` times; the median (or, with
+``estimator="min"``, the least) time is kept. Timed runs of one category are interleaved (round-robin), so
+that background load spreads over all sizes alike. The same statistic of an empty program on the mesh (the
+dispatch overhead, which a fused step does not pay per op) is subtracted from every sample (keeping at least
+a tenth of it) and stored as ``overhead``.
 
 The profile's ``cluster`` is the preset matching the platform (``cpu``, or the GPU/TPU preset whose name
-matches ``device_kind``) with its numbers replaced by fits: peak matmul rate per measured dtype = best
-measured rate (efficiency 1), memory bandwidth = copy fit, links = alpha-beta fits of the collectives over
-axes on that link (``cost_models.profile.fit_link``).
+matches ``device_kind``) with its numbers replaced by fits: peak matmul rate per measured dtype = rate of
+its largest measured matmul (efficiency 1), memory bandwidth = copy fit, links = alpha-beta fits of the
+collectives over axes on that link (``cost_models.profile.fit_link``).
 
 CPU devices: ``ensure_cpu_devices(n)`` asks JAX for ``n`` CPU devices (``jax_num_cpu_devices``); it must
 run before JAX initialises its backends, which ``autoshard profile`` guarantees by calling it first.
@@ -56,6 +57,7 @@ class ProfileConfig:
     collectives: tuple[str, ...] = KINDS
     warmup: int = 2
     repeats: int = 9
+    estimator: str = "median"  # or "min": the least time, robust to other processes' load on a shared machine
     name: str | None = None
 
     @classmethod
@@ -82,8 +84,10 @@ def ensure_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
-def _median_times(thunks: Sequence[Callable[[], Any]], warmup: int, repeats: int) -> list[float]:
-    """Median seconds of each thunk. Runs are interleaved (each round runs every thunk once) so that load
+def _median_times(
+    thunks: Sequence[Callable[[], Any]], warmup: int, repeats: int, estimator: str = "median"
+) -> list[float]:
+    """Median (or least, ``estimator="min"``) seconds of each thunk. Runs are interleaved (each round runs every thunk once) so that load
     from other processes on the machine falls on all measurements alike."""
     import jax
 
@@ -96,7 +100,8 @@ def _median_times(thunks: Sequence[Callable[[], Any]], warmup: int, repeats: int
             t0 = time.perf_counter()
             jax.block_until_ready(f())
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    reduce = min if estimator == "min" else statistics.median
+    return [reduce(t) for t in times]
 
 
 def matmul_shapes(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -166,11 +171,11 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
     w, r = config.warmup, config.repeats
     tiny = sharded((1,), jnp.float32)
     empty = spmd(lambda x: x + 1)
-    (overhead,) = _median_times([lambda: empty(tiny)], w + 2, max(r, 9))
+    (overhead,) = _median_times([lambda: empty(tiny)], w + 2, max(r, 9), config.estimator)
     say(f"dispatch overhead {overhead * 1e6:.1f} us on {ndev} {devices[0].platform} devices")
 
-    def net(t: float) -> float:
-        return max(t - overhead, 1e-7)
+    def net(t: float) -> float:  # keep a tenth of the raw time: a program as cheap as a dispatch is not free
+        return max(t - overhead, 0.1 * t)
 
     def call(f: Callable[..., Any], *args: Any) -> Callable[[], Any]:
         return lambda: f(*args)
@@ -180,7 +185,7 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
     for dtype in config.matmul_dtypes:
         shapes = matmul_shapes(config.matmul_sizes)
         thunks = [call(mm, sharded((m, k), dtype), sharded((k, n), dtype)) for m, n, k in shapes]
-        for (m, n, k), t in zip(shapes, _median_times(thunks, w, r), strict=True):
+        for (m, n, k), t in zip(shapes, _median_times(thunks, w, r, config.estimator), strict=True):
             matmuls.append(MatmulSample(m=m, n=n, k=k, dtype=str(jnp.dtype(dtype)), seconds=net(t)))
         say(
             f"matmul {dtype}: "
@@ -192,7 +197,7 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
     thunks = [call(dbl, sharded((nbytes // 4,), jnp.float32)) for nbytes in config.copy_sizes]
     copies = [
         CopySample(nbytes=nbytes, seconds=net(t))
-        for nbytes, t in zip(config.copy_sizes, _median_times(thunks, w, r), strict=True)
+        for nbytes, t in zip(config.copy_sizes, _median_times(thunks, w, r, config.estimator), strict=True)
     ]
     say("copy: " + ", ".join(f"{c.nbytes} B {2 * c.nbytes / c.seconds / 1e9:.2f} GB/s" for c in copies))
 
@@ -216,7 +221,7 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
             f = spmd(body)
             elems = [max(p, nbytes // 4 // p * p) for nbytes in config.collective_sizes]
             thunks = [call(f, sharded((e // p if input_is_shard else e,), jnp.float32)) for e in elems]
-            for e, t in zip(elems, _median_times(thunks, w, r), strict=True):
+            for e, t in zip(elems, _median_times(thunks, w, r, config.estimator), strict=True):
                 collectives.append(
                     CollectiveSample(
                         kind=kind,
@@ -256,7 +261,8 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
             "config": repr(config),
             "seconds": f"{elapsed:.1f}",
         },
-        notes="measured by `autoshard profile`; times are medians with the dispatch overhead subtracted",
+        notes=f"measured by `autoshard profile`; times are {config.estimator}s over {r} interleaved runs "
+        "with the dispatch overhead subtracted",
     )
 
 
@@ -276,7 +282,8 @@ def _fitted_cluster(
         "source": f"fitted by autoshard profile from {dev.name}",
     }
     for dtype in {s.dtype for s in matmuls}:
-        best = max(s.flops / s.seconds for s in matmuls if s.dtype == dtype)
+        largest = max((s for s in matmuls if s.dtype == dtype), key=lambda s: s.flops)
+        best = largest.flops / largest.seconds  # the rate of the largest matmul: robust to one fast outlier
         cls = rate_class(dtype)
         if cls == "fp32":
             cls = dev.fp32_matmul_as

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax
 import jax.numpy as jnp
@@ -122,18 +124,58 @@ class Layout:
 LAYOUTS = [
     Layout("replicated", (8,), ("d",), P(), P(), P(), P(), P(), lambda: megatron(1, 1, (), ())),
     Layout("dp8", (8,), ("d",), P("d"), P(), P(), P("d"), P("d"), lambda: megatron(8, 1, ("d",), ())),
-    Layout("mp8", (8,), ("m",), P(), P(None, "m"), P("m"), P(None, "m"), P(), lambda: megatron(1, 8, (), ("m",))),
+    Layout(
+        "mp8", (8,), ("m",), P(), P(None, "m"), P("m"), P(None, "m"), P(), lambda: megatron(1, 8, (), ("m",))
+    ),
     Layout("fsdp8", (8,), ("d",), P("d"), P("d"), P("d"), P("d"), P("d"), lambda: fsdp(("d",), 8)),
-    Layout("dp2xmp4", (2, 4), ("d", "m"), P("d"), P(None, "m"), P("m"), P("d", "m"), P("d"),
-           lambda: megatron(2, 4, ("d",), ("m",))),
-    Layout("dp4xmp2", (4, 2), ("d", "m"), P("d"), P(None, "m"), P("m"), P("d", "m"), P("d"),
-           lambda: megatron(4, 2, ("d",), ("m",))),
-    Layout("dp2xrep4", (2, 4), ("d", "r"), P("d"), P(), P(), P("d"), P("d"), lambda: megatron(2, 1, ("d",), ())),
-    Layout("dp8-2d", (2, 4), ("a", "b"), P(("a", "b")), P(), P(), P(("a", "b")), P(("a", "b")),
-           lambda: megatron(8, 1, ("a", "b"), ())),
+    Layout(
+        "dp2xmp4",
+        (2, 4),
+        ("d", "m"),
+        P("d"),
+        P(None, "m"),
+        P("m"),
+        P("d", "m"),
+        P("d"),
+        lambda: megatron(2, 4, ("d",), ("m",)),
+    ),
+    Layout(
+        "dp4xmp2",
+        (4, 2),
+        ("d", "m"),
+        P("d"),
+        P(None, "m"),
+        P("m"),
+        P("d", "m"),
+        P("d"),
+        lambda: megatron(4, 2, ("d",), ("m",)),
+    ),
+    Layout(
+        "dp2xrep4", (2, 4), ("d", "r"), P("d"), P(), P(), P("d"), P("d"), lambda: megatron(2, 1, ("d",), ())
+    ),
+    Layout(
+        "dp8-2d",
+        (2, 4),
+        ("a", "b"),
+        P(("a", "b")),
+        P(),
+        P(),
+        P(("a", "b")),
+        P(("a", "b")),
+        lambda: megatron(8, 1, ("a", "b"), ()),
+    ),
     Layout("row-first8", (8,), ("m",), P(None, "m"), P("m"), P(), P(), P(), lambda: row_first(("m",), 8)),
-    Layout("col-col8", (8,), ("m",), P(), P(None, "m"), P(None, "m"), P(None, "m"), P(None, "m"),
-           lambda: col_col(("m",), 8)),
+    Layout(
+        "col-col8",
+        (8,),
+        ("m",),
+        P(),
+        P(None, "m"),
+        P(None, "m"),
+        P(None, "m"),
+        P(None, "m"),
+        lambda: col_col(("m",), 8),
+    ),
 ]
 
 
@@ -176,7 +218,9 @@ def compile_layout(layout: Layout) -> tuple[Callable[[], object], dict[str, int]
     return (lambda: jax.block_until_ready(f(*args))), {k: v for k, v in counts.items() if v}
 
 
-def measure_all(layouts: list[Layout], repeats: int) -> list[tuple[float, dict[str, int]]]:
+def measure_all(
+    layouts: list[Layout], repeats: int, estimator: str = "median"
+) -> list[tuple[float, dict[str, int]]]:
     """Median wall time per layout over ``repeats`` rounds; each round runs every layout once, so that
     load from other processes on the machine falls on all layouts alike."""
     runs = [compile_layout(lay) for lay in layouts]
@@ -186,7 +230,8 @@ def measure_all(layouts: list[Layout], repeats: int) -> list[tuple[float, dict[s
             t0 = time.perf_counter()
             run()
             times[i].append(time.perf_counter() - t0)
-    return [(statistics.median(t), counts) for t, (_, counts) in zip(times, runs, strict=True)]
+    reduce = min if estimator == "min" else statistics.median
+    return [(reduce(t), counts) for t, (_, counts) in zip(times, runs, strict=True)]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -211,12 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--quick-profile", action="store_true", help="profile the devices now (quick mode)")
     src.add_argument("--preset", help="use an analytic preset instead (e.g. cpu)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument(
+        "--estimator", choices=("median", "min"), default="median", help="how repeats are reduced"
+    )
     args = ap.parse_args(argv)
 
     if args.quick_profile:
         from autoshard.profiler import ProfileConfig, run_profile
 
-        profile: Profile = run_profile(ProfileConfig.quick())
+        profile: Profile = run_profile(ProfileConfig.quick(estimator=args.estimator))
     elif args.preset:
         profile = load_profile(args.preset)
     else:
@@ -225,14 +273,19 @@ def main(argv: list[str] | None = None) -> int:
             print("no shipped cpu-8dev profile; pass --profile or --quick-profile", file=sys.stderr)
             return 2
         profile = load_profile(args.profile or shipped[-1])
-    print(f"profile: {profile.name} (overhead {profile.overhead * 1e6:.0f} us); step: MLP B={B} D={D} H={H} fp32")
+    print(
+        f"profile: {profile.name} (overhead {profile.overhead * 1e6:.0f} us); step: MLP B={B} D={D} H={H} fp32"
+    )
     print(f"{'layout':<12} {'predicted ms':>12} {'measured ms':>12} {'rel err':>8}  collectives in HLO")
     pred = [
-        predict(CostModel.load(profile, mesh_shape=lay.mesh_shape, axis_names=lay.axis_names), lay.work(),
-                profile.overhead)
+        predict(
+            CostModel.load(profile, mesh_shape=lay.mesh_shape, axis_names=lay.axis_names),
+            lay.work(),
+            profile.overhead,
+        )
         for lay in LAYOUTS
     ]
-    measured = measure_all(LAYOUTS, args.repeats)
+    measured = measure_all(LAYOUTS, args.repeats, args.estimator)
     meas = [m for m, _ in measured]
     for lay, p, (m, counts) in zip(LAYOUTS, pred, measured, strict=True):
         print(f"{lay.name:<12} {p * 1e3:12.2f} {m * 1e3:12.2f} {abs(p - m) / m:8.2f}  {counts}")
