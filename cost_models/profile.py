@@ -34,7 +34,8 @@ How a model uses them (``CostModel``):
   nearest measured shapes.
 * A collective is matched to samples with the same kind, group size and set of link names and interpolated
   linearly in ``nbytes`` (``Curve``); beyond the samples it continues with the slope of the alpha-beta line
-  ``t = a + b·n`` least-squares fitted to them, i.e. the analytic formula with measured constants.
+  ``t = a + b·n`` least-squares fitted to them, i.e. the analytic formula with measured constants; below
+  them it stays at the smallest measured time (latency-bound).
 * Dtypes and collectives with no samples use the analytic formulas with the profile's (fitted) cluster.
 """
 
@@ -257,7 +258,8 @@ def fit_affine(x: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
 
 def fit_link(samples: Sequence[CollectiveSample], name: str) -> Link:
     """Alpha-beta link that best explains ring-algorithm samples: ``t = steps·α + bytes_sent / B`` with
-    ``steps`` and ``bytes_sent`` from ``cost_models.collectives`` (least squares over all samples)."""
+    ``steps`` and ``bytes_sent`` from ``cost_models.collectives`` (least squares on relative error over all
+    samples, so that small, latency-bound messages count as much as large ones)."""
     from cost_models.collectives import _steps
 
     rows, ts = [], []
@@ -268,12 +270,14 @@ def fit_link(samples: Sequence[CollectiveSample], name: str) -> Link:
             ts.append(s.seconds)
     if not rows:
         raise CostModelError(f"no collective samples to fit link {name!r}")
-    a = np.asarray(rows, float)
-    sol, *_ = np.linalg.lstsq(a, np.asarray(ts), rcond=None)
+    a, t = np.asarray(rows, float), np.asarray(ts, float)
+    w = 1.0 / np.maximum(t, 1e-12)  # relative errors: sizes span orders of magnitude
+    sol, *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     alpha, inv_bw = float(sol[0]), float(sol[1])
     if alpha < 0 or inv_bw <= 0:  # refit the bandwidth alone
         alpha = max(alpha, 0.0)
-        inv_bw = float(np.dot(a[:, 1], np.asarray(ts) - alpha * a[:, 0]) / np.dot(a[:, 1], a[:, 1]))
+        aw, rw = a[:, 1] * w, (t - alpha * a[:, 0]) * w
+        inv_bw = float(np.dot(aw, rw) / np.dot(aw, aw))
     return Link(name=name, bandwidth=1.0 / max(inv_bw, 1e-300), latency=alpha)
 
 
@@ -282,7 +286,8 @@ class Curve:
     """Measured ``(x, y)`` with ``y`` made non-decreasing in ``x`` by a running minimum from the largest
     ``x`` down (so more work is never cheaper; a slow outlier, the usual noise on a shared machine, is
     dropped rather than propagated to larger sizes). Inside the measured range: linear interpolation. Above it: the last sample continued with the
-    slope ``b`` of the least-squares line ``a + b·x``. Below it: that line, capped by the first sample."""
+    slope ``b`` of the least-squares line ``a + b·x``. Below it: the first sample (small messages are
+    latency-bound; a fitted intercept is too noisy to go below the smallest measurement)."""
 
     x: np.ndarray
     y: np.ndarray
@@ -304,7 +309,7 @@ class Curve:
         if x > self.x[-1]:
             return float(self.y[-1] + self.b * (x - self.x[-1]))
         if x < self.x[0]:
-            return float(max(0.0, min(self.a + self.b * x, self.y[0])))
+            return float(self.y[0])
         return float(np.interp(x, self.x, self.y))
 
 
