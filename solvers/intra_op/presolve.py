@@ -358,6 +358,8 @@ class _Graph:
         m = self.adj[u][v]
         en_u, en_v = self.en[u], self.en[v]
         sub = m[en_u][:, en_v]
+        if sub.size == 0:
+            return False  # an endpoint has no strategy left; examining it raises InfeasibleError
         r = sub.min(1)
         sub = sub - r[:, None]
         c = sub.min(0)

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from solvers.intra_op.ilp import solve_ilp
+from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import presolve
 from solvers.intra_op.problem import IntraOpProblem
@@ -29,11 +30,14 @@ def solve_intra_op(
     mip_rel_gap: float = 1e-6,
     backend: str = "highs",
     verify: bool = True,
+    max_ilp_columns: int = 250_000,
 ) -> IntraOpSolution:
     """Best assignment found within ``time_budget_s`` seconds (proven optimal when ``optimal``).
 
     ``backend`` is ``"highs"`` (highspy, the default; CBC through pulp when highspy is missing) or
-    ``"cbc"``. ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
+    ``"cbc"``. A core whose ILP would have more than ``max_ilp_columns`` columns is not handed to one
+    ILP (HiGHS would not finish its root LP in time); windows of it are re-solved exactly instead, and
+    ``lower_bound`` is then only the trivial bound (every node and edge at its own minimum). ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
     no finite, memory-feasible assignment exists and that is proven; never raises because time ran out.
     """
     start = time.perf_counter()
@@ -70,13 +74,25 @@ def solve_intra_op(
         ls.improve(time.perf_counter() + 0.1 * max(0.0, deadline - time.perf_counter()))
     incumbent = ls.choice.copy() if ls.feasible() else None
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
+    trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
+        float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
+    )
+
+    columns = sum(c.shape[0] for c in core.costs) + sum(int(np.isfinite(m).sum()) for m in core.edge_costs)
+    if columns > max_ilp_columns and incumbent is not None:
+        # too big for one ILP in the budget: exact re-solves of windows (LNS), warm from the incumbent
+        improve_by_windows(core, ls, deadline - 0.01 * time_budget_s)
+        choice = ls.choice.copy() if ls.feasible() else incumbent
+        return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
+                       "feasible (time budget reached; core too large for one ILP, improved by windows)",
+                       "local search + windowed ILP", start, stats, False, verify)
 
     remaining = deadline - time.perf_counter()
     res = solve_ilp(core, time_limit_s=max(0.05, remaining - 0.02 * time_budget_s), warm_start=incumbent,
                     mip_rel_gap=mip_rel_gap, backend=backend)
     if res.status == "infeasible":
         raise _proven_infeasible(problem)
-    bound = None if res.bound is None else res.bound + core.constant
+    bound = trivial if res.bound is None else max(trivial, res.bound + core.constant)
     if res.choice is not None and res.objective is not None and res.objective <= inc_obj:
         choice, method = res.choice, "ilp"
         if res.status == "optimal":

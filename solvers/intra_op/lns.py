@@ -1,0 +1,129 @@
+"""Large-neighbourhood search: re-solve windows of the core exactly with the rest held fixed.
+
+A window ``W`` of core nodes (a breadth-first ball, or a run of consecutive nodes) becomes a small core
+of its own: each node's cost gains ``R^e(·, s_b)`` for every edge to a fixed neighbour ``b``; edges inside
+``W`` stay; memory rows keep only the window's terms, with slack ``S_r − (usage of the fixed nodes at r)``
+taken as its minimum over each stretch of rows where the window's live set does not change. The window
+ILP (see ``ilp.py``) is solved to optimality, warm-started at the current assignment, so a window never
+makes the answer worse; windows whose optimum is cheaper are applied.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from solvers.intra_op.ilp import solve_ilp
+from solvers.intra_op.local_search import LocalSearch
+from solvers.intra_op.presolve import Core
+
+__all__ = ["improve_by_windows"]
+
+
+def _sub_core(core: Core, ls: LocalSearch, window: np.ndarray, incident: list[list[int]]) -> Core:
+    n = core.num_nodes
+    pos = np.full(n, -1, dtype=np.int64)
+    pos[window] = np.arange(window.shape[0])
+    choice = ls.choice
+    costs = [core.costs[a].copy() for a in window.tolist()]
+    edge_nodes, edge_costs = [], []
+    seen = set()
+    for la, a in enumerate(window.tolist()):
+        for e in incident[a]:
+            x, y = core.edge_nodes[e]
+            m = core.edge_costs[e]
+            if pos[x] >= 0 and pos[y] >= 0:
+                if e not in seen:
+                    seen.add(e)
+                    edge_nodes.append((pos[x], pos[y]))
+                    edge_costs.append(m)
+            elif x == a:
+                costs[la] += m[:, choice[y]]
+            else:
+                costs[la] += m[choice[x], :]
+    terms = [j for a in window.tolist() for j in ls.terms[a]]
+    if terms:
+        lo = core.mem_lo[terms]
+        hi = core.mem_hi[terms]
+        own = np.zeros(core.slack.shape[0] + 1)
+        vals = np.array([core.mem_usage[j][choice[core.mem_node[j]]] for j in terms])
+        np.add.at(own, lo, vals)
+        np.add.at(own, hi, -vals)
+        local_slack = ls.head + np.cumsum(own)[:-1]
+        bounds = np.unique(np.concatenate([lo, hi]))
+        bounds = bounds[bounds < core.slack.shape[0]]
+        seg_slack = np.minimum.reduceat(local_slack, bounds)
+        mem_lo = np.searchsorted(bounds, lo)
+        mem_hi = np.searchsorted(bounds, hi)
+        mem_node = pos[core.mem_node[terms]]
+        usage = tuple(core.mem_usage[j] for j in terms)
+    else:
+        seg_slack = np.zeros(0)
+        mem_lo = mem_hi = mem_node = np.zeros(0, dtype=np.int64)
+        usage = ()
+    return Core(
+        nodes=window,
+        strategies=tuple(np.arange(c.shape[0]) for c in costs),
+        costs=tuple(costs),
+        edge_nodes=np.array(edge_nodes, dtype=np.int64).reshape(-1, 2),
+        edge_costs=tuple(edge_costs),
+        mem_node=mem_node,
+        mem_lo=mem_lo,
+        mem_hi=mem_hi,
+        mem_usage=usage,
+        slack=seg_slack,
+        constant=0.0,
+    )
+
+
+def _bfs_window(start: int, size: int, nbrs: list[list[tuple[int, np.ndarray]]]) -> np.ndarray:
+    seen = {start}
+    queue = deque([start])
+    while queue and len(seen) < size:
+        a = queue.popleft()
+        for b, _ in nbrs[a]:
+            if b not in seen:
+                seen.add(b)
+                queue.append(b)
+                if len(seen) >= size:
+                    break
+    return np.array(sorted(seen), dtype=np.int64)
+
+
+def improve_by_windows(core: Core, ls: LocalSearch, deadline: float, *, window: int = 120) -> int:
+    """Sweep windows over the core until ``deadline``; returns the number of improving windows."""
+    n = core.num_nodes
+    incident: list[list[int]] = [[] for _ in range(n)]
+    for e, (a, b) in enumerate(core.edge_nodes.tolist()):
+        incident[a].append(e)
+        incident[b].append(e)
+    improved = 0
+    size = min(window, n)
+    sweep = 0
+    while time.perf_counter() < deadline - 0.05:
+        changed_in_sweep = 0
+        starts = range(0, n, max(1, size // 2)) if sweep % 2 == 0 else range(sweep % max(1, size), n, size)
+        for s in starts:
+            left = deadline - time.perf_counter()
+            if left < 0.05:
+                break
+            w = np.arange(s, min(n, s + size)) if sweep % 2 == 0 else _bfs_window(s, size, ls.nbrs)
+            sub = _sub_core(core, ls, w, incident)
+            cur = ls.choice[w]
+            before = sub.objective(cur)
+            res = solve_ilp(sub, time_limit_s=min(left, 5.0), warm_start=cur)
+            if res.choice is None or res.objective is None or res.objective >= before - 1e-9 * max(1, abs(before)):
+                continue
+            for la, a in enumerate(w.tolist()):
+                ls.choice[a] = res.choice[la]
+            ls.head = core.slack - core.usage(ls.choice) if core.slack.size else ls.head
+            improved += 1
+            changed_in_sweep += 1
+        sweep += 1
+        if changed_in_sweep == 0 and sweep >= 2:
+            break
+        if sweep % 2 == 0:
+            size = min(n, int(size * 1.5))
+    return improved
