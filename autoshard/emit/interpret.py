@@ -1,0 +1,282 @@
+"""Evaluate a traced Graph op by op on JAX values, pinning the spec map's choices as it goes.
+
+``Interpreter.run(graph, key, args)`` is the inverse of tracing: every op binds its jaxpr equation's
+primitive again (``eqn.primitive.bind(*inputs, **params)``), and every value whose tensor has a spec in scope
+``key`` is passed through ``jax.lax.with_sharding_constraint``. Run under ``jax.jit`` it re-emits the step
+with the constraints in place; Shardy then inserts the collectives.
+
+Where values come from
+----------------------
+- graph inputs: the arguments, in ``graph.inputs`` order (1:1 with the jaxpr's invars);
+- op outputs: the bound results, in ``op.outputs`` order (1:1 with ``eqn.outvars``);
+- constants (``Role.CONST``, no producer): the tracer made one tensor per literal occurrence and one per
+  constvar, but kept no values. ``op.inputs[k]`` is 1:1 with ``op.eqn.invars[k]``, so a literal's value is
+  ``eqn.invars[k].val``; a constvar's value is found in ``_const_values``, which walks the graph's
+  ClosedJaxpr (its ``consts``, and those of the jit/custom_jvp/custom_vjp calls the tracer inlined) and
+  follows values through the inlined calls' parameters and results.
+
+Control flow
+------------
+``with_sharding_constraint`` reaches only the level it is called at, so scan, while, cond and remat bodies
+are rebuilt: the body Graph is evaluated by this same interpreter (with its own scope's specs) under
+``jax.make_jaxpr`` on the body's input avals, and the primitive is bound with the new jaxpr. Values the new
+body closes over (constants of the body) become extra leading operands: scan ``num_consts``, while
+``cond_nconsts``/``body_nconsts`` and remat operands grow; a cond's branches all take every branch's
+constants so that their signatures agree. Other ops with bodies (``custom_linear_solve``, ``shard_map``, ...)
+are bound unchanged: no constraint reaches inside them, and this is logged once per primitive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun
+
+from autoshard.emit.specs import EmitError, ScopeKey, describe_scope, named_sharding
+from autoshard.trace.graph import Graph, Op
+from autoshard.trace.tracer import _INLINE_KEYS, _REMAT
+from cost_models.spec import ShardingSpec
+
+log = logging.getLogger("autoshard")
+
+try:  # private, stable for years; used to turn a rebuilt body's constvars into leading invars
+    from jax._src.interpreters.partial_eval import convert_constvars_jaxpr as _convert_constvars
+except ImportError:  # pragma: no cover
+    _convert_constvars = None
+
+try:  # name stacks and tracebacks of re-bound equations (readable HLO metadata); optional
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover
+    _siu = None
+
+
+def _as_closed(j: Any) -> ClosedJaxpr:
+    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
+
+
+def _const_values(closed: ClosedJaxpr) -> dict[Var, Any]:
+    """Values of every variable of ``closed`` (and of the calls the tracer inlined into it) that is fixed
+    before the step runs: constvars, and inlined calls' parameters and results that are constants."""
+    known: dict[Var, Any] = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+
+    def value(atom: Any) -> tuple[bool, Any]:
+        if isinstance(atom, Literal):
+            return True, atom.val
+        if atom in known:
+            return True, known[atom]
+        return False, None
+
+    def walk(jaxpr: Jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            key = _INLINE_KEYS.get(eqn.primitive.name)
+            if key is None or key not in eqn.params:
+                continue
+            sub = _as_closed(eqn.params[key])
+            known.update(zip(sub.jaxpr.constvars, sub.consts, strict=True))
+            for v, outer in zip(sub.jaxpr.invars, eqn.invars, strict=True):
+                ok, val = value(outer)
+                if ok:
+                    known[v] = val
+            walk(sub.jaxpr)
+            for ov, iv in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
+                ok, val = value(iv)
+                if ok and type(ov).__name__ != "DropVar":
+                    known[ov] = val
+
+    walk(closed.jaxpr)
+    return known
+
+
+def _bind_params(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
+    """``(subfuns, params)`` to bind ``eqn`` again; jax 0.10 returns params only, older jax a pair."""
+    got = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        return list(got[0]), got[1]
+    return [], dict(got)
+
+
+def _eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
+    stack = contextlib.ExitStack()
+    if _siu is not None:
+        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=name_stack))
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and getattr(ctx, "manager", None) is not None:
+        stack.enter_context(ctx.manager)
+    return stack
+
+
+class Interpreter:
+    """Re-binds a Graph's ops with the spec map's constraints; one instance per emitted program."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]]) -> None:
+        self.mesh = mesh
+        self.specs = {tuple(k): dict(v) for k, v in specs.items()}
+        self._shardings: dict[ShardingSpec, jax.sharding.NamedSharding] = {}
+        self._consts: dict[int, dict[Var, Any]] = {}
+        self._warned: set[str] = set()
+        self.constraints: dict[ScopeKey, int] = {}  # constraints placed per scope, in the last trace
+        self.rebuilt: dict[ScopeKey, str] = {}  # scopes whose body was rebuilt, and the op's primitive
+
+    # ---- values --------------------------------------------------------------------------------------
+
+    def sharding(self, spec: ShardingSpec) -> jax.sharding.NamedSharding:
+        s = self._shardings.get(spec)
+        if s is None:
+            s = self._shardings[spec] = named_sharding(self.mesh, spec)
+        return s
+
+    def _pin(self, x: Any, tid: int, scope: Mapping[int, ShardingSpec], key: ScopeKey) -> Any:
+        spec = scope.get(tid)
+        if spec is None:
+            return x
+        self.constraints[key] = self.constraints.get(key, 0) + 1
+        return jax.lax.with_sharding_constraint(x, self.sharding(spec))
+
+    def _known(self, graph: Graph) -> dict[Var, Any]:
+        k = id(graph)
+        if k not in self._consts:
+            self._consts[k] = _const_values(graph.jaxpr)
+        return self._consts[k]
+
+    # ---- evaluation ----------------------------------------------------------------------------------
+
+    def run(self, graph: Graph, key: ScopeKey, args: Sequence[Any], *, pin_inputs: bool = True) -> list[Any]:
+        """Evaluate ``graph`` (the scope ``key``) on ``args``; returns its outputs in ``graph.outputs`` order.
+
+        ``pin_inputs=False`` skips constraining the inputs (the top level, where ``in_shardings`` do it).
+        """
+        if len(args) != len(graph.inputs):
+            raise EmitError(
+                f"{describe_scope(graph, ()) if not key else 'a body'} takes {len(graph.inputs)} inputs, "
+                f"got {len(args)}"
+            )
+        scope = self.specs.get(key, {})
+        known = self._known(graph)
+        env: dict[int, Any] = {}
+        for tid, x in zip(graph.inputs, args, strict=True):
+            env[tid] = self._pin(x, tid, scope, key) if pin_inputs else x
+
+        def read(tid: int, atom: Any, what: str) -> Any:
+            if tid in env:
+                return env[tid]
+            if isinstance(atom, Literal):
+                val = atom.val
+            elif atom in known:
+                val = known[atom]
+            else:
+                t = graph.tensors[tid]
+                raise EmitError(
+                    f"no value for tensor {tid} {t.name!r} {t.dtype}{list(t.shape)}, read by {what}: it is "
+                    "neither produced by an op, a graph input, a literal nor a known constant; the Graph "
+                    "may not come from autoshard.trace or may have been edited (run graph.verify())"
+                )
+            env[tid] = val = self._pin(val, tid, scope, key)
+            return val
+
+        for op in graph.ops:
+            invals = [read(t, a, op.where()) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
+            outs = self._bind(op, key, invals)
+            if len(outs) != len(op.outputs):
+                raise EmitError(f"{op.where()} returned {len(outs)} results, the graph expects {len(op.outputs)}")
+            for tid, x in zip(op.outputs, outs, strict=True):
+                env[tid] = self._pin(x, tid, scope, key)
+        outvars = graph.jaxpr.jaxpr.outvars
+        return [read(t, a, f"output {i} of {describe_scope(graph, ()) if not key else 'a body'}")
+                for i, (t, a) in enumerate(zip(graph.outputs, outvars, strict=True))]
+
+    def _bind(self, op: Op, key: ScopeKey, invals: list[Any]) -> list[Any]:
+        eqn = op.eqn
+        name = eqn.primitive.name
+        rule = _REBUILD.get(name)
+        if rule is None and name in _REMAT:
+            rule = Interpreter._remat
+        with _eqn_context(eqn):
+            if op.bodies and rule is not None and _convert_constvars is not None:
+                outs = rule(self, op, key, invals)
+            else:
+                if op.bodies and name not in self._warned:
+                    self._warned.add(name)
+                    log.warning(
+                        "autoshard.emit: %s has nested jaxprs that emission does not rebuild; it is bound "
+                        "as traced and no sharding constraint reaches inside it", op.where())
+                subfuns, params = _bind_params(eqn)
+                outs = eqn.primitive.bind(*subfuns, *invals, **params)
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    # ---- rebuilding bodies ---------------------------------------------------------------------------
+
+    def rebuild(self, body: Graph, key: ScopeKey, name: str) -> tuple[Jaxpr, list[Any]]:
+        """Trace ``body`` with its scope's constraints into an open jaxpr whose leading invars are the
+        constants it closes over; returns ``(jaxpr, constants)``."""
+        self.rebuilt[key] = name
+
+        def fn(*xs: Any) -> list[Any]:
+            return self.run(body, key, xs)
+
+        closed = jax.make_jaxpr(fn)(*body.jaxpr.in_avals)
+        if not closed.consts:
+            return closed.jaxpr, []
+        return _convert_constvars(closed.jaxpr), list(closed.consts)
+
+    def _scan(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+        p = dict(op.eqn.params)
+        jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "scan")
+        n = len(consts)
+        p.update(jaxpr=ClosedJaxpr(jaxpr, ()), num_consts=p["num_consts"] + n)
+        if "linear" in p:  # jax < 0.10 keeps one linearity flag per operand
+            p["linear"] = (False,) * n + tuple(p["linear"])
+        return op.eqn.primitive.bind(*consts, *invals, **p)
+
+    def _while(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+        p = dict(op.eqn.params)
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cj, cc = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "while cond")
+        bj, bc = self.rebuild(op.bodies[1], (*key, (op.id, 1)), "while body")
+        p.update(cond_jaxpr=ClosedJaxpr(cj, ()), body_jaxpr=ClosedJaxpr(bj, ()),
+                 cond_nconsts=nc + len(cc), body_nconsts=nb + len(bc))
+        operands = [*cc, *invals[:nc], *bc, *invals[nc : nc + nb], *invals[nc + nb :]]
+        return op.eqn.primitive.bind(*operands, **p)
+
+    def _cond(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+        p = dict(op.eqn.params)
+        built = [self.rebuild(b, (*key, (op.id, i)), "cond branch") for i, b in enumerate(op.bodies)]
+        all_consts = [c for _, cs in built for c in cs]
+        if not all_consts:
+            branches = tuple(ClosedJaxpr(j, ()) for j, _ in built)
+        else:  # every branch takes every branch's constants, so that the signatures agree
+            avals = [jax.typeof(c) for c in all_consts] + list(op.bodies[0].jaxpr.in_avals)
+            branches, off = [], 0
+            for j, cs in built:
+                branches.append(jax.make_jaxpr(_select_args(j, off, len(cs), len(all_consts)))(*avals))
+                off += len(cs)
+            branches = tuple(branches)
+        p["branches"] = branches
+        return op.eqn.primitive.bind(invals[0], *all_consts, *invals[1:], **p)
+
+    def _remat(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+        p = dict(op.eqn.params)
+        jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), op.eqn.primitive.name)
+        p["jaxpr"] = jaxpr
+        return op.eqn.primitive.bind(*consts, *invals, **p)
+
+
+def _select_args(jaxpr: Jaxpr, off: int, n: int, total: int) -> Callable[..., list[Any]]:
+    """A function of (all constants, operands) that runs ``jaxpr`` on its own constants and the operands."""
+    fn = jaxpr_as_fun(ClosedJaxpr(jaxpr, ()))
+
+    def call(*args: Any) -> list[Any]:
+        return fn(*args[off : off + n], *args[total:])
+
+    return call
+
+
+_REBUILD: dict[str, Callable[[Interpreter, Op, ScopeKey, list[Any]], Any]] = {
+    "scan": Interpreter._scan,
+    "while": Interpreter._while,
+    "cond": Interpreter._cond,
+}

@@ -1,0 +1,149 @@
+"""``emit``: a traced Graph plus a spec map becomes one sharded, jitted program (SPMD emission).
+
+The program is ``jax.jit(run_graph, in_shardings=..., out_shardings=..., donate_argnums=...)`` over the
+*flattened* arguments of the traced step, wrapped so that it takes and returns the same pytrees as the
+traced function: ``new_state, metrics = emit(graph, specs, mesh)(state, batch)``.
+
+Shardings at the boundary (the choices this module makes):
+
+- an input with a top-level spec gets ``NamedSharding(mesh, P(*dims))``; an input without one is
+  **replicated** (a fixed, predictable layout: a data-parallel map needs to name only the batch);
+- an output with a spec gets its sharding; an output without one that is the new value of an input
+  (``graph.output_aliases``: params, optimizer state) gets that input's sharding, so that the donated
+  buffer can be reused in place; any other output is left to the partitioner;
+- ``donate_argnums`` lists the flattened inputs that outputs alias (when ``donate=True``), so a train step
+  updates its state in place. Batch leaves are not donated.
+
+Inside, ``Interpreter`` (``autoshard.emit.interpret``) binds the ops again and pins every spec'd value
+with ``with_sharding_constraint``, recursively inside scan/while/cond/remat bodies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.emit.interpret import Interpreter
+from autoshard.emit.specs import EmitError, ScopeKey, validate_specs
+from autoshard.trace.graph import Graph
+from cost_models.spec import ShardingSpec
+
+log = logging.getLogger("autoshard")
+
+
+class EmittedStep:
+    """A traced step re-emitted as one jitted SPMD program; call it like the traced function.
+
+    Attributes: ``graph``, ``mesh``, ``specs``; ``in_shardings`` and ``out_shardings`` (one per flattened
+    input / output leaf; ``None`` = left to the partitioner); ``donate_argnums`` (flattened input positions);
+    ``jitted`` (the ``jax.jit`` of the flat function, taking and returning flat leaves); ``interpreter``
+    (which, after a trace, reports constraints placed per scope and the bodies rebuilt).
+    """
+
+    def __init__(self, graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]],
+                 mesh: jax.sharding.Mesh, *, donate: bool = True) -> None:
+        if graph.jaxpr is None or graph.in_tree is None or graph.out_tree is None:
+            raise EmitError(
+                "emit needs a top-level Graph from autoshard.trace (it keeps the jaxpr and the argument "
+                "and result pytrees); a nested body Graph cannot be emitted on its own"
+            )
+        validate_specs(graph, specs, mesh)
+        self.graph = graph
+        self.mesh = mesh
+        self.specs = {tuple(k): dict(v) for k, v in specs.items()}
+        self.interpreter = Interpreter(mesh, self.specs)
+        top = self.specs.get((), {})
+        replicated = NamedSharding(mesh, PartitionSpec())
+        sharding = self.interpreter.sharding
+        self.in_shardings: tuple[NamedSharding, ...] = tuple(
+            sharding(top[t]) if t in top else replicated for t in graph.inputs
+        )
+        outs: list[NamedSharding | None] = [sharding(top[t]) if t in top else None for t in graph.outputs]
+        for o, i in graph.output_aliases.items():
+            if outs[o] is None:
+                outs[o] = self.in_shardings[i]
+            elif outs[o] != self.in_shardings[i]:
+                log.warning(
+                    "autoshard.emit: output %s is the new value of input %s but their specs differ (%s vs "
+                    "%s); the donated buffer cannot be reused in place",
+                    graph.output_names[o], graph.tensors[graph.inputs[i]].name, outs[o].spec,
+                    self.in_shardings[i].spec)
+        self.out_shardings: tuple[NamedSharding | None, ...] = tuple(outs)
+        self.donate_argnums: tuple[int, ...] = (
+            tuple(sorted(set(graph.output_aliases.values()))) if donate else ()
+        )
+        self.jitted = jax.jit(
+            self._flat_step,
+            in_shardings=self.in_shardings,
+            out_shardings=self.out_shardings,
+            donate_argnums=self.donate_argnums,
+        )
+
+    # ---- the program -----------------------------------------------------------------------------------
+
+    def _flat_step(self, *leaves: Any) -> tuple[Any, ...]:
+        return tuple(self.interpreter.run(self.graph, (), leaves, pin_inputs=False))
+
+    def flatten(self, *args: Any) -> list[Any]:
+        """The flat leaves of ``args``, checked against the traced function's argument structure."""
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.graph.in_tree:
+            raise EmitError(
+                f"the arguments' pytree structure differs from the one traced:\n  traced: "
+                f"{self.graph.in_tree}\n  given:  {tree}\npass arguments shaped like the example arguments "
+                "given to autoshard.trace (same containers, keys and static fields)"
+            )
+        return leaves
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.jitted(*self.flatten(*args))
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, list(out))
+
+    def place(self, *args: Any) -> tuple[Any, ...]:
+        """``args`` with every leaf put on the devices with its input sharding (``jax.device_put``)."""
+        leaves = [jax.device_put(x, s) for x, s in zip(self.flatten(*args), self.in_shardings, strict=True)]
+        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, leaves))
+
+    def lowered(self, *args: Any) -> jax.stages.Lowered:
+        """``jitted.lower`` on the flattened arguments (``lowered(...).as_text()`` is StableHLO)."""
+        return self.jitted.lower(*self.flatten(*args))
+
+    def compiled(self, *args: Any) -> jax.stages.Compiled:
+        """The compiled program (``compiled(...).as_text()`` shows the collectives the partitioner chose)."""
+        return self.lowered(*args).compile()
+
+    def donated_inputs(self) -> list[str]:
+        """Names of the donated input leaves."""
+        return [self.graph.tensors[self.graph.inputs[i]].name for i in self.donate_argnums]
+
+
+def emit(graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]] | None,
+         mesh: jax.sharding.Mesh, donate: bool = True) -> EmittedStep:
+    """Re-emit ``graph`` as one jitted SPMD program that pins ``specs`` on ``mesh``.
+
+    ``specs`` is a ``SpecMap`` (see ``autoshard.emit.specs``); ``None`` or ``{}`` emits the step with
+    replicated inputs and no constraints. The mesh's axes must be ``Auto``. The spec map is validated first;
+    an ``EmitError`` names each tensor whose spec does not fit. ``donate=True`` donates the train-state
+    inputs that the step returns new values of.
+    """
+    return EmittedStep(graph, specs or {}, mesh, donate=donate)
+
+
+def global_rel_error(a: Any, b: Any) -> float:
+    """‖a − b‖ / ‖a‖ over all leaves of two pytrees together (the project's numerics measure)."""
+    import numpy as np
+
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    if len(la) != len(lb):
+        raise ValueError(f"pytrees differ: {len(la)} leaves vs {len(lb)}")
+    num = den = 0.0
+    for x, y in zip(la, lb, strict=True):
+        x64 = np.asarray(x, dtype=np.float64)
+        y64 = np.asarray(y, dtype=np.float64)
+        num += float(np.sum((x64 - y64) ** 2))
+        den += float(np.sum(x64**2))
+    return float(np.sqrt(num) / np.sqrt(den)) if den > 0 else float(np.sqrt(num))
