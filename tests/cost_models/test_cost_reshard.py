@@ -1,6 +1,8 @@
 """Resharding: which collectives, on how many bytes, and memory per device."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cost_models import CostModel, ShardingSpec
 from cost_models.collectives import collective_time
@@ -67,3 +69,35 @@ def test_bytes_per_device() -> None:
     assert M.bytes_per_device(SHAPE, "float32", S("R·R +P(gpu)")) == FULL  # partial sums are full size
     assert M.bytes_per_device((10,), "float32", S("S(gpu)")) == 2 * 4  # ceil(10/8) = 2 elements
     assert M.bytes_per_device((4, 4), 2, S("R·R")) == 32  # an int dtype is bytes per element
+
+
+AXES = ("a", "b", "c")
+M3 = CostModel.load("h100", num_hosts=2, mesh_shape=(2, 2, 4), axis_names=AXES)
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> ShardingSpec:
+    """A random valid spec of a 2-D tensor on the (a=2, b=2, c=4) mesh."""
+    places = {a: draw(st.sampled_from(["none", "dim0", "dim1", "partial"])) for a in AXES}
+    order = draw(st.permutations(AXES))
+    dims = tuple(tuple(a for a in order if places[a] == f"dim{i}") for i in range(2))
+    return ShardingSpec(dims=dims, partial=frozenset(a for a in AXES if places[a] == "partial"))
+
+
+@given(src=specs(), dst=specs(), scale=st.integers(1, 4))
+def test_any_reshard_is_priced_and_more_bytes_never_cheaper(
+    src: ShardingSpec, dst: ShardingSpec, scale: int
+) -> None:
+    small = M3.reshard((64, 128), "float32", src, dst)
+    big = M3.reshard((64 * scale, 128), "float32", src, dst)
+    assert small.time >= 0
+    assert big.time >= small.time * (1 - 1e-12)
+    assert M3.reshard((64, 128), "float32", src, src).time == 0
+    for step in small.steps:
+        assert step.kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+        assert set(step.axes) <= set(AXES)
+    # loose sanity bound: never far beyond gathering everything and reducing every partial sum
+    worst = M3.collective_time("all_gather", 64 * 128 * 4, AXES) + M3.collective_time(
+        "all_reduce", 64 * 128 * 4, AXES
+    )
+    assert small.time <= worst * 4
