@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from intra_op_problems import FAMILIES  # noqa: E402
+from intra_op_problems import FAMILIES
 
-from solvers import solve_intra_op  # noqa: E402
+from solvers import solve_intra_op
 
 
 def main() -> None:

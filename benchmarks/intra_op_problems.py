@@ -132,7 +132,8 @@ def transformer_problem(n: int, *, seed: int = 0, limit_factor: float | None = 1
     saved: list[tuple[int, int]] = []  # (activation, param or -1) in forward order
     x = b.node("embed", 5.0, act, t)
     for blk in range(blocks):
-        def op(name: str, flops: float, nbytes: float, *ins: int, follow: bool = False, k: int = K) -> int:
+        def op(name: str, flops: float, nbytes: float, *ins: int, follow: bool = False, k: int = K,
+               blk: int = blk) -> int:
             nonlocal t
             t += 1
             v = b.node(f"block{blk}.{name}", flops * rng.uniform(0.9, 1.1), nbytes, t, k)
@@ -140,7 +141,7 @@ def transformer_problem(n: int, *, seed: int = 0, limit_factor: float | None = 1
                 b.use(u, v, t, follow=follow and j == 0)
             return v
 
-        def param(name: str, nbytes: float) -> int:
+        def param(name: str, nbytes: float, blk: int = blk) -> int:
             v = b.node(f"block{blk}.{name}", 0.0, nbytes, 0)
             params.append(v)
             return v

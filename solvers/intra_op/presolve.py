@@ -298,7 +298,9 @@ class _Graph:
             self.dom_done[u] = True
             if self._dominance(u, en):
                 touched.append(u)
-                touched.extend(self.adj[u])
+                for v in self.adj[u]:  # fewer columns to compare: neighbours may now dominate more
+                    self.dom_done[v] = False
+                    touched.append(v)
         return touched
 
     def _fix(self, u: int, s: int) -> list[int]:

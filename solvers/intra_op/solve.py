@@ -9,6 +9,7 @@ feasible answer found so far is returned with ``optimal=False`` and a status tha
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from solvers.intra_op.ilp import solve_ilp
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import presolve
-from solvers.intra_op.problem import IntraOpProblem
+from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 
 __all__ = ["solve_intra_op"]
@@ -44,7 +45,14 @@ def solve_intra_op(
     deadline = start + time_budget_s
     if verify:
         problem.verify()
-    reduced = presolve(problem)
+    try:
+        reduced = presolve(problem)
+    except InfeasibleError as err:
+        if problem.memory_limit is None or err.time is not None:
+            raise
+        unlimited = dataclasses.replace(problem, memory_limit=None)
+        presolve(unlimited)  # raises again if the +inf costs alone leave no assignment
+        raise _proven_infeasible(problem) from err
     core = reduced.core
     k_core = sum(c.shape[0] for c in core.costs)
     counts = reduced.counts
@@ -145,8 +153,6 @@ def _finish(
 
 
 def _proven_infeasible(problem: IntraOpProblem) -> Exception:
-    from solvers.intra_op.problem import InfeasibleError
-
     if problem.memory_limit is None:
         return InfeasibleError("no finite-cost assignment exists (the ILP over the presolved core is infeasible)")
     mins = problem.min_memory()
