@@ -249,15 +249,18 @@ def _build(config: Config, seed: int) -> tuple[TrainState, dict[str, jax.Array]]
     model = MoETransformer(config)
     params = model.init(init_key, tokens[:, :-1])["params"]
     tx = optax.adamw(config.learning_rate, b1=0.9, b2=0.98, weight_decay=0.01)
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx), {"tokens": tokens}
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    # TrainState.create starts `step` at Python's 0; an int32 array keeps every leaf an array.
+    return state.replace(step=jnp.zeros((), jnp.int32)), {"tokens": tokens}
 
 
 def make(
     preset: str = "tiny", *, abstract: bool = False, seed: int = 0, **overrides: Any
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     config = dataclasses.replace(PRESETS[preset], **overrides)
-    build = functools.partial(_build, config, seed)
-    return jax.eval_shape(build) if abstract else build()
+    if abstract:  # shapes and dtypes only: nothing is allocated
+        return jax.eval_shape(functools.partial(_build, config, seed))
+    return jax.jit(_build, static_argnums=(0, 1))(config, seed)  # one compiled init, not op by op
 
 
 if __name__ == "__main__":
