@@ -121,6 +121,7 @@ class Interpreter:
         self._warned: set[str] = set()
         self.constraints: dict[ScopeKey, int] = {}  # constraints placed per scope, in the last trace
         self.rebuilt: dict[ScopeKey, str] = {}  # scopes whose body was rebuilt, and the op's primitive
+        self.hoisted: dict[ScopeKey, int] = {}  # constants a rebuilt body closed over, made operands
 
     # ---- values --------------------------------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class Interpreter:
             return self.run(body, key, xs)
 
         closed = jax.make_jaxpr(fn)(*body.jaxpr.in_avals)
+        self.hoisted[key] = len(closed.consts)
         if not closed.consts:
             return closed.jaxpr, []
         return _convert_constvars(closed.jaxpr), list(closed.consts)

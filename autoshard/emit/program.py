@@ -12,7 +12,9 @@ Shardings at the boundary (the choices this module makes):
   (``graph.output_aliases``: params, optimizer state) gets that input's sharding, so that the donated
   buffer can be reused in place; any other output is left to the partitioner;
 - ``donate_argnums`` lists the flattened inputs that outputs alias (when ``donate=True``), so a train step
-  updates its state in place. Batch leaves are not donated.
+  updates its state in place. Batch leaves are not donated. Donated arguments are deleted by the call, and
+  so may be arrays they were resharded from: pass ``step.place(state, batch)`` (fresh copies) the first time
+  if the caller keeps using its own arrays.
 
 Inside, ``Interpreter`` (``autoshard.emit.interpret``) binds the ops again and pins every spec'd value
 with ``with_sharding_constraint``, recursively inside scan/while/cond/remat bodies.
@@ -104,9 +106,16 @@ class EmittedStep:
         return jax.tree_util.tree_unflatten(self.graph.out_tree, list(out))
 
     def place(self, *args: Any) -> tuple[Any, ...]:
-        """``args`` with every leaf put on the devices with its input sharding (``jax.device_put``)."""
-        leaves = [jax.device_put(x, s) for x, s in zip(self.flatten(*args), self.in_shardings, strict=True)]
-        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, leaves))
+        """``args`` as fresh arrays laid out with the input shardings, ready to be donated.
+
+        The copies never share buffers with ``args``. On CPU, ``jax.device_put`` (even with
+        ``may_alias=False``) and jit's own resharding of an uncommitted argument reuse a single-device
+        array's buffer as one shard of a replicated array, so donating that array would delete the
+        caller's original; a jitted ``jnp.copy`` does not.
+        """
+        copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs), out_shardings=self.in_shardings)
+        leaves = copy(*self.flatten(*args))
+        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, list(leaves)))
 
     def lowered(self, *args: Any) -> jax.stages.Lowered:
         """``jitted.lower`` on the flattened arguments (``lowered(...).as_text()`` is StableHLO)."""
