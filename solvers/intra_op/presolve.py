@@ -388,21 +388,26 @@ class _Graph:
         return True
 
     def _dominance(self, u: int, en: np.ndarray) -> bool:
+        """Drop strategies no better than another in cost, every member's memory and every edge row."""
         idx = np.flatnonzero(en)
         cost = self.cost[u][idx]
         dom = cost[:, None] <= cost[None, :]
-        for v, m in self.adj[u].items():
-            rows = m[idx][:, self.en[v]]
-            dom &= (rows[:, None, :] <= rows[None, :, :]).all(-1)
-            if not dom.any():
-                return False
+        np.fill_diagonal(dom, False)
         mem = self._mem_members(u)
-        if mem:
+        if mem and dom.any():
             x = np.stack([self.exc[o][mo[idx]] for o, mo in mem], axis=1)
             dom &= (x[:, None, :] <= x[None, :, :]).all(-1)
-        np.fill_diagonal(dom, False)
-        if not dom.any():
+        pa, pb = np.nonzero(dom)  # candidate pairs: pa[i] may dominate pb[i]
+        for v, m in self.adj[u].items():
+            if pa.size == 0:
+                return False
+            rows = m[idx][:, self.en[v]]
+            ok = (rows[pa] <= rows[pb]).all(1)
+            pa, pb = pa[ok], pb[ok]
+        if pa.size == 0:
             return False
+        dom = np.zeros((idx.shape[0], idx.shape[0]), dtype=bool)
+        dom[pa, pb] = True
         removed = np.zeros(idx.shape[0], dtype=bool)
         for b in range(idx.shape[0]):
             for a in np.flatnonzero(dom[:, b]):

@@ -1,9 +1,10 @@
 """``solve_intra_op``: presolve, a feasible incumbent by local search, then the ILP on the hard core.
 
 Timeline of one call with budget ``T``: verify the problem; run the exact reductions of ``presolve``; if
-a core is left, build a memory-feasible start and improve it by ICM (at most a tenth of what is left);
-hand the core and the incumbent (as a warm start) to HiGHS until the deadline; keep the better of the
-two; expand the core answer to every node by replaying the eliminations. When time runs out the best
+a core is left, build two starts (forest DP with memory priced in, ``tree_dp``; least memory everywhere)
+and improve each by ICM (``local_search``), together at most 15% of what is left; then, if the core's
+ILP is small enough, hand it and the incumbent (as a warm start) to HiGHS until the deadline, else
+re-solve windows of it exactly (``lns``) until the deadline; keep the best; expand the core answer to every node by replaying the eliminations. When time runs out the best
 feasible answer found so far is returned with ``optimal=False`` and a status that says so.
 """
 
@@ -20,6 +21,7 @@ from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
+from solvers.intra_op.tree_dp import lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
@@ -77,11 +79,22 @@ def solve_intra_op(
                        "presolve", start, stats, True, verify)
 
     ls = LocalSearch(core)
+    # start 1: exact DP over a spanning forest with memory priced in; start 2: least memory everywhere
+    share = 0.15 * max(0.0, deadline - time.perf_counter())
+    start_dp = lagrangian_start(core, time.perf_counter() + share)
     ls.start_min_memory()
     if ls.feasible():
-        ls.improve(time.perf_counter() + 0.1 * max(0.0, deadline - time.perf_counter()))
+        ls.improve(time.perf_counter() + 0.5 * share)
     incumbent = ls.choice.copy() if ls.feasible() else None
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
+    if start_dp is not None:
+        ls.start_from(start_dp)
+        if ls.feasible():
+            ls.improve(time.perf_counter() + 0.5 * share)
+            if ls.objective() < inc_obj:
+                incumbent, inc_obj = ls.choice.copy(), ls.objective()
+    if incumbent is not None:
+        ls.start_from(incumbent)
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
     )
