@@ -155,15 +155,17 @@ class _Graph:
         lo, hi = p.live_ranges(points)
         _, base = p.usage_at_points(mins)
         slack = p.memory_limit - base
-        self.exc = [np.asarray(m) - mn for m, mn in zip(p.node_memory, mins, strict=True)]
+        k = p.num_strategies
+        offsets = np.concatenate([[0], np.cumsum(k)[:-1]])
+        exc = np.concatenate(p.node_memory) - np.repeat(mins, k)
+        self.exc = np.split(exc, offsets[1:])
         # a strategy whose extra memory alone overflows its tightest live step can never be chosen
         rmin = _range_min(slack, lo, hi)
-        for i in range(n):
-            if hi[i] > lo[i]:
-                bad = self.exc[i] > rmin[i] + _TOL * max(1.0, abs(p.memory_limit))
-                if bad.any():
-                    self.cost[i][bad] = np.inf
-        maxexc = np.array([e[np.isfinite(c)].max(initial=0.0) for e, c in zip(self.exc, self.cost, strict=True)])
+        bad = (exc > np.repeat(rmin, k) + _TOL * max(1.0, abs(p.memory_limit))) & np.repeat(hi > lo, k)
+        for i in np.unique(np.repeat(np.arange(n), k)[bad]).tolist():
+            self.cost[i][bad[offsets[i] : offsets[i] + k[i]]] = np.inf
+        finite = np.isfinite(np.concatenate(self.cost))
+        maxexc = np.maximum.reduceat(np.where(finite, exc, 0.0), offsets)
         _, potential = p.usage_at_points(maxexc)
         binding = potential > slack + _TOL * max(1.0, abs(p.memory_limit))
         bcount = np.concatenate([[0], np.cumsum(binding)])
@@ -171,6 +173,34 @@ class _Graph:
         self.relevant = (self.row_hi > self.row_lo) & (maxexc > 0)
         self.slack = slack[binding]
         self.fixed_usage = np.zeros(self.slack.shape[0] + 1)
+
+    def reparametrise_all(self) -> None:
+        """``_reparametrise`` on every edge at once (edges grouped by shape), before the main loop."""
+        groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for a, b in self.fresh:
+            groups.setdefault(self.adj[a][b].shape, []).append((a, b))
+        for pairs in groups.values():
+            m = np.stack([self.adj[a][b] for a, b in pairs])
+            en_a = np.stack([self.en[a] for a, _ in pairs])
+            en_b = np.stack([self.en[b] for _, b in pairs])
+            mask = en_a[:, :, None] & en_b[:, None, :]
+            r = np.where(mask, m, np.inf).min(2)
+            r[~np.isfinite(r)] = 0.0
+            m = m - r[:, :, None]
+            c = np.where(mask, m, np.inf).min(1)
+            c[~np.isfinite(c)] = 0.0
+            m -= c[:, None, :]
+            zero = np.where(mask, m == 0, True).all((1, 2))
+            for g, (a, b) in enumerate(pairs):
+                self.cost[a] += r[g]
+                self.cost[b] += c[g]
+                if zero[g]:
+                    self._drop_edge(a, b)
+                    self.counts["dropped_edges"] += 1
+                else:
+                    self.adj[a][b] = m[g]
+                    self.adj[b][a] = m[g].T
+        self.fresh.clear()
 
     def _mem_members(self, u: int) -> list[tuple[int, np.ndarray]]:
         return [(o, m) for o, m in self.members[u] if self.relevant[o]]
@@ -482,6 +512,7 @@ def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
 def presolve(problem: IntraOpProblem) -> Reduced:
     """Apply the exact reductions above until none applies; raise InfeasibleError if they prove it."""
     g = _Graph(problem)
+    g.reparametrise_all()
     g.run(deque(range(problem.num_nodes)))
     return Reduced(
         core=g.core(),

@@ -125,10 +125,17 @@ class IntraOpProblem:
                 raise ValueError(f"{self.node_label(i)} has no strategies")
             if m.shape != c.shape:
                 raise ValueError(f"{self.node_label(i)}: {c.shape[0]} costs but {m.shape[0]} memory entries")
-            if np.isnan(c).any() or (c == -np.inf).any():
-                raise ValueError(f"{self.node_label(i)}: costs contain NaN or -inf: {c}")
-            if not np.isfinite(m).all() or (m < 0).any():
-                raise ValueError(f"{self.node_label(i)}: memory must be finite and >= 0: {m}")
+        if n:
+            owner = np.repeat(np.arange(n), self.num_strategies)
+            c, m = np.concatenate(self.node_costs), np.concatenate(self.node_memory)
+            bad_c = np.flatnonzero(np.isnan(c) | (c == -np.inf))
+            if bad_c.size:
+                i = int(owner[bad_c[0]])
+                raise ValueError(f"{self.node_label(i)}: costs contain NaN or -inf: {self.node_costs[i]}")
+            bad_m = np.flatnonzero(~np.isfinite(m) | (m < 0))
+            if bad_m.size:
+                i = int(owner[bad_m[0]])
+                raise ValueError(f"{self.node_label(i)}: memory must be finite and >= 0: {self.node_memory[i]}")
         bad = np.flatnonzero(self.intervals[:, 0] > self.intervals[:, 1])
         if bad.size:
             i = int(bad[0])
@@ -146,8 +153,13 @@ class IntraOpProblem:
                     f"edge {e} ({self.node_label(u)} -> {self.node_label(v)}): cost matrix has shape "
                     f"{mat.shape}; expected ({k[u]}, {k[v]})"
                 )
-            if np.isnan(mat).any() or (mat == -np.inf).any():
-                raise ValueError(f"edge {e} ({u}, {v}): cost matrix contains NaN or -inf")
+        if self.num_edges:
+            flat = np.concatenate([mat.reshape(-1) for mat in self.edge_costs])
+            if (np.isnan(flat) | (flat == -np.inf)).any():
+                e = next(e for e, mat in enumerate(self.edge_costs) if (np.isnan(mat) | (mat == -np.inf)).any())
+                u, v = self.edges[e].tolist()
+                raise ValueError(f"edge {e} ({self.node_label(u)} -> {self.node_label(v)}): cost matrix contains "
+                                 "NaN or -inf")
         if self.memory_limit is not None and not np.isfinite(self.memory_limit):
             raise ValueError(f"memory_limit must be finite or None, got {self.memory_limit}")
 
@@ -202,11 +214,12 @@ class IntraOpProblem:
 
     def min_memory(self) -> np.ndarray:
         """Per node, the least memory among its strategies of finite cost (all of them if none is)."""
-        out = np.empty(self.num_nodes)
-        for i, (c, m) in enumerate(zip(self.node_costs, self.node_memory, strict=True)):
-            fin = np.isfinite(c)
-            out[i] = m[fin].min() if fin.any() else m.min()
-        return out
+        if self.num_nodes == 0:
+            return np.zeros(0)
+        costs, mem = np.concatenate(self.node_costs), np.concatenate(self.node_memory)
+        offsets = np.concatenate([[0], np.cumsum(self.num_strategies)[:-1]])
+        finite_min = np.minimum.reduceat(np.where(np.isfinite(costs), mem, np.inf), offsets)
+        return np.where(np.isfinite(finite_min), finite_min, np.minimum.reduceat(mem, offsets))
 
     def check_memory_lower_bound(self) -> None:
         """Raise InfeasibleError if, even with every node at its least memory, some time step overflows."""
