@@ -33,6 +33,7 @@ above in that order; ``solve_ilp`` runs HiGHS through ``highspy`` (or CBC throug
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,11 +239,11 @@ def _solve_pulp(core: Core, model: IlpModel, time_limit: float, gap: float) -> t
 
     n_cols = model.cost.shape[0]
     prob = pulp.LpProblem("intra_op", pulp.LpMinimize)
-    z = [
-        pulp.LpVariable(f"z{i}", lowBound=None if not np.isfinite(lb) else float(lb), upBound=float(ub),
-                        cat=pulp.LpBinary if integer else pulp.LpContinuous)
-        for i, (lb, ub, integer) in enumerate(zip(model.col_lower, model.col_upper, model.integer, strict=True))
-    ]
+    make = getattr(prob, "add_variable", None)
+    z = []
+    for i, (lb, ub, integer) in enumerate(zip(model.col_lower, model.col_upper, model.integer, strict=True)):
+        low, cat = (None if not np.isfinite(lb) else float(lb)), (pulp.LpBinary if integer else pulp.LpContinuous)
+        z.append(make(f"z{i}", low, float(ub), cat=cat) if make else pulp.LpVariable(f"z{i}", low, float(ub), cat))
     prob += pulp.lpSum(float(c) * z[i] for i, c in enumerate(model.cost) if c != 0)
     terms: list[list[tuple[int, float]]] = [[] for _ in model.row_lower]
     for c in range(n_cols):
@@ -250,8 +251,12 @@ def _solve_pulp(core: Core, model: IlpModel, time_limit: float, gap: float) -> t
             terms[model.a_index[p]].append((c, float(model.a_value[p])))
     for r, t in enumerate(terms):
         prob += pulp.lpSum(v * z[c] for c, v in t) == float(model.row_lower[r])
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit)), gapRel=gap)
-    prob.solve(solver)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # PULP_CBC_CMD (bundled CBC) is deprecated in 3.x
+        coin = pulp.COIN_CMD(msg=False, timeLimit=max(1, int(time_limit)), gapRel=gap)
+        solver = coin if coin.available() else pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit)),
+                                                                 gapRel=gap)
+        prob.solve(solver)
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
         return None, None, None, "infeasible"

@@ -223,3 +223,13 @@ def test_solution_verify_catches_wrong_cost_and_memory() -> None:
                            solve_seconds=0.0, stats=sol.stats)
     with pytest.raises(ValueError, match="exceeds the limit"):
         over.verify(p)
+
+
+def test_cbc_backend_agrees_with_highs() -> None:
+    p = _grid(3, 3, 7, memory=True)
+    try:
+        ref = brute_force_intra_op(p)
+    except InfeasibleError:
+        pytest.skip("random instance infeasible")
+    sol = solve_intra_op(p, backend="cbc", time_budget_s=30.0)
+    assert sol.cost == pytest.approx(ref.cost, rel=1e-6)
