@@ -1,4 +1,24 @@
-"""The intra-operator sharding problem (Alpa §4, XLA auto-sharding) and its solver."""
+"""The intra-operator sharding problem (Alpa §4, XLA auto-sharding) and its solver.
+
+    from solvers import IntraOpProblem, solve_intra_op
+    problem = IntraOpProblem(node_costs=[...], node_memory=[...], intervals=..., edges=..., edge_costs=[...],
+                             memory_limit=16e9, node_names=[...])
+    sol = solve_intra_op(problem, time_budget_s=60.0)   # never raises because time ran out
+    sol.choice, sol.cost, sol.optimal, sol.lower_bound, sol.status, sol.stats
+
+Modules, in the order a solve uses them:
+
+* ``problem``: ``IntraOpProblem`` (plain data, ``verify()``) and ``InfeasibleError``;
+* ``io_json``: the versioned JSON format (``save_problem`` / ``load_problem``, ``to_json`` / ``from_json``);
+* ``presolve``: exact reductions (dominance, fixing, follow-merging, DP elimination of trees and chains);
+* ``tree_dp``: forest DP with memory priced in, the start for large cores;
+* ``local_search``: ICM moves that respect memory;
+* ``ilp``: the ILP (the mathematics is in its docstring) through HiGHS, CBC as the fallback;
+* ``lns``: exact re-solves of windows, for cores too large for one ILP;
+* ``solve``: ``solve_intra_op``, which chains the above under a time budget;
+* ``solution``: ``IntraOpSolution`` (``verify(problem)``) and ``PresolveStats``;
+* ``brute_force``: the exhaustive reference for tiny problems.
+"""
 
 from solvers.intra_op.brute_force import brute_force_intra_op
 from solvers.intra_op.io_json import load_problem, save_problem
