@@ -48,9 +48,11 @@ def _example(path: str, **overrides: Any) -> tuple[Callable[..., Any], Graph, tu
 
 
 def _moments(state: Any) -> list[Any]:
-    """The Adam first and second moments of a TrainState's optimizer state."""
+    """The optimizer's moments: Adam's mu and nu, or SGD's momentum ``trace`` (Wide-ResNet)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(state.opt_state)
-    return [x for p, x in flat if any(getattr(k, "name", None) in ("mu", "nu") for k in p)]
+    out = [x for p, x in flat if any(getattr(k, "name", None) in ("mu", "nu", "trace") for k in p)]
+    assert out, "no optimizer moments found"
+    return out
 
 
 @functools.cache
@@ -76,7 +78,7 @@ def _check_numerics(path: str, specs: SpecMap, **overrides: Any) -> EmittedStep:
         state, metrics = fn(state, batch)
         loss_err = max(loss_err, abs(float(metrics["loss"]) - want_loss) / abs(want_loss))
         mom_err = max(mom_err, global_rel_error(want_mom, _moments(state)))
-    print(f"{path} {overrides}: loss rel err {loss_err:.2e}, mu/nu global rel err {mom_err:.2e}")
+    print(f"{path} {overrides}: loss rel err {loss_err:.2e}, moments global rel err {mom_err:.2e}")
     assert loss_err < TOL and mom_err < TOL, (path, overrides, loss_err, mom_err)
     return fn
 

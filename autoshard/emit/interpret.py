@@ -36,7 +36,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun
 
-from autoshard.emit.specs import EmitError, ScopeKey, describe_scope, named_sharding
+from autoshard.emit.specs import EmitError, ScopeKey, named_sharding, normalize_key
 from autoshard.trace.graph import Graph, Op
 from autoshard.trace.tracer import _INLINE_KEYS, _REMAT
 from cost_models.spec import ShardingSpec
@@ -115,7 +115,7 @@ class Interpreter:
 
     def __init__(self, mesh: jax.sharding.Mesh, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]]) -> None:
         self.mesh = mesh
-        self.specs = {tuple(k): dict(v) for k, v in specs.items()}
+        self.specs = {normalize_key(k): dict(v) for k, v in specs.items()}
         self._shardings: dict[ShardingSpec, jax.sharding.NamedSharding] = {}
         self._consts: dict[int, dict[Var, Any]] = {}
         self._warned: set[str] = set()
@@ -152,17 +152,14 @@ class Interpreter:
         ``pin_inputs=False`` skips constraining the inputs (the top level, where ``in_shardings`` do it).
         """
         if len(args) != len(graph.inputs):
-            raise EmitError(
-                f"{describe_scope(graph, ()) if not key else 'a body'} takes {len(graph.inputs)} inputs, "
-                f"got {len(args)}"
-            )
+            raise EmitError(f"the graph of scope {key!r} takes {len(graph.inputs)} inputs, got {len(args)}")
         scope = self.specs.get(key, {})
         known = self._known(graph)
         env: dict[int, Any] = {}
         for tid, x in zip(graph.inputs, args, strict=True):
             env[tid] = self._pin(x, tid, scope, key) if pin_inputs else x
 
-        def read(tid: int, atom: Any, what: str) -> Any:
+        def read(tid: int, atom: Any, reader: Op | int) -> Any:
             if tid in env:
                 return env[tid]
             if isinstance(atom, Literal):
@@ -171,6 +168,7 @@ class Interpreter:
                 val = known[atom]
             else:
                 t = graph.tensors[tid]
+                what = reader.where() if isinstance(reader, Op) else f"output {reader} of scope {key!r}"
                 raise EmitError(
                     f"no value for tensor {tid} {t.name!r} {t.dtype}{list(t.shape)}, read by {what}: it is "
                     "neither produced by an op, a graph input, a literal nor a known constant; the Graph "
@@ -180,15 +178,14 @@ class Interpreter:
             return val
 
         for op in graph.ops:
-            invals = [read(t, a, op.where()) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
+            invals = [read(t, a, op) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
             outs = self._bind(op, key, invals)
             if len(outs) != len(op.outputs):
                 raise EmitError(f"{op.where()} returned {len(outs)} results, the graph expects {len(op.outputs)}")
             for tid, x in zip(op.outputs, outs, strict=True):
                 env[tid] = self._pin(x, tid, scope, key)
         outvars = graph.jaxpr.jaxpr.outvars
-        return [read(t, a, f"output {i} of {describe_scope(graph, ()) if not key else 'a body'}")
-                for i, (t, a) in enumerate(zip(graph.outputs, outvars, strict=True))]
+        return [read(t, a, i) for i, (t, a) in enumerate(zip(graph.outputs, outvars, strict=True))]
 
     def _bind(self, op: Op, key: ScopeKey, invals: list[Any]) -> list[Any]:
         eqn = op.eqn

@@ -27,10 +27,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
-from autoshard.emit.specs import EmitError, ScopeKey, validate_specs
+from autoshard.emit.specs import EmitError, ScopeKey, normalize_key, validate_specs
 from autoshard.trace.graph import Graph
 from cost_models.spec import ShardingSpec
 
@@ -56,7 +57,7 @@ class EmittedStep:
         validate_specs(graph, specs, mesh)
         self.graph = graph
         self.mesh = mesh
-        self.specs = {tuple(k): dict(v) for k, v in specs.items()}
+        self.specs = {normalize_key(k): dict(v) for k, v in specs.items()}
         self.interpreter = Interpreter(mesh, self.specs)
         top = self.specs.get((), {})
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -144,8 +145,6 @@ def emit(graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]] | No
 
 def global_rel_error(a: Any, b: Any) -> float:
     """‖a − b‖ / ‖a‖ over all leaves of two pytrees together (the project's numerics measure)."""
-    import numpy as np
-
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     if len(la) != len(lb):
         raise ValueError(f"pytrees differ: {len(la)} leaves vs {len(lb)}")

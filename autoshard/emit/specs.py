@@ -56,6 +56,17 @@ def scope_key(*steps: tuple[int, int] | int) -> ScopeKey:
     return tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
 
 
+def normalize_key(key: Any) -> ScopeKey:
+    """A scope key as a tuple of ``(op_id, body_index)`` int pairs (keys read from JSON are lists)."""
+    try:
+        return tuple((int(a), int(b)) for a, b in key)
+    except (TypeError, ValueError):
+        raise EmitError(
+            f"spec map key {key!r} is not a sequence of (op_id, body_index) pairs; build keys with "
+            "scope_key((op.id, body_index), ...), and use () for the top-level graph"
+        ) from None
+
+
 def partition_spec(spec: ShardingSpec) -> PartitionSpec:
     """The ``PartitionSpec`` of a spec's ``dims`` (``partial`` is dropped)."""
     return PartitionSpec(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in spec.dims))
@@ -177,14 +188,15 @@ def validate_specs(graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingS
         )
     mesh_shape = dict(mesh.shape)
     problems: list[str] = []
-    for key, entries in specs.items():
+    for raw, entries in specs.items():
         try:
-            resolve_scope(graph, tuple(key))
+            key = normalize_key(raw)
+            resolve_scope(graph, key)
         except EmitError as e:
             problems.append(str(e))
             continue
         for tid, spec in entries.items():
-            problems.extend(spec_problems(graph, tuple(key), tid, spec, mesh_shape))
+            problems.extend(spec_problems(graph, key, tid, spec, mesh_shape))
     if problems:
         more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
         raise EmitError(
