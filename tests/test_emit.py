@@ -250,12 +250,13 @@ def _cf_step(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _pin_batch_rows(graph: Graph) -> SpecMap:
+    """Pin every [16, 8] value: op outputs everywhere, and body inputs (scan/while carries)."""
     specs: SpecMap = {}
     for key, g in iter_scopes(graph):
-        for op in g.ops:
-            for tid in op.outputs:
-                if g.tensors[tid].shape == (16, 8):
-                    specs.setdefault(key, {})[tid] = S("data", "model") if key else S("data", None)
+        tids = [t for op in g.ops for t in op.outputs] + (list(g.inputs) if key else [])
+        for tid in tids:
+            if g.tensors[tid].shape == (16, 8):
+                specs.setdefault(key, {})[tid] = S("data", "model") if key else S("data", None)
     return specs
 
 
@@ -269,6 +270,7 @@ def test_control_flow_bodies_rebuilt_with_constants() -> None:
     kinds = {graph.ops[k[0][0]].primitive for k in specs if k}
     assert {"scan", "cond", "while"} <= kinds
     specs[()][graph.inputs[1]] = S("data", None)
+    specs[()][graph.outputs[1]] = ShardingSpec(((), ()), partial=frozenset({"model"}))  # partial is ignored
     fn = emit(graph, specs, _mesh())
     want = jax.jit(_cf_step)(w, x)
     got = fn(w, x)
@@ -278,6 +280,19 @@ def test_control_flow_bodies_rebuilt_with_constants() -> None:
     hoisted = {graph.ops[k[0][0]].primitive for k, n in fn.interpreter.hoisted.items() if n}
     assert {"scan", "cond", "while"} <= hoisted  # the bodies' inlined constant became an operand
     assert fn.donate_argnums == ()
+    assert fn.out_shardings[1].spec == jax.sharding.PartitionSpec(None, None)
+
+
+def test_primitive_with_unrecognised_subjaxprs_is_bound_as_traced() -> None:
+    def solve(a: jax.Array, b: jax.Array) -> jax.Array:
+        x = jax.lax.custom_linear_solve(lambda x: a @ x, b, solve=lambda mv, b: b / jnp.diag(a), symmetric=True)
+        return x * 2.0
+
+    a, b = jnp.eye(8, dtype=jnp.float32) * 2.0, jnp.arange(8, dtype=jnp.float32)
+    graph = autoshard.trace(solve, a, b)
+    assert graph.ops[0].primitive == "custom_linear_solve"
+    fn = emit(graph, {(): {graph.inputs[1]: S("model")}}, _mesh())
+    assert global_rel_error(solve(a, b), fn(a, b)) < TOL
 
 
 def test_no_specs_matches_and_replicates() -> None:
