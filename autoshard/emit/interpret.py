@@ -123,6 +123,10 @@ class Interpreter:
         self.rebuilt: dict[ScopeKey, str] = {}  # scopes whose body was rebuilt, and the op's primitive
         self.hoisted: dict[ScopeKey, int] = {}  # constants a rebuilt body closed over, made operands
 
+    def reset(self) -> None:
+        """Forget what the previous trace recorded (``constraints``, ``rebuilt``, ``hoisted``)."""
+        self.constraints, self.rebuilt, self.hoisted = {}, {}, {}
+
     # ---- values --------------------------------------------------------------------------------------
 
     def sharding(self, spec: ShardingSpec) -> jax.sharding.NamedSharding:

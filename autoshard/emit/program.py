@@ -89,6 +89,7 @@ class EmittedStep:
     # ---- the program -----------------------------------------------------------------------------------
 
     def _flat_step(self, *leaves: Any) -> tuple[Any, ...]:
+        self.interpreter.reset()
         return tuple(self.interpreter.run(self.graph, (), leaves, pin_inputs=False))
 
     def flatten(self, *args: Any) -> list[Any]:
