@@ -102,7 +102,9 @@ class LocalSearch:
         dirty = np.ones(self.core.num_nodes, dtype=bool)
         while True:
             moved = 0
-            for a in order.tolist():
+            for visited, a in enumerate(order.tolist()):
+                if (visited & 63) == 0 and time.perf_counter() > deadline:
+                    return moves + moved
                 if not dirty[a]:
                     continue
                 dirty[a] = False
@@ -120,8 +122,6 @@ class LocalSearch:
                     for b, _ in self.nbrs[a]:
                         dirty[b] = True
                     dirty[a] = True
-                if (moved & 255) == 0 and time.perf_counter() > deadline:
-                    return moves + moved
             moves += moved
             if moved == 0 or time.perf_counter() > deadline:
                 return moves

@@ -102,7 +102,8 @@ def solve_intra_op(
     columns = sum(c.shape[0] for c in core.costs) + sum(int(np.isfinite(m).sum()) for m in core.edge_costs)
     if columns > max_ilp_columns and incumbent is not None:
         # too big for one ILP in the budget: exact re-solves of windows (LNS), warm from the incumbent
-        improve_by_windows(core, ls, deadline - 0.01 * time_budget_s)
+        # leave time to expand and check the answer (about 1 s per 20k nodes here)
+        improve_by_windows(core, ls, deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000)
         choice = ls.choice.copy() if ls.feasible() else incumbent
         return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
                        "feasible (time budget reached; core too large for one ILP, improved by windows)",
