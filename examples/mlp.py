@@ -129,6 +129,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     state, batch = make(args.preset)
+    print(f"mlp {args.preset}: {param_count(PRESETS[args.preset]):,} parameters")
     step = jax.jit(train_step)
     for _ in range(args.steps):
         state, metrics = step(state, batch)
