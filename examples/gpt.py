@@ -1,7 +1,7 @@
 """GPT: a decoder-only transformer language model, with the GPT-3 shapes that Alpa evaluated.
 
     tokens ─▶ wte + wpe ─▶ [block_0 … block_{L-1}] ─▶ ln_f ─▶ wteᵀ (tied head) ─▶ logits
-    block(x) = x + attn(ln_1(x));  x + mlp(ln_2(x))          (pre-LN, as in GPT-2 and GPT-3)
+    block: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))       (pre-LN, as in GPT-2 and GPT-3)
     attn: qkv = x·W_qkv [h, 3h]; causal softmax(q·kᵀ/√d_head)·v per head; proj [h, h]
     mlp:  fc [h, 4h] → gelu → proj [4h, h]
 
@@ -152,7 +152,7 @@ class GPT(nn.Module):
 
 
 def param_count(config: Config) -> int:
-    """Exact parameter count: embeddings, 12h² + 13h per block, the final LayerNorm, an untied head.
+    """Exact parameter count: embeddings, 12h² + 13h per block, the final LayerNorm, the head if untied.
 
     Per block: qkv 3h² + 3h, attention proj h² + h, fc 4h² + 4h, mlp proj 4h² + h, two LayerNorms 4h.
     """
