@@ -4,7 +4,9 @@ The passes, in order: ``trace`` (train step -> Graph), strategies, problem build
 emission, runtime. The public surface is deliberately small.
 """
 
+from autoshard.api import parallelize, plan
+from autoshard.planner.plan import Plan
 from autoshard.trace import Graph, Op, Role, Tensor, TraceError, trace
 
-__all__ = ["Graph", "Op", "Role", "Tensor", "TraceError", "trace"]
+__all__ = ["Graph", "Op", "Plan", "Role", "Tensor", "TraceError", "parallelize", "plan", "trace"]
 __version__ = "0.1.0"

@@ -247,8 +247,9 @@ def plan_graph(
     for o, tid in enumerate(graph.outputs):
         i = graph.output_aliases.get(o)
         lay = layout(tid, graph.output_names[o])
-        if i is not None:  # returned train state goes back in the layout it came in
+        if i is not None:  # returned train state goes back in the layout it came in (the tie edge's price)
             lay = dataclasses.replace(lay, spec=inputs[i].spec)
+            specs[()][tid] = inputs[i].spec
         outputs.append(lay)
     breakdown = _breakdown(built, sol, cost)
     plan = Plan(

@@ -1,0 +1,194 @@
+"""The public surface: ``autoshard.plan`` (pure planning on a logical mesh) and ``@autoshard.parallelize``
+(trace, plan, emit and run on the devices present)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from autoshard.errors import AutoshardError
+from autoshard.planner.plan import Plan, plan_graph
+from autoshard.trace import Graph, trace
+from cost_models import CostModel, ShardingSpec
+
+log = logging.getLogger("autoshard")
+
+DEFAULT_MEMORY_MARGIN = 0.10  # keep 10% of device memory free for XLA's temporaries and fragmentation
+_DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z")}
+MeshLike = Sequence[int] | Mapping[str, int] | str
+
+
+class PlanningError(AutoshardError, ValueError):
+    """Bad planning arguments: a mesh that does not fit the devices, an unknown hardware name."""
+
+
+def parse_mesh(mesh: MeshLike) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``"8x8"``, ``(2, 4)`` or ``{"data": 2, "model": 4}`` -> (shape, axis names)."""
+    if isinstance(mesh, str):
+        try:
+            shape = tuple(int(p) for p in mesh.lower().split("x"))
+        except ValueError:
+            raise PlanningError(f"mesh {mesh!r}: expected sizes joined by 'x', e.g. 8 or 2x4 or 8x8") from None
+        return shape, _names_for(shape)
+    if isinstance(mesh, Mapping):
+        return tuple(int(v) for v in mesh.values()), tuple(str(k) for k in mesh)
+    shape = tuple(int(s) for s in mesh)
+    return shape, _names_for(shape)
+
+
+def _names_for(shape: tuple[int, ...]) -> tuple[str, ...]:
+    if any(s < 1 for s in shape) or not shape:
+        raise PlanningError(f"mesh shape {shape}: every axis needs a size >= 1")
+    return _DEFAULT_AXIS_NAMES.get(len(shape), tuple(f"a{i}" for i in range(len(shape))))
+
+
+def cost_model_for(hardware: str | CostModel, shape: tuple[int, ...], names: tuple[str, ...]) -> CostModel:
+    """A cost model of ``hardware`` (a preset name, a profile file, or a CostModel) on a mesh."""
+    if isinstance(hardware, CostModel):
+        return hardware.with_mesh(shape, names)
+    if hardware == "auto":
+        hardware = _detect_hardware()
+    try:
+        return CostModel.load(hardware, mesh_shape=shape, axis_names=names)
+    except ValueError as e:
+        raise PlanningError(f"hardware {hardware!r}: {e}") from None
+
+
+def _detect_hardware() -> str:
+    kind = jax.devices()[0].device_kind.lower()
+    for name in ("h200", "h100", "a100", "v100"):
+        if name in kind:
+            return name
+    if jax.devices()[0].platform == "cpu":
+        return "cpu-8dev-2026-11-21.json"
+    log.warning("autoshard: no preset for device kind %r; planning with the h100 preset", kind)
+    return "h100"
+
+
+def _budget(memory_budget: float | str | None, cost: CostModel) -> float | None:
+    if memory_budget is None:
+        return None
+    if memory_budget == "auto":
+        return cost.memory_capacity * (1 - DEFAULT_MEMORY_MARGIN)
+    if isinstance(memory_budget, str):
+        raise PlanningError(f"memory_budget {memory_budget!r}: give bytes, 'auto' or None")
+    return float(memory_budget)
+
+
+def plan(
+    step_fn: Callable[..., Any] | Graph,
+    *args: Any,
+    mesh: MeshLike = (8,),
+    hardware: str | CostModel = "h100",
+    memory_budget: float | str | None = "auto",
+    time_budget_s: float = 60.0,
+    roles: Mapping[str, str] | None = None,
+) -> Plan:
+    """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
+
+    ``memory_budget``: bytes per device; ``"auto"`` (the default) is the hardware's capacity less 10%;
+    ``None`` plans without a memory limit.
+    """
+    shape, names = parse_mesh(mesh)
+    cost = cost_model_for(hardware, shape, names)
+    graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
+    if hardware == "auto":
+        hardware = _detect_hardware()
+    name = hardware if isinstance(hardware, str) else cost.cluster.device.name
+    return plan_graph(graph, cost, hardware=name, memory_budget=_budget(memory_budget, cost),
+                      time_budget_s=time_budget_s)
+
+
+def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
+    devices = jax.devices()
+    n = int(np.prod(shape))
+    if n > len(devices):
+        raise PlanningError(
+            f"mesh {'x'.join(map(str, shape))} needs {n} devices but {len(devices)} are present; plan for a "
+            "larger cluster with autoshard.plan (no devices needed), or pick a smaller mesh"
+        )
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+@dataclasses.dataclass(slots=True)
+class _Compiled:
+    graph: Graph
+    plan: Plan
+    step: Any
+
+
+class parallelize:  # lower case: used as a decorator, like jax.jit
+    """Decorate a train step: the first call traces, plans and compiles it for the mesh; later calls with
+    the same argument shapes reuse the compiled program. ``.plan`` is the latest plan, ``.explain()``
+    prints it.
+
+        @autoshard.parallelize(mesh=(2, 4))
+        def train_step(state, batch): ...
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        mesh: MeshLike | None = None,
+        hardware: str | CostModel = "auto",
+        memory_budget: float | str | None = "auto",
+        time_budget_s: float = 60.0,
+        roles: Mapping[str, str] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.mesh = mesh if mesh is not None else (len(jax.devices()),)
+        self.hardware = hardware
+        self.memory_budget = memory_budget
+        self.time_budget_s = time_budget_s
+        self.roles = roles
+        self._cache: dict[Any, _Compiled] = {}
+        self._last: _Compiled | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is None:  # used as @parallelize(...): the first call receives the function
+            (fn,) = args
+            self.fn = fn
+            return self
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compile(args)
+            self._cache[key] = compiled
+        self._last = compiled
+        return compiled.step(*args)
+
+    def _compile(self, args: tuple[Any, ...]) -> _Compiled:
+        from autoshard.emit import emit
+
+        shape, names = parse_mesh(self.mesh)
+        device_mesh = _device_mesh(shape, names)
+        graph = trace(self.fn, *args, roles=self.roles)  # tracing runs nothing, concrete args are fine
+        the_plan = plan(graph, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
+                        memory_budget=self.memory_budget, time_budget_s=self.time_budget_s)
+        specs = {scope: {t: ShardingSpec(dims=s.dims) for t, s in table.items()}
+                 for scope, table in the_plan.specs.items()}
+        return _Compiled(graph, the_plan, emit(graph, specs, device_mesh))
+
+    @property
+    def plan(self) -> Plan:
+        if self._last is None:
+            raise PlanningError("no plan yet: call the decorated step once (it plans on its first call)")
+        return self._last.plan
+
+    @property
+    def graph(self) -> Graph:
+        if self._last is None:
+            raise PlanningError("no graph yet: call the decorated step once")
+        return self._last.graph
+
+    def explain(self) -> str:
+        from autoshard.planner.summary import format_plan
+
+        return format_plan(self.plan)

@@ -1,0 +1,64 @@
+"""``format_plan``: the readable summary ``autoshard plan`` prints and ``parallelize.explain()`` returns."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from autoshard.planner.plan import Plan
+from autoshard.trace.summary import human_bytes
+
+_LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)")
+
+
+def _us(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def tensor_class(name: str) -> str:
+    """A parameter's class: its name with layer indices folded, ``state.params.block_*.mlp.fc.kernel``."""
+    return _LAYER_INDEX.sub(lambda m: "_*" if m.group(0).startswith("_") else "[*]", name)
+
+
+def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
+    lines = [
+        f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
+        f"predicted step time {_us(plan.predicted_step_time)}   peak memory per device "
+        f"{human_bytes(plan.peak_memory)}"
+        + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
+        "",
+        "time by category",
+    ]
+    total = plan.predicted_step_time or 1.0
+    for k, v in sorted(plan.time_breakdown.items(), key=lambda kv: -kv[1]):
+        if k == "resharding":
+            continue
+        lines.append(f"  {k:<28} {_us(v):>12}  {100 * v / total:5.1f}%")
+    if plan.time_breakdown.get("resharding"):
+        lines.append(f"  (of the collectives, {_us(plan.time_breakdown['resharding'])} is resharding between ops)")
+
+    classes: dict[tuple[str, str], dict[str, object]] = {}
+    for t in plan.inputs:
+        key = (t.role, tensor_class(t.name))
+        c = classes.setdefault(key, {"count": 0, "specs": defaultdict(int), "shape": t.shape, "bytes": 0})
+        c["count"] += 1  # type: ignore[operator]
+        c["specs"][str(t.spec)] += 1  # type: ignore[index]
+    lines += ["", "layouts of the step's inputs (layer indices folded)"]
+    rows = sorted(classes.items(), key=lambda kv: (kv[0][0] != "param", kv[0][0], kv[0][1]))
+    for (role, name), c in rows[:max_classes]:
+        specs = ", ".join(f"{s}" + (f" x{n}" if n > 1 else "") for s, n in c["specs"].items())  # type: ignore[union-attr]
+        lines.append(f"  {role:<9} {name:<56} {list(c['shape'])!s:<18} {specs}")
+    if len(rows) > max_classes:
+        lines.append(f"  ... {len(rows) - max_classes} more classes")
+    s = plan.solver
+    lines += [
+        "",
+        f"solver: {s.get('status')} ({'optimal' if s.get('optimal') else 'not proven optimal'}), "
+        f"{s.get('nodes')} nodes, {s.get('edges')} edges, build {s.get('build_seconds', 0):.1f} s, "
+        f"solve {s.get('solve_seconds', 0):.1f} s",
+    ]
+    return "\n".join(lines)
