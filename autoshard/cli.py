@@ -96,7 +96,58 @@ def _profile_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    _add_example_arguments(p)
+    p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
+    p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
+    p.add_argument("--hardware", default="h100",
+                   help="hardware preset (h100, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or profile JSON")
+    p.add_argument("--memory-budget", default="auto",
+                   help="bytes per device ('16e9'), 'auto' (capacity less 10%%) or 'none'")
+    p.add_argument("--time-budget", type=float, default=60.0, help="solver time budget in seconds")
+    p.add_argument("-o", "--output", metavar="PATH", help="write the plan as JSON")
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    import time
+
+    from autoshard._examples import load_example
+    from autoshard.api import parse_mesh, plan
+    from autoshard.errors import ExampleError
+    from autoshard.planner.summary import format_plan
+
+    shape, names = parse_mesh(args.mesh)
+    if args.axes:
+        names = tuple(a.strip() for a in args.axes.split(","))
+        if len(names) != len(shape):
+            raise ExampleError(f"--axes names {len(names)} axes but --mesh {args.mesh} has {len(shape)}")
+    budget: float | str | None = args.memory_budget
+    if budget == "none":
+        budget = None
+    elif budget != "auto":
+        try:
+            budget = float(budget)
+        except ValueError:
+            raise ExampleError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
+    example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
+    t0 = time.perf_counter()
+    the_plan = plan(example.train_step, *example.args, mesh=dict(zip(names, shape, strict=True)),
+                    hardware=args.hardware, memory_budget=budget, time_budget_s=args.time_budget)
+    elapsed = time.perf_counter() - t0
+    print(f"{example.name} preset={example.preset} planned in {elapsed:.1f} s (trace, build, solve)")
+    print(format_plan(the_plan))
+    if args.output:
+        the_plan.save(args.output)
+        print(f"plan written to {args.output}")
+    return 0
+
+
 _COMMANDS: dict[str, _Command] = {
+    "plan": _Command(
+        help="plan a model's train step on a logical mesh and print the plan",
+        add_arguments=_plan_arguments,
+        run=_plan_run,
+    ),
     "trace": _Command(
         help="trace a model's train step into a graph and print its summary",
         add_arguments=_trace_arguments,

@@ -54,3 +54,21 @@ def test_bad_arguments_exit_2_with_a_clear_message(
     monkeypatch.chdir(ROOT)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_command_writes_a_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["plan", str(ROOT / "examples" / "mlp.py"), "--preset", "wide", "--mesh", "8", "--axes", "model",
+               "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "predicted step time" in text and "R·S(model)" in text and "S(model)·R" in text
+    data = json.loads(out.read_text())
+    assert data["mesh"]["shape"] == [8] and data["mesh"]["axis_names"] == ["model"]
+
+
+def test_plan_command_names_what_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", str(ROOT / "examples" / "mlp.py"), "--preset", "wide", "--memory-budget", "1e6"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "no assignment fits the memory limit" in err and "mlp.py" in err and "--memory-budget none" in err

@@ -20,7 +20,7 @@ from autoshard.errors import AutoshardError
 from autoshard.planner.build import BuiltProblem, Scope, build_problem
 from autoshard.trace.graph import Graph
 from cost_models import CostModel, LogicalMesh, ShardingSpec
-from solvers import IntraOpSolution, solve_intra_op
+from solvers import InfeasibleError, IntraOpSolution, solve_intra_op
 
 PLAN_VERSION = 1
 
@@ -229,7 +229,14 @@ def plan_graph(
     t0 = time.perf_counter()
     built = build_problem(graph, cost, memory_budget)
     t_build = time.perf_counter() - t0
-    sol = solve_intra_op(built.problem, time_budget_s=time_budget_s)
+    try:
+        sol = solve_intra_op(built.problem, time_budget_s=time_budget_s)
+    except InfeasibleError as e:
+        raise PlanError(
+            f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} with any "
+            "layout autoshard can express: use more devices, a smaller batch, recomputation (remat), or plan "
+            "without a memory limit (memory_budget=None, --memory-budget none) to see what it would need."
+        ) from None
     specs: dict[Scope, dict[int, ShardingSpec]] = defaultdict(dict)
     for i, node in enumerate(built.nodes):
         for (scope, tid), spec in node.produces[int(sol.choice[i])]:

@@ -41,15 +41,15 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     if plan.time_breakdown.get("resharding"):
         lines.append(f"  (of the collectives, {_us(plan.time_breakdown['resharding'])} is resharding between ops)")
 
-    classes: dict[tuple[str, str], dict[str, object]] = {}
+    classes: dict[tuple[str, str, tuple[int, ...]], dict[str, object]] = {}
     for t in plan.inputs:
-        key = (t.role, tensor_class(t.name))
+        key = (t.role, tensor_class(t.name), t.shape)
         c = classes.setdefault(key, {"count": 0, "specs": defaultdict(int), "shape": t.shape, "bytes": 0})
         c["count"] += 1  # type: ignore[operator]
         c["specs"][str(t.spec)] += 1  # type: ignore[index]
     lines += ["", "layouts of the step's inputs (layer indices folded)"]
     rows = sorted(classes.items(), key=lambda kv: (kv[0][0] != "param", kv[0][0], kv[0][1]))
-    for (role, name), c in rows[:max_classes]:
+    for (role, name, _), c in rows[:max_classes]:
         specs = ", ".join(f"{s}" + (f" x{n}" if n > 1 else "") for s, n in c["specs"].items())  # type: ignore[union-attr]
         lines.append(f"  {role:<9} {name:<56} {list(c['shape'])!s:<18} {specs}")
     if len(rows) > max_classes:
@@ -57,7 +57,7 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     s = plan.solver
     lines += [
         "",
-        f"solver: {s.get('status')} ({'optimal' if s.get('optimal') else 'not proven optimal'}), "
+        f"solver: {s.get('status')}{'' if s.get('optimal') else ' (not proven optimal)'}, "
         f"{s.get('nodes')} nodes, {s.get('edges')} edges, build {s.get('build_seconds', 0):.1f} s, "
         f"solve {s.get('solve_seconds', 0):.1f} s",
     ]
