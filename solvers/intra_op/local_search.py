@@ -63,6 +63,39 @@ class LocalSearch:
     def objective(self) -> float:
         return self.core.objective(self.choice)
 
+    def local_objective(self, nodes: np.ndarray) -> float:
+        """Cost of ``nodes`` plus every edge touching them (each edge once) at the current choice."""
+        seen = set(nodes.tolist())
+        total = 0.0
+        for a in nodes.tolist():
+            total += float(self.core.costs[a][self.choice[a]])
+            for b, m in self.nbrs[a]:
+                if b not in seen or b > a:
+                    total += float(m[self.choice[a], self.choice[b]])
+        return total
+
+    def refresh_memory(self, nodes: np.ndarray, old: np.ndarray, tol: float) -> bool:
+        """After ``nodes`` moved from ``old``: update the headroom; False (nothing updated) if it overflows."""
+        c = self.core
+        if c.slack.size == 0:
+            return True
+        terms = [j for a in nodes.tolist() for j in self.terms[a]]
+        if not terms:
+            return True
+        pos = {a: i for i, a in enumerate(nodes.tolist())}
+        diff = np.zeros(c.slack.shape[0] + 1)
+        for j in terms:
+            a = int(c.mem_node[j])
+            d = c.mem_usage[j][self.choice[a]] - c.mem_usage[j][old[pos[a]]]
+            diff[c.mem_lo[j]] += d
+            diff[c.mem_hi[j]] -= d
+        delta = np.cumsum(diff)[:-1]
+        head = self.head - delta
+        if (head < -tol).any():
+            return False
+        self.head = head
+        return True
+
     # ------------------------------------------------------------ moves
     def _local_cost(self, a: int) -> np.ndarray:
         cost = self.core.costs[a].copy()

@@ -2,7 +2,8 @@
 
 Timeline of one call with budget ``T``: verify the problem; run the exact reductions of ``presolve``; if
 a core is left, build two starts (forest DP with memory priced in, ``tree_dp``; least memory everywhere)
-and improve each by ICM (``local_search``), together at most 15% of what is left; then, if the core's
+and improve each by ICM (``local_search``), together at most 15% of what is left; move whole induced
+trees exactly (``tree_dp.block_descent``, at most a quarter of what is left); then, if the core's
 ILP is small enough, hand it and the incumbent (as a warm start) to HiGHS until the deadline, else
 re-solve windows of it exactly (``lns``) until the deadline; keep the best; expand the core answer to every node by replaying the eliminations. When time runs out the best
 feasible answer found so far is returned with ``optimal=False`` and a status that says so.
@@ -21,7 +22,7 @@ from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
-from solvers.intra_op.tree_dp import lagrangian_start
+from solvers.intra_op.tree_dp import block_descent, lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
@@ -94,6 +95,12 @@ def solve_intra_op(
             if ls.objective() < inc_obj:
                 incumbent, inc_obj = ls.choice.copy(), ls.objective()
     if incumbent is not None:
+        ls.start_from(incumbent)
+        # exact moves of whole induced trees (tree_dp.block_descent), then ICM again
+        block_descent(core, ls, time.perf_counter() + 0.25 * max(0.0, deadline - time.perf_counter()))
+        ls.improve(time.perf_counter() + 0.05 * max(0.0, deadline - time.perf_counter()))
+        if ls.feasible() and ls.objective() < inc_obj:
+            incumbent, inc_obj = ls.choice.copy(), ls.objective()
         ls.start_from(incumbent)
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
