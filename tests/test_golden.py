@@ -1,0 +1,89 @@
+"""Golden rediscovery: the planner finds the layouts people write by hand, and the compiled program has the
+collectives those layouts imply. Plans use the H100 prices; programs are compiled for the 8 CPU devices."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import autoshard
+from autoshard._examples import load_example
+from autoshard.emit import emit
+from autoshard.trace.graph import Role
+from cost_models import ShardingSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plan_and_compile(preset: str, overrides, names, memory_budget=None):
+    ex = load_example(ROOT / "examples" / "mlp.py", preset, overrides, abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    shape = (8,)
+    plan = autoshard.plan(graph, mesh=dict(zip(names, shape, strict=True)), hardware="h100",
+                          memory_budget=memory_budget, time_budget_s=30)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), names)
+    specs = {s: {t: ShardingSpec(dims=v.dims) for t, v in table.items()} for s, table in plan.specs.items()}
+    hlo = emit(graph, specs, mesh).compiled(*ex.args).as_text()
+    return graph, plan, hlo
+
+
+def _count(hlo: str, op: str) -> int:
+    """Collective instructions of kind ``op`` (e.g. ``all-reduce``) in compiled HLO text."""
+    return len(re.findall(rf"\b{op}(-start)?\(", hlo))
+
+
+def _reduced_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """Shapes of every value all-reduced (XLA combines several gradients into one tuple all-reduce)."""
+    shapes = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*%\S+ = (.*?) all-reduce(-start)?\(", line)
+        if m:
+            for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1)):
+                shapes.append(tuple(int(d) for d in dims.split(",") if d))
+    return shapes
+
+
+def test_data_parallel_for_a_small_model_on_a_big_batch() -> None:
+    graph, plan, hlo = _plan_and_compile("big-batch", [], ("data",))
+    layouts = {t.name: t.spec for t in plan.inputs}
+    for t in graph.input_tensors(Role.PARAM):
+        assert layouts[t.name].is_replicated(), t.name
+    for t in graph.input_tensors(Role.BATCH):
+        assert layouts[t.name].dims[0] == ("data",), t.name
+    # One all-reduce per parameter gradient (XLA may combine them into one tuple all-reduce).
+    reduced = _reduced_shapes(hlo)
+    for t in graph.input_tensors(Role.PARAM):
+        assert t.shape in reduced, (t.name, t.shape)
+        reduced.remove(t.shape)
+    assert _count(hlo, "all-gather") == 0 and _count(hlo, "all-to-all") == 0
+
+
+def test_megatron_column_then_row_for_a_wide_mlp() -> None:
+    graph, plan, hlo = _plan_and_compile("wide", [], ("model",))
+    layouts = {t.name: str(t.spec) for t in plan.inputs}
+    assert layouts["state.params.dense_0.kernel"] == "R·S(model)"
+    assert layouts["state.params.dense_1.kernel"] == "S(model)·R"
+    assert plan.time_breakdown.get("all_reduce(model)", 0) > 0
+    # The weights are never gathered or reduced: only the pair's output, a [batch, out] partial sum, is.
+    reduced = _reduced_shapes(hlo)
+    assert (16, 1024) in reduced
+    assert not {t.shape for t in graph.input_tensors(Role.PARAM) if len(t.shape) == 2} & set(reduced)
+    assert _count(hlo, "all-gather") == 0
+
+
+def test_zero_sharding_under_memory_pressure() -> None:
+    overrides = ["hidden=2048", "batch=2048"]
+    graph, free_plan, _ = _plan_and_compile("big-batch", overrides, ("data",))
+    graph, plan, hlo = _plan_and_compile("big-batch", overrides, ("data",),
+                                         memory_budget=0.5 * free_plan.peak_memory)
+    layouts = {t.name: t.spec for t in plan.inputs}
+    sharded = [t for t in graph.input_tensors(Role.OPT_STATE) + graph.input_tensors(Role.PARAM)
+               if t.name.endswith("kernel") and not layouts[t.name].is_replicated()]
+    assert len(sharded) >= 6, "parameters and Adam moments of the big kernels should be split (ZeRO-3/FSDP)"
+    assert plan.peak_memory <= 0.5 * free_plan.peak_memory
+    assert plan.predicted_step_time > free_plan.predicted_step_time  # memory bought with communication
+    assert plan.time_breakdown.get("all_gather(data)", 0) > 0  # parameters gathered before use
+    assert _count(hlo, "all-gather") >= 1
