@@ -87,3 +87,21 @@ def test_zero_sharding_under_memory_pressure() -> None:
     assert plan.predicted_step_time > free_plan.predicted_step_time  # memory bought with communication
     assert plan.time_breakdown.get("all_gather(data)", 0) > 0  # parameters gathered before use
     assert _count(hlo, "all-gather") >= 1
+
+
+def test_expert_parallel_for_a_mixture_of_experts() -> None:
+    overrides = ["experts=8", "hidden=1024", "layers=2", "seq_len=128", "batch=16", "group_size=256",
+                 "vocab=1024", "heads=8"]
+    ex = load_example(ROOT / "examples" / "moe.py", "tiny", overrides, abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    plan = autoshard.plan(graph, mesh={"expert": 8}, hardware="h100", memory_budget=None, time_budget_s=30)
+    layouts = {t.name: t.spec for t in plan.inputs}
+    experts = [t for t in graph.input_tensors(Role.PARAM) if t.name.endswith(("fc_kernel", "proj_kernel"))]
+    assert experts
+    for t in experts:  # [experts, d, ff]: one expert's weights per device
+        assert layouts[t.name].dims[0] == ("expert",), (t.name, layouts[t.name])
+    assert plan.time_breakdown.get("all_to_all(expert)", 0) > 0  # tokens dispatched to their experts
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("expert",))
+    specs = {s: {t: ShardingSpec(dims=v.dims) for t, v in table.items()} for s, table in plan.specs.items()}
+    hlo = emit(graph, specs, mesh).compiled(*ex.args).as_text()
+    assert _count(hlo, "all-to-all") >= 2  # dispatch and combine
