@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,7 +110,7 @@ class _Build:
         self._spec_cache: dict[tuple[int, ...], list[ShardingSpec]] = {}
         self._matrix_cache: dict[Any, np.ndarray] = {}
         self._pair_cache: dict[Any, dict[tuple[ShardingSpec, ShardingSpec], float]] = {}
-        self.edge_mats: list[np.ndarray] = []
+        self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -163,6 +164,9 @@ class _Build:
         every node lives at the enclosing op's time ``t0``."""
         ctx = RuleContext(graph, self.mesh)
         followers = self.find_followers(graph, scope)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for f, lead in followers.items():
+            groups[lead].append(f)
 
         def when(a: int, b: int) -> tuple[int, int]:
             return (a, max(b, a + 1)) if t0 is None else (t0, t0 + 1)
@@ -173,8 +177,7 @@ class _Build:
             if op.primitive in _BODY_PRIMS and op.bodies:
                 self.build_control_flow(graph, scope, op, weight, ctx, when)
                 continue
-            group = [op.id, *self.follower_chain(graph, op.id, followers)]
-            self.group_node(graph, scope, group, weight, ctx, when)
+            self.group_node(graph, scope, [op.id, *groups[op.id]], weight, ctx, when)
 
     def find_followers(self, graph: Graph, scope: Scope) -> dict[int, int]:
         """op id -> the op id it follows (its single non-scalar operand's producer), for unary elementwise
@@ -194,10 +197,6 @@ class _Build:
                 continue
             out[op.id] = out.get(leader.id, leader.id)
         return out
-
-    @staticmethod
-    def follower_chain(graph: Graph, leader: int, followers: dict[int, int]) -> list[int]:
-        return [f for f, lead in followers.items() if lead == leader]
 
     def group_node(self, graph: Graph, scope: Scope, group: list[int], weight: float, ctx: RuleContext,
                    when: Any) -> None:
@@ -364,7 +363,6 @@ class _Build:
     # ---- finishing -------------------------------------------------------------------------------------
 
     def build(self) -> BuiltProblem:
-        self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
         g = self.root
         ctx = RuleContext(g, self.mesh)
         for tid in g.inputs:
