@@ -105,3 +105,26 @@ def test_expert_parallel_for_a_mixture_of_experts() -> None:
     specs = {s: {t: ShardingSpec(dims=v.dims) for t, v in table.items()} for s, table in plan.specs.items()}
     hlo = emit(graph, specs, mesh).compiled(*ex.args).as_text()
     assert _count(hlo, "all-to-all") >= 2  # dispatch and combine
+
+
+def test_heavy_communication_lands_on_the_fast_axis() -> None:
+    """Planning only (a 4x4 logical mesh, no devices): the gradient all-reduce of a data-parallel step goes
+    over whichever axis has the fast link, and moves when the links are swapped."""
+    import dataclasses
+
+    from autoshard.planner.plan import plan_graph
+    from cost_models import CostModel, LogicalMesh
+
+    ex = load_example(ROOT / "examples" / "mlp.py", "big-batch", [], abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    cost = CostModel.load("h100", mesh_shape=(4, 4), axis_names=("node", "gpu"), num_hosts=4, devices_per_host=4)
+    slow, fast = cost.mesh.links
+    assert slow.bandwidth < fast.bandwidth
+    for links, fast_axis, slow_axis in (((slow, fast), "gpu", "node"), ((fast, slow), "node", "gpu")):
+        mesh = LogicalMesh(axis_names=("node", "gpu"), shape=(4, 4), links=links)
+        plan = plan_graph(graph, dataclasses.replace(cost, mesh=mesh))
+        batch = {t.name: t.spec for t in plan.inputs}["batch.x"]
+        assert fast_axis in batch.dims[0], (links, batch)
+        on_fast = sum(v for k, v in plan.time_breakdown.items() if k.endswith(f"({fast_axis})"))
+        on_slow = sum(v for k, v in plan.time_breakdown.items() if slow_axis in k and k != "resharding")
+        assert on_fast > 0 and on_slow == 0, plan.time_breakdown
