@@ -50,6 +50,8 @@ def _names_for(shape: tuple[int, ...]) -> tuple[str, ...]:
 def cost_model_for(hardware: str | CostModel, shape: tuple[int, ...], names: tuple[str, ...]) -> CostModel:
     """A cost model of ``hardware`` (a preset name, a profile file, or a CostModel) on a mesh."""
     if isinstance(hardware, CostModel):
+        if hardware.mesh.shape == shape and hardware.mesh.axis_names == names:
+            return hardware  # keep its links, which may have been set by hand
         return hardware.with_mesh(shape, names)
     if hardware == "auto":
         hardware = _detect_hardware()
