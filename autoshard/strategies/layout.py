@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard.strategies.elementwise import operand_spec
-from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, register
+from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, passthrough, register
 from autoshard.trace.graph import Op
 from cost_models import ShardingSpec
 
@@ -121,26 +120,6 @@ def broadcast_in_dim(op: Op, ctx: RuleContext) -> list[Candidate]:
     return cands
 
 
-def _passthrough(op: Op, ctx: RuleContext, whole: set[int]) -> list[Candidate]:
-    """Operands of the result's rank follow it; dimensions in ``whole`` stay unsplit; scalars replicate."""
-    ins = ctx.in_shapes(op)
-    outs = ctx.out_shapes(op)
-    out_shape = outs[0]
-    cands = []
-    for spec in enumerate_specs(out_shape, ctx):
-        if any(spec.dims[d] for d in whole):
-            continue
-        in_specs = []
-        for s in ins:
-            if len(s) == len(out_shape):
-                dims = tuple(d if (i not in whole and s[i] == out_shape[i]) else () for i, d in enumerate(spec.dims))
-                in_specs.append(ShardingSpec(dims=dims))
-            else:
-                in_specs.append(ShardingSpec.replicated(len(s)))
-        cands.append(Candidate(tuple(in_specs), tuple(spec for _ in outs)))
-    return cands
-
-
 @register("slice")
 def slice_(op: Op, ctx: RuleContext) -> list[Candidate]:
     (in_shape,) = ctx.in_shapes(op)
@@ -148,20 +127,20 @@ def slice_(op: Op, ctx: RuleContext) -> list[Candidate]:
     strides = p["strides"] or (1,) * len(in_shape)
     cut = {i for i, (s, lim, st) in enumerate(zip(p["start_indices"], p["limit_indices"], strides, strict=True))
            if s != 0 or lim != in_shape[i] or st != 1}
-    return _passthrough(op, ctx, cut)
+    return passthrough(op, ctx, cut)
 
 
 @register("dynamic_slice")
 def dynamic_slice(op: Op, ctx: RuleContext) -> list[Candidate]:
     in_shape = ctx.in_shapes(op)[0]
     sizes = op.eqn.params["slice_sizes"]
-    return _passthrough(op, ctx, {i for i, n in enumerate(sizes) if n != in_shape[i]})
+    return passthrough(op, ctx, {i for i, n in enumerate(sizes) if n != in_shape[i]})
 
 
 @register("dynamic_update_slice")
 def dynamic_update_slice(op: Op, ctx: RuleContext) -> list[Candidate]:
     in_shape, upd_shape = ctx.in_shapes(op)[:2]
-    return _passthrough(op, ctx, {i for i, (a, b) in enumerate(zip(in_shape, upd_shape, strict=True)) if a != b})
+    return passthrough(op, ctx, {i for i, (a, b) in enumerate(zip(in_shape, upd_shape, strict=True)) if a != b})
 
 
 @register("split")
@@ -177,47 +156,41 @@ def split(op: Op, ctx: RuleContext) -> list[Candidate]:
     ]
 
 
+def _without_axis(shape: tuple[int, ...], axis: int, ctx: RuleContext) -> list[tuple[ShardingSpec, ShardingSpec]]:
+    """Layouts of a stacked tensor whose ``axis`` stays whole, each with the layout of one piece."""
+    return [(spec, ShardingSpec(dims=spec.dims[:axis] + spec.dims[axis + 1 :]))
+            for spec in enumerate_specs(shape, ctx) if not spec.dims[axis]]
+
+
 @register("stack")
 def stack(op: Op, ctx: RuleContext) -> list[Candidate]:
     """Operands follow the result on every dimension but the new one, which stays whole."""
     (out_shape,) = ctx.out_shapes(op)
-    axis = op.eqn.params["axis"]
-    cands = []
-    for spec in enumerate_specs(out_shape, ctx):
-        if spec.dims[axis]:
-            continue
-        piece = ShardingSpec(dims=spec.dims[:axis] + spec.dims[axis + 1 :])
-        cands.append(Candidate(tuple(piece for _ in op.inputs), (spec,)))
-    return cands
+    return [Candidate(tuple(piece for _ in op.inputs), (spec,))
+            for spec, piece in _without_axis(out_shape, op.eqn.params["axis"], ctx)]
 
 
 @register("unstack")
 def unstack(op: Op, ctx: RuleContext) -> list[Candidate]:
     (in_shape,) = ctx.in_shapes(op)
-    axis = op.eqn.params["axis"]
-    cands = []
-    for spec in enumerate_specs(in_shape, ctx):
-        if spec.dims[axis]:
-            continue
-        piece = ShardingSpec(dims=spec.dims[:axis] + spec.dims[axis + 1 :])
-        cands.append(Candidate((spec,), tuple(piece for _ in op.outputs)))
-    return cands
+    return [Candidate((spec,), tuple(piece for _ in op.outputs))
+            for spec, piece in _without_axis(in_shape, op.eqn.params["axis"], ctx)]
 
 
 @register("concatenate")
 def concatenate(op: Op, ctx: RuleContext) -> list[Candidate]:
-    return _passthrough(op, ctx, {op.eqn.params["dimension"]})
+    return passthrough(op, ctx, {op.eqn.params["dimension"]})
 
 
 @register("pad")
 def pad(op: Op, ctx: RuleContext) -> list[Candidate]:
     cfg = op.eqn.params["padding_config"]
-    return _passthrough(op, ctx, {i for i, c in enumerate(cfg) if tuple(c) != (0, 0, 0)})
+    return passthrough(op, ctx, {i for i, c in enumerate(cfg) if tuple(c) != (0, 0, 0)})
 
 
 @register("rev")
 def rev(op: Op, ctx: RuleContext) -> list[Candidate]:
-    return _passthrough(op, ctx, set(op.eqn.params["dimensions"]))
+    return passthrough(op, ctx, set(op.eqn.params["dimensions"]))
 
 
 @register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
@@ -236,7 +209,5 @@ def windowed(op: Op, ctx: RuleContext) -> list[Candidate]:
     if any(s != ctx.out_shapes(op)[0] for s in ins if s):  # windows change the extent of those dims
         out = ctx.out_shapes(op)[0]
         whole |= {i for s in ins if s for i, (a, b) in enumerate(zip(s, out, strict=True)) if a != b}
-    return _passthrough(op, ctx, whole)
+    return passthrough(op, ctx, whole)
 
-
-__all__ = ["operand_spec", "reshape_groups"]

@@ -8,7 +8,7 @@ needs it (softmax denominators, losses, the gradient of a broadcast). ``reduce_m
 
 from __future__ import annotations
 
-from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, register
+from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, passthrough, register
 from autoshard.trace.graph import Op
 from cost_models import ShardingSpec
 
@@ -48,28 +48,14 @@ def reduce_other(op: Op, ctx: RuleContext) -> list[Candidate]:
     return cands
 
 
-def _whole_dims(op: Op, ctx: RuleContext, whole: set[int]) -> list[Candidate]:
-    """Every operand and result shares one spec, with the dimensions in ``whole`` unsplit."""
-    ins = ctx.in_shapes(op)
-    outs = ctx.out_shapes(op)
-    shape = outs[0]
-    cands = []
-    for spec in enumerate_specs(shape, ctx):
-        if any(spec.dims[d] for d in whole):
-            continue
-        cands.append(Candidate(tuple(spec if s == shape else ShardingSpec.replicated(len(s)) for s in ins),
-                               tuple(spec for _ in outs)))
-    return cands
-
-
 @register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def cumulative(op: Op, ctx: RuleContext) -> list[Candidate]:
-    return _whole_dims(op, ctx, {op.eqn.params["axis"]})
+    return passthrough(op, ctx, {op.eqn.params["axis"]})
 
 
 @register("sort")
 def sort(op: Op, ctx: RuleContext) -> list[Candidate]:
-    return _whole_dims(op, ctx, {op.eqn.params["dimension"]})
+    return passthrough(op, ctx, {op.eqn.params["dimension"]})
 
 
 @register("top_k")

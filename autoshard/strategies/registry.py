@@ -133,6 +133,27 @@ def replicated(shape: Sequence[int]) -> ShardingSpec:
     return ShardingSpec.replicated(len(shape))
 
 
+def passthrough(op: Op, ctx: RuleContext, whole: set[int]) -> list[Candidate]:
+    """Every result takes one layout; operands of the result's rank follow it on the dimensions where
+    their extent matches; dimensions in ``whole`` stay unsplit; other operands (scalars) replicate."""
+    ins = ctx.in_shapes(op)
+    outs = ctx.out_shapes(op)
+    out_shape = outs[0]
+    cands = []
+    for spec in enumerate_specs(out_shape, ctx):
+        if any(spec.dims[d] for d in whole):
+            continue
+        in_specs = []
+        for s in ins:
+            if len(s) == len(out_shape):
+                dims = tuple(d if (i not in whole and s[i] == out_shape[i]) else () for i, d in enumerate(spec.dims))
+                in_specs.append(ShardingSpec(dims=dims))
+            else:
+                in_specs.append(ShardingSpec.replicated(len(s)))
+        cands.append(Candidate(tuple(in_specs), tuple(spec for _ in outs)))
+    return cands
+
+
 def dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
     seen: set[tuple[tuple[ShardingSpec, ...], tuple[ShardingSpec, ...]]] = set()
     out = []
