@@ -48,7 +48,7 @@ def _names_for(shape: tuple[int, ...]) -> tuple[str, ...]:
 
 
 def cost_model_for(hardware: str | CostModel, shape: tuple[int, ...], names: tuple[str, ...]) -> CostModel:
-    """A cost model of ``hardware`` (a preset name, a profile file, or a CostModel) on a mesh."""
+    """A cost model of ``hardware`` (a preset name, a profile file, ``"auto"``, or a CostModel) on a mesh."""
     if isinstance(hardware, CostModel):
         if hardware.mesh.shape == shape and hardware.mesh.axis_names == names:
             return hardware  # keep its links, which may have been set by hand
@@ -97,10 +97,10 @@ def plan(
     ``None`` plans without a memory limit.
     """
     shape, names = parse_mesh(mesh)
-    cost = cost_model_for(hardware, shape, names)
-    graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
     if hardware == "auto":
         hardware = _detect_hardware()
+    cost = cost_model_for(hardware, shape, names)
+    graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
     name = hardware if isinstance(hardware, str) else cost.cluster.device.name
     return plan_graph(graph, cost, hardware=name, memory_budget=_budget(memory_budget, cost),
                       time_budget_s=time_budget_s)

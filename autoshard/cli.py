@@ -112,15 +112,14 @@ def _plan_run(args: argparse.Namespace) -> int:
     import time
 
     from autoshard._examples import load_example
-    from autoshard.api import parse_mesh, plan
-    from autoshard.errors import ExampleError
+    from autoshard.api import PlanningError, parse_mesh, plan
     from autoshard.planner.summary import format_plan
 
     shape, names = parse_mesh(args.mesh)
     if args.axes:
         names = tuple(a.strip() for a in args.axes.split(","))
         if len(names) != len(shape):
-            raise ExampleError(f"--axes names {len(names)} axes but --mesh {args.mesh} has {len(shape)}")
+            raise PlanningError(f"--axes names {len(names)} axes but --mesh {args.mesh} has {len(shape)}")
     budget: float | str | None = args.memory_budget
     if budget == "none":
         budget = None
@@ -128,7 +127,7 @@ def _plan_run(args: argparse.Namespace) -> int:
         try:
             budget = float(budget)
         except ValueError:
-            raise ExampleError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
+            raise PlanningError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
     the_plan = plan(example.train_step, *example.args, mesh=dict(zip(names, shape, strict=True)),

@@ -77,14 +77,29 @@ class NodeInfo:
     def k(self) -> int:
         return len(self.produces)
 
+    def produced(self, key: TensorKey, s: int) -> ShardingSpec:
+        """The layout this node gives tensor ``key`` under strategy ``s``."""
+        for k, spec in self.produces[s]:
+            if k == key:
+                return spec
+        raise KeyError(key)
+
+    def needed(self, key: TensorKey, s: int) -> ShardingSpec | None:
+        """The layout this node needs tensor ``key`` in under strategy ``s`` (None: no layout works)."""
+        for k, spec in self.reads[s]:
+            if k == key:
+                return spec
+        raise KeyError(key)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EdgeInfo:
     u: int
     v: int
-    tensor: TensorKey
+    tensor: TensorKey  # produced by u
     weight: float
-    kind: str  # "data", "state" (returned train state), "carry" (loop-carried value)
+    kind: str  # "data" (v reads the tensor), "state" (returned train state), "carry" (loop-carried value)
+    target: TensorKey  # for "data" the same tensor; for ties the tensor v produces that it must match
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +107,6 @@ class BuiltProblem:
     problem: IntraOpProblem
     nodes: tuple[NodeInfo, ...]
     edges: tuple[EdgeInfo, ...]
-    producer_node: dict[TensorKey, int]
     graphs: dict[Scope, Graph]
 
 
@@ -145,14 +159,15 @@ class _Build:
         return idx
 
     def port_node(self, name: str, key: TensorKey, shape: tuple[int, ...], nbytes: int, ctx: RuleContext,
-                  interval: tuple[int, int], kind: str = "port", reads: TensorKey | None = None) -> int:
+                  interval: tuple[int, int], kind: str = "port") -> int:
+        """A node whose strategies are the layouts of one tensor; what it reads is filled in by its caller."""
         specs = self.specs(shape, ctx)
         k = len(specs)
         mem = np.array([self.bytes_on_device(nbytes, s) for s in specs])
         zeros = np.zeros(k)
         return self.add_node(NodeInfo(
             name=name, kind=kind, ops=[], produces=[[(key, s)] for s in specs],
-            reads=[[(reads, s)] for s in specs] if reads is not None else [[] for _ in specs],
+            reads=[[] for _ in specs],
             cost=zeros, compute=zeros, comm=zeros, memory=mem, interval=interval,
             strategies=[None] * k,
         ))
@@ -379,12 +394,10 @@ class _Build:
                 u = self.producer.get(key)
                 if u is None or u == v:
                     continue  # constants, literals, or read inside the same group
-                mat = self.matrix(key, u, v, j)
-                if mat is not None:
-                    edge_u.append(u)
-                    edge_v.append(v)
-                    mats.append(mat * node.weight)
-                    self.edges.append(EdgeInfo(u, v, key, node.weight, "data"))
+                edge_u.append(u)
+                edge_v.append(v)
+                mats.append(self.matrix(key, u, v, j) * node.weight)
+                self.edges.append(EdgeInfo(u, v, key, node.weight, "data", key))
         for src, dst, weight, kind in self.ties:
             self.add_tie(src, dst, weight, kind, edge_u, edge_v, mats)
         for o, i in g.output_aliases.items():
@@ -402,7 +415,7 @@ class _Build:
             edge_costs=mats,
             node_names=[n.name for n in self.nodes],
         )
-        return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.producer), dict(self.graphs))
+        return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs))
 
     def add_tie(self, src: TensorKey, dst: TensorKey, weight: float, kind: str,
                 edge_u: list[int], edge_v: list[int], mats: list[np.ndarray]) -> None:
@@ -411,23 +424,17 @@ class _Build:
             return
         g = self.graphs[src[0]]
         t = g.tensors[src[1]]
-        a = [self.spec_in(u, src, s) for s in range(self.nodes[u].k)]
-        b = [self.spec_in(v, dst, s) for s in range(self.nodes[v].k)]
+        a = [self.nodes[u].produced(src, s) for s in range(self.nodes[u].k)]
+        b = [self.nodes[v].produced(dst, s) for s in range(self.nodes[v].k)]
         mats.append(self.reshard_matrix(t.shape, t.dtype, a, b) * weight)
         edge_u.append(u)
         edge_v.append(v)
-        self.edges.append(EdgeInfo(u, v, src, weight, kind))
+        self.edges.append(EdgeInfo(u, v, src, weight, kind, dst))
 
-    def spec_in(self, node: int, key: TensorKey, s: int) -> ShardingSpec:
-        for k, spec in self.nodes[node].produces[s]:
-            if k == key:
-                return spec
-        raise KeyError(key)
-
-    def matrix(self, key: TensorKey, u: int, v: int, j: int) -> np.ndarray | None:
+    def matrix(self, key: TensorKey, u: int, v: int, j: int) -> np.ndarray:
         g = self.graphs[key[0]]
         t = g.tensors[key[1]]
-        src = [self.spec_in(u, key, s) for s in range(self.nodes[u].k)]
+        src = [self.nodes[u].produced(key, s) for s in range(self.nodes[u].k)]
         dst = [self.nodes[v].reads[s][j][1] for s in range(self.nodes[v].k)]
         return self.reshard_matrix(t.shape, t.dtype, src, dst)
 

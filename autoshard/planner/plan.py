@@ -173,32 +173,13 @@ def _breakdown(built: BuiltProblem, sol: IntraOpSolution, cost: CostModel) -> di
         out["resharding"] += t
         g = built.graphs[e.tensor[0]]
         tensor = g.tensors[e.tensor[1]]
-        src = _spec_of(built, u, e.tensor, int(sol.choice[u]))
-        dst = _read_spec(built, v, e, int(sol.choice[v]))
+        src = built.nodes[u].produced(e.tensor, int(sol.choice[u]))
+        s_v = int(sol.choice[v])
+        dst = built.nodes[v].needed(e.target, s_v) if e.kind == "data" else built.nodes[v].produced(e.target, s_v)
         if src is not None and dst is not None:
             for step in cost.reshard(tensor.shape, tensor.dtype, src, dst).steps:
                 out[f"{step.kind}({','.join(step.axes)})"] += step.time * e.weight
     return dict(out)
-
-
-def _spec_of(built: BuiltProblem, node: int, key: Any, s: int) -> ShardingSpec | None:
-    for k, spec in built.nodes[node].produces[s]:
-        if k == key:
-            return spec
-    return None
-
-
-def _read_spec(built: BuiltProblem, node: int, e: Any, s: int) -> ShardingSpec | None:
-    if e.kind != "data":
-        return _spec_of(built, node, _tie_target(built, node, s), s)
-    for k, spec in built.nodes[node].reads[s]:
-        if k == e.tensor:
-            return spec
-    return None
-
-
-def _tie_target(built: BuiltProblem, node: int, s: int) -> Any:
-    return built.nodes[node].produces[s][0][0]
 
 
 def _peak_memory(built: BuiltProblem, sol: IntraOpSolution) -> float:
