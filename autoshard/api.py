@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -100,10 +101,15 @@ def plan(
     if hardware == "auto":
         hardware = _detect_hardware()
     cost = cost_model_for(hardware, shape, names)
+    t0 = time.perf_counter()
     graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
+    t_trace = time.perf_counter() - t0
     name = hardware if isinstance(hardware, str) else cost.cluster.device.name
-    return plan_graph(graph, cost, hardware=name, memory_budget=_budget(memory_budget, cost),
-                      time_budget_s=time_budget_s)
+    result = plan_graph(graph, cost, hardware=name, memory_budget=_budget(memory_budget, cost),
+                        time_budget_s=time_budget_s)
+    if not isinstance(step_fn, Graph):
+        result.solver["trace_seconds"] = t_trace
+    return result
 
 
 def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:

@@ -86,7 +86,9 @@ class Attention(nn.Module):
         batch, seq, hidden = x.shape
         head_dim = hidden // c.heads
         qkv = nn.Dense(3 * hidden, dtype=dtype, kernel_init=_INIT, name="qkv")(x)
-        q, k, v = (t.reshape(batch, seq, c.heads, head_dim) for t in jnp.split(qkv, 3, axis=-1))
+        # Megatron's layout: heads outermost, then (q, k, v) per head, so that splitting the kernel's
+        # columns over devices gives each device whole heads and the split below stays local.
+        q, k, v = jnp.split(qkv.reshape(batch, seq, c.heads, 3 * head_dim), 3, axis=-1)
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)

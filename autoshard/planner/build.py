@@ -177,7 +177,7 @@ class _Build:
     def build_scope(self, graph: Graph, scope: Scope, weight: float, t0: int | None) -> None:
         """Add nodes for every op of ``graph``. Top level: ``t0`` None, times are op indices; inside a body
         every node lives at the enclosing op's time ``t0``."""
-        ctx = RuleContext(graph, self.mesh)
+        ctx = RuleContext.of(graph, self.mesh)
         followers = self.find_followers(graph, scope)
         groups: dict[int, list[int]] = defaultdict(list)
         for f, lead in followers.items():
@@ -329,7 +329,7 @@ class _Build:
                    stacked_from: int | None = None) -> None:
         """Port nodes for the body's inputs, fed by the outer operands; then the body's own nodes."""
         self.graphs[sub] = body
-        bctx = RuleContext(body, self.mesh)
+        bctx = RuleContext.of(body, self.mesh)
         parent = sub[:-1]
         for k, (tid, outer_tid) in enumerate(zip(body.inputs, outer, strict=True)):
             t = body.tensors[tid]
@@ -379,7 +379,7 @@ class _Build:
 
     def build(self) -> BuiltProblem:
         g = self.root
-        ctx = RuleContext(g, self.mesh)
+        ctx = RuleContext.of(g, self.mesh)
         for tid in g.inputs:
             t = g.tensors[tid]
             if not t.consumers and tid not in g.outputs:

@@ -58,7 +58,9 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     lines += [
         "",
         f"solver: {s.get('status')}{'' if s.get('optimal') else ' (not proven optimal)'}, "
-        f"{s.get('nodes')} nodes, {s.get('edges')} edges, build {s.get('build_seconds', 0):.1f} s, "
+        f"{s.get('nodes')} nodes, {s.get('edges')} edges, "
+        + (f"trace {s['trace_seconds']:.1f} s, " if "trace_seconds" in s else "")
+        + f"build {s.get('build_seconds', 0):.1f} s, "
         f"solve {s.get('solve_seconds', 0):.1f} s",
     ]
     return "\n".join(lines)
