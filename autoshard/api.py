@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 from autoshard.errors import AutoshardError
 from autoshard.planner.plan import Plan, plan_graph
 from autoshard.trace import Graph, trace
-from cost_models import CostModel, ShardingSpec
+from cost_models import CostModel, ShardingSpec, presets
 
 log = logging.getLogger("autoshard")
 
@@ -57,6 +58,12 @@ def cost_model_for(hardware: str | CostModel, shape: tuple[int, ...], names: tup
     if hardware == "auto":
         hardware = _detect_hardware()
     try:
+        if hardware in presets.names():
+            # a preset describes a kind of machine, not a cluster size: a logical mesh larger than its
+            # default cluster gets as many hosts as it needs (a measured profile stays what was measured)
+            dph = presets.get(hardware).devices_per_host
+            hosts = max(presets.get(hardware).num_hosts, -(-math.prod(shape) // dph))
+            return CostModel.load(hardware, mesh_shape=shape, axis_names=names, num_hosts=hosts)
         return CostModel.load(hardware, mesh_shape=shape, axis_names=names)
     except ValueError as e:
         raise PlanningError(f"hardware {hardware!r}: {e}") from None

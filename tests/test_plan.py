@@ -62,3 +62,16 @@ def test_plan_json_round_trip_and_verify(wide_plan, tmp_path: Path) -> None:
     path.write_text('{"version": 1}')
     with pytest.raises(PlanError, match="not an autoshard plan"):
         Plan.load(path)
+
+
+def test_two_axis_plan_is_never_worse_than_the_best_one_axis_plan() -> None:
+    # GPT-tiny on 2x4: the planner first plans with each axis alone and starts the 2-D solve from the best
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
+    plan = plan_graph(graph, cost, hardware="h100", time_budget_s=10)
+    seeds = plan.solver["single_axis_seeds"]
+    assert set(seeds) == {"x", "y"}
+    assert plan.solver["objective"] <= min(seeds.values()) * (1 + 1e-9)
+    # and the seeds are real plans: restricted to one axis, the cost is no lower than the 2-D optimum's bound
+    assert min(seeds.values()) >= plan.solver["lower_bound"] * (1 - 1e-9)

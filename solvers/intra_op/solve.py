@@ -19,7 +19,7 @@ import numpy as np
 from solvers.intra_op.ilp import solve_ilp
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
-from solvers.intra_op.presolve import presolve
+from solvers.intra_op.presolve import Reduced, presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 from solvers.intra_op.tree_dp import block_descent, lagrangian_start
@@ -35,6 +35,7 @@ def solve_intra_op(
     backend: str = "highs",
     verify: bool = True,
     max_ilp_columns: int = 250_000,
+    initial: np.ndarray | None = None,
 ) -> IntraOpSolution:
     """Best assignment found within ``time_budget_s`` seconds (proven optimal when ``optimal``).
 
@@ -43,6 +44,9 @@ def solve_intra_op(
     ILP (HiGHS would not finish its root LP in time); windows of it are re-solved exactly instead, and
     ``lower_bound`` is then only the trivial bound (every node and edge at its own minimum). ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
     no finite, memory-feasible assignment exists and that is proven; never raises because time ran out.
+
+    ``initial``: a known assignment of every node (e.g. the answer on a restricted strategy set) to start
+    from; it competes with the solver's own starts, so the answer is never worse than it when it fits.
     """
     start = time.perf_counter()
     deadline = start + time_budget_s
@@ -94,6 +98,12 @@ def solve_intra_op(
             ls.improve(time.perf_counter() + 0.5 * share)
             if ls.objective() < inc_obj:
                 incumbent, inc_obj = ls.choice.copy(), ls.objective()
+    if initial is not None:
+        ls.start_from(_core_choice(reduced, np.asarray(initial, dtype=np.int64)))
+        if ls.feasible():
+            ls.improve(time.perf_counter() + 0.25 * share)
+            if ls.objective() < inc_obj:
+                incumbent, inc_obj = ls.choice.copy(), ls.objective()
     if incumbent is not None:
         ls.start_from(incumbent)
         # exact moves of whole induced trees (tree_dp.block_descent), then ICM again
@@ -137,6 +147,17 @@ def solve_intra_op(
     status = "feasible (time budget reached)" if res.status == "time limit" else f"feasible ({res.status})"
     return _finish(problem, reduced.expand(choice, problem.num_nodes), bound, status, method, start, stats,
                    False, verify)
+
+
+def _core_choice(reduced: Reduced, initial: np.ndarray) -> np.ndarray:
+    """A full assignment restricted to the core (compressed indices); a strategy presolve removed as
+    dominated or fixed away becomes the core node's cheapest strategy."""
+    core = reduced.core
+    out = np.empty(core.num_nodes, dtype=np.int64)
+    for a, w in enumerate(core.nodes.tolist()):
+        pos = np.flatnonzero(core.strategies[a] == initial[w])
+        out[a] = int(pos[0]) if pos.size else int(np.argmin(core.costs[a]))
+    return out
 
 
 def _finish(
