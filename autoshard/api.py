@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from autoshard.errors import AutoshardError
-from autoshard.planner.plan import Plan, plan_graph
+from autoshard.pipeline.planner import PipelinePlan
+from autoshard.planner.plan import Plan, PlanError, plan_graph
 from autoshard.trace import Graph, trace
 from cost_models import CostModel, ShardingSpec, presets
 
@@ -98,25 +99,70 @@ def plan(
     memory_budget: float | str | None = "auto",
     time_budget_s: float = 60.0,
     roles: Mapping[str, str] | None = None,
-) -> Plan:
+    microbatches: int | None = None,
+    schedule: str = "1f1b",
+    pipeline: bool | None = None,
+    num_layers: int | None = None,
+    max_stages: int | None = None,
+) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
     ``memory_budget``: bytes per device; ``"auto"`` (the default) is the hardware's capacity less 10%;
     ``None`` plans without a memory limit.
+
+    Pipelines: with ``microbatches=B`` the step is also planned as a pipeline (stages on submeshes, ``B``
+    microbatches, ``schedule`` "1f1b" or "gpipe", ``num_layers`` layers to cut, at most ``max_stages``
+    stages) and the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a
+    ``Plan``); ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one.
     """
     shape, names = parse_mesh(mesh)
     if hardware == "auto":
         hardware = _detect_hardware()
     cost = cost_model_for(hardware, shape, names)
+    budget = _budget(memory_budget, cost)
+    name = hardware if isinstance(hardware, str) else cost.cluster.device.name
     t0 = time.perf_counter()
     graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
     t_trace = time.perf_counter() - t0
-    name = hardware if isinstance(hardware, str) else cost.cluster.device.name
-    result = plan_graph(graph, cost, hardware=name, memory_budget=_budget(memory_budget, cost),
-                        time_budget_s=time_budget_s)
-    if not isinstance(step_fn, Graph):
-        result.solver["trace_seconds"] = t_trace
-    return result
+    if pipeline and not microbatches:
+        raise PlanningError("pipeline=True needs microbatches=B (the number of microbatches per step)")
+    intra: Plan | None = None
+    intra_error: Exception | None = None
+    if not pipeline:
+        try:
+            intra = plan_graph(graph, cost, hardware=name, memory_budget=budget, time_budget_s=time_budget_s)
+        except PlanError as e:
+            if microbatches is None or pipeline is False:
+                raise
+            intra_error = e
+        if intra is not None and not isinstance(step_fn, Graph):
+            intra.solver["trace_seconds"] = t_trace
+    if not microbatches or pipeline is False:
+        assert intra is not None
+        return intra
+    if isinstance(step_fn, Graph):
+        raise PlanningError("a pipelined plan traces the step at microbatch size: pass the step function and "
+                            "its arguments, not a Graph")
+    from autoshard.pipeline.planner import microbatch_args, plan_pipeline
+
+    micro = trace(step_fn, *microbatch_args(args, graph, None, microbatches), roles=roles)
+    try:
+        piped = plan_pipeline(micro, cost, hardware=name, memory_budget=budget, num_microbatches=microbatches,
+                              schedule_name=schedule, num_layers=num_layers, time_budget_s=time_budget_s,
+                              max_stages=max_stages)
+    except AutoshardError as e:
+        if intra is not None and pipeline is None:
+            log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
+            return intra
+        if intra_error is not None:
+            raise PlanningError(f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}") from None
+        raise
+    piped.solver["intra_op_step_time"] = (intra.predicted_step_time if intra is not None
+                                          else f"no plan: {str(intra_error).splitlines()[0]}")
+    if intra is not None and pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
+        intra.solver["pipeline_step_time"] = piped.predicted_step_time
+        return intra
+    return piped
 
 
 def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
@@ -132,8 +178,8 @@ def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding
 
 @dataclasses.dataclass(slots=True)
 class _Compiled:
-    graph: Graph
-    plan: Plan
+    graph: Graph  # for a pipelined plan: the trace at microbatch size
+    plan: Plan | PipelinePlan
     step: Any
 
 
@@ -155,8 +201,14 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         memory_budget: float | str | None = "auto",
         time_budget_s: float = 60.0,
         roles: Mapping[str, str] | None = None,
+        microbatches: int | None = None,
+        schedule: str = "1f1b",
+        pipeline: bool | None = None,
     ) -> None:
         self.fn = fn
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.pipeline = pipeline
         self.mesh = mesh if mesh is not None else (len(jax.devices()),)
         self.hardware = hardware
         self.memory_budget = memory_budget
@@ -184,15 +236,23 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
 
         shape, names = parse_mesh(self.mesh)
         device_mesh = _device_mesh(shape, names)
-        graph = trace(self.fn, *args, roles=self.roles)  # tracing runs nothing, concrete args are fine
-        the_plan = plan(graph, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
-                        memory_budget=self.memory_budget, time_budget_s=self.time_budget_s)
-        specs = {scope: {t: ShardingSpec(dims=s.dims) for t, s in table.items()}
-                 for scope, table in the_plan.specs.items()}
-        return _Compiled(graph, the_plan, emit(graph, specs, device_mesh))
+        the_plan = plan(self.fn, *args, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
+                        memory_budget=self.memory_budget, time_budget_s=self.time_budget_s, roles=self.roles,
+                        microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline)
+        if isinstance(the_plan, Plan):
+            graph = trace(self.fn, *args, roles=self.roles)  # tracing runs nothing, concrete args are fine
+            specs = {scope: {t: ShardingSpec(dims=s.dims) for t, s in table.items()}
+                     for scope, table in the_plan.specs.items()}
+            return _Compiled(graph, the_plan, emit(graph, specs, device_mesh))
+        from autoshard.pipeline import build_pipelined_step
+        from autoshard.pipeline.planner import microbatch_args
+
+        full = trace(self.fn, *args, roles=self.roles)
+        micro = trace(self.fn, *microbatch_args(args, full, None, the_plan.num_microbatches), roles=self.roles)
+        return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, list(device_mesh.devices.flat)))
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> Plan | PipelinePlan:
         if self._last is None:
             raise PlanningError("no plan yet: call the decorated step once (it plans on its first call)")
         return self._last.plan
@@ -204,6 +264,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         return self._last.graph
 
     def explain(self) -> str:
-        from autoshard.planner.summary import format_plan
+        from autoshard.planner.summary import format_pipeline_plan, format_plan
 
-        return format_plan(self.plan)
+        p = self.plan
+        return format_plan(p) if isinstance(p, Plan) else format_pipeline_plan(p)

@@ -181,15 +181,42 @@ class Interpreter:
             env[tid] = val = self._pin(val, tid, scope, key)
             return val
 
-        for op in graph.ops:
+        self._eval(graph.ops, key, env, read)
+        outvars = graph.jaxpr.jaxpr.outvars
+        return [read(t, a, i) for i, (t, a) in enumerate(zip(graph.outputs, outvars, strict=True))]
+
+    def run_ops(self, graph: Graph, ops: Sequence[Op], inputs: Sequence[int], args: Sequence[Any],
+                outputs: Sequence[int]) -> list[Any]:
+        """Evaluate some top-level ops of ``graph`` (a pipeline stage's program): ``inputs`` are the tensor
+        ids ``args`` stand for (already laid out by the caller); returns the tensors ``outputs``."""
+        scope = self.specs.get((), {})
+        known = self._known(graph)
+        env: dict[int, Any] = dict(zip(inputs, args, strict=True))
+
+        def read(tid: int, atom: Any, reader: Op) -> Any:
+            if tid in env:
+                return env[tid]
+            if isinstance(atom, Literal):
+                return atom.val
+            if atom in known:
+                env[tid] = val = self._pin(known[atom], tid, scope, ())
+                return val
+            t = graph.tensors[tid]
+            raise EmitError(f"no value for tensor {tid} {t.name!r}, read by {reader.where()}: the program's "
+                            "inputs do not include it (a pipeline partition that lost a dependency)")
+
+        self._eval(ops, (), env, read)
+        return [env[t] for t in outputs]
+
+    def _eval(self, ops: Sequence[Op], key: ScopeKey, env: dict[int, Any], read: Callable[..., Any]) -> None:
+        scope = self.specs.get(key, {})
+        for op in ops:
             invals = [read(t, a, op) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
             outs = self._bind(op, key, invals)
             if len(outs) != len(op.outputs):
                 raise EmitError(f"{op.where()} returned {len(outs)} results, the graph expects {len(op.outputs)}")
             for tid, x in zip(op.outputs, outs, strict=True):
                 env[tid] = self._pin(x, tid, scope, key)
-        outvars = graph.jaxpr.jaxpr.outvars
-        return [read(t, a, i) for i, (t, a) in enumerate(zip(graph.outputs, outvars, strict=True))]
 
     def _bind(self, op: Op, key: ScopeKey, invals: list[Any]) -> list[Any]:
         eqn = op.eqn

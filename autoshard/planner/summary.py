@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from autoshard.planner.plan import Plan
 from autoshard.trace.summary import human_bytes
+
+if TYPE_CHECKING:
+    from autoshard.pipeline.planner import PipelinePlan
 
 _LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)")
 
@@ -63,4 +67,31 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
         + f"build {s.get('build_seconds', 0):.1f} s, "
         f"solve {s.get('solve_seconds', 0):.1f} s",
     ]
+    return "\n".join(lines)
+
+
+def format_pipeline_plan(plan: PipelinePlan) -> str:
+    """Stages, their submeshes, per-stage time and memory, and the bubble."""
+    S = len(plan.stages)
+    lines = [
+        f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
+        f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
+        f"{plan.schedule}, {plan.num_layers} layers",
+        f"predicted step time {_us(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
+        f"peak memory per device {human_bytes(plan.peak_memory)}"
+        + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
+        "",
+        f"  {'stage':<6}{'layers':<10}{'submesh':<10}{'devices':<16}{'fwd+bwd/microbatch':>20}{'update':>12}"
+        f"{'memory/device':>16}",
+    ]
+    cluster = plan.cluster
+    for s, st in enumerate(plan.stages):
+        devs = st.devices(cluster)
+        dev = f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0])
+        lines.append(f"  {s:<6}{f'{st.layers[0]}..{st.layers[1]}':<10}{f'{st.submesh[0]}x{st.submesh[1]}':<10}"
+                     f"{dev:<16}{_us(st.micro_time):>20}{_us(st.update_time):>12}{human_bytes(st.memory):>16}")
+    sv = plan.solver
+    lines += ["", f"planner: {sv.get('distinct_layers')} distinct layers priced on each submesh shape "
+              f"({sv.get('layer_solves')} intra-op solves), stage DP {sv.get('dp_seconds', 0):.2f} s, "
+              f"total {sv.get('planning_seconds', 0):.1f} s"]
     return "\n".join(lines)

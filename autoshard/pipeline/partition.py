@@ -1,0 +1,299 @@
+"""Cut a traced train step into what runs per microbatch and what runs per step, layers, and stages.
+
+The step is traced at *microbatch* size. Its ops fall in two parts:
+
+- **microbatched** ``P``: the forward and backward ops (phase ``forward`` / ``backward``, from ``jvp`` and
+  ``transpose`` in the name stack) and the batch-independent ``other`` ops that only feed them. They run
+  once per microbatch.
+- **update** ``U``: everything else (the optimizer, code after ``value_and_grad``). It runs once per step.
+
+The tensors that ``P`` hands to ``U`` or to the step's results (the loss, the gradients, aux values) are
+*accumulated*: each is the mean of its per-microbatch values. That is exact when the step's loss is a mean
+over the batch's examples and microbatches are equal slices (the usual case, and the one Alpa and
+Megatron assume); an op of ``U`` that reads the batch directly cannot be rewritten that way and is
+refused with an error naming it.
+
+Layers: the forward ops of ``P`` in schedule order are cut into ``L`` contiguous layers by
+``solvers.inter_op.cluster_layers`` (Alpa §5.2: balanced flops, little traffic across cuts). Every other op
+takes a layer by the *min rule*: ``layer(v) = min { layer(producer(t)) : t ∈ inputs(v), t produced in the
+step }`` (step inputs such as parameters do not count); an op with no produced input takes the smallest
+layer among its consumers (or 0). The rule keeps every backward dependency pointing from a higher or
+equal layer to a lower one, so backward programs of stage ``s`` only wait on stages ``≥ s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from autoshard.errors import AutoshardError
+from autoshard.trace.graph import Graph, Op, Role, Tensor
+
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+
+
+class PipelineError(AutoshardError, ValueError):
+    """The step cannot be pipelined as written (the message says why and what to change)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class StepParts:
+    """Which ops run per microbatch and which tensors are accumulated across microbatches."""
+
+    kind: tuple[str, ...]  # per op id: "forward", "backward" or "update"
+    accumulated: tuple[int, ...]  # tensor ids averaged over microbatches (in first-use order)
+    batch_inputs: tuple[int, ...]  # positions in graph.inputs split along dimension 0
+
+    def ops(self, kind: str) -> list[int]:
+        return [i for i, k in enumerate(self.kind) if k == kind]
+
+
+def split_step(graph: Graph) -> StepParts:
+    """Split ``graph`` into its microbatched part and its update part (see the module docstring)."""
+    n = len(graph.ops)
+    batch = {tid for tid in graph.inputs if graph.tensors[tid].role is Role.BATCH}
+    if not batch:
+        raise PipelineError(
+            "the step has no batch input: pipelining splits the batch into microbatches along dimension 0; "
+            "pass the batch as the step's second argument (or a pytree under 'batch'), or mark it with "
+            "roles={'<path>': 'batch'}"
+        )
+    grad_ops = [op for op in graph.ops if op.phase in (FORWARD, BACKWARD)]
+    if not any(op.phase == BACKWARD for op in grad_ops):
+        raise PipelineError(
+            "the step computes no gradient (no jax.grad / jax.value_and_grad found in its trace): there is "
+            "no backward pass to pipeline; plan it without microbatches"
+        )
+    kind = [UPDATE] * n
+    for op in grad_ops:
+        kind[op.id] = op.phase
+    # Batch-independent ops outside the gradient that only feed the microbatched part run with it.
+    for op in reversed(graph.ops):
+        if kind[op.id] != UPDATE or any(graph.tensors[t].producer is not None and
+                                          kind[graph.tensors[t].producer] != UPDATE for t in op.inputs):
+            continue
+        outs = [graph.tensors[t] for t in op.outputs]
+        if outs and all(t.consumers and all(kind[c] != UPDATE for c in t.consumers) and t.id not in graph.outputs
+                        for t in outs):
+            kind[op.id] = FORWARD
+    # Batch inputs must reach the update part only through accumulated values.
+    for op in graph.ops:
+        if kind[op.id] == UPDATE:
+            bad = [graph.tensors[t] for t in op.inputs if t in batch]
+            if bad:
+                raise PipelineError(
+                    f"{op.where()} reads the batch input {bad[0].name!r} outside the gradient computation; a "
+                    "pipelined step averages what leaves value_and_grad over microbatches and cannot split "
+                    "this op. Compute it inside the loss function and return it as aux, or plan without "
+                    "microbatches"
+                )
+    accumulated: list[int] = []
+    seen: set[int] = set()
+    outputs = set(graph.outputs)
+    for op in graph.ops:
+        if kind[op.id] == UPDATE:
+            continue
+        for t in op.outputs:
+            ten = graph.tensors[t]
+            if t not in seen and (t in outputs or any(kind[c] == UPDATE for c in ten.consumers)):
+                seen.add(t)
+                accumulated.append(t)
+    for t in graph.outputs:  # a batch input returned as is cannot be averaged either
+        if t in batch:
+            raise PipelineError(f"the step returns its batch input {graph.tensors[t].name!r}; a pipelined step "
+                                "cannot return per-example values")
+    positions = tuple(i for i, t in enumerate(graph.inputs) if t in batch)
+    return StepParts(kind=tuple(kind), accumulated=tuple(accumulated), batch_inputs=positions)
+
+
+# ---- layers ----------------------------------------------------------------------------------------------
+
+
+def forward_sequence(graph: Graph, parts: StepParts) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The forward ops in schedule order, their flops, and the bytes live across each cut between them
+    (produced by a forward op at or before the cut, read by a forward op after it)."""
+    fwd = parts.ops(FORWARD)
+    pos = {op_id: k for k, op_id in enumerate(fwd)}
+    flops = np.array([graph.ops[i].flops for i in fwd], dtype=np.float64)
+    diff = np.zeros(len(fwd) + 1)
+    for k, op_id in enumerate(fwd):
+        for t in graph.ops[op_id].outputs:
+            later = [pos[c] for c in graph.tensors[t].consumers if c in pos]
+            if later and max(later) > k:
+                diff[k] += graph.tensors[t].nbytes
+                diff[max(later)] -= graph.tensors[t].nbytes
+    cut = np.cumsum(diff)[: max(len(fwd) - 1, 0)]
+    return fwd, flops, cut
+
+
+def assign_layers(graph: Graph, parts: StepParts, num_layers: int, *,
+                  forced: Iterable[int] = ()) -> tuple[int, ...]:
+    """A layer for every op: forward ops by clustering, the rest by the min rule (module docstring).
+
+    ``forced``: forward-op positions after which a layer must end (user stage boundaries)."""
+    from solvers.inter_op.clustering import ClusteringProblem, cluster_layers
+
+    fwd, flops, cut = forward_sequence(graph, parts)
+    if not fwd:
+        raise PipelineError("the step has no forward ops to cut into layers")
+    num_layers = max(1, min(num_layers, len(fwd)))
+    clustering = cluster_layers(ClusteringProblem(flops=flops, cut_bytes=cut, num_layers=num_layers,
+                                                  forced=tuple(forced)))
+    return propagate_layers(graph, fwd, clustering.layer_of(len(fwd)))
+
+
+def propagate_layers(graph: Graph, fwd: Sequence[int], fwd_layer: Sequence[int]) -> tuple[int, ...]:
+    """Layers of all ops from those of the forward ops ``fwd`` (the min rule of the module docstring)."""
+    layer = [-1] * len(graph.ops)
+    for k, op_id in enumerate(fwd):
+        layer[op_id] = int(fwd_layer[k])
+    for op in graph.ops:
+        if layer[op.id] >= 0:
+            continue
+        srcs = [layer[graph.tensors[t].producer] for t in op.inputs if graph.tensors[t].producer is not None]
+        srcs = [s for s in srcs if s >= 0]
+        if srcs:
+            layer[op.id] = min(srcs)
+    for op in reversed(graph.ops):  # ops fed only by step inputs and constants: their earliest consumer
+        if layer[op.id] >= 0:
+            continue
+        users = [layer[c] for t in op.outputs for c in graph.tensors[t].consumers if layer[c] >= 0]
+        layer[op.id] = min(users) if users else 0
+    return tuple(layer)
+
+
+# ---- sub-graphs ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class SubGraph:
+    """Some ops of a step as a Graph of their own (renumbered), plus the maps back to the step's ids."""
+
+    graph: Graph
+    ops: tuple[int, ...]  # sub op id -> step op id
+    tensors: tuple[int, ...]  # sub tensor id -> step tensor id
+
+    def step_tensor(self, sub_tid: int) -> int:
+        return self.tensors[sub_tid]
+
+
+def subgraph(graph: Graph, op_ids: Sequence[int], *, keep: Iterable[int] = (),
+             roles: dict[int, Role] | None = None) -> SubGraph:
+    """The ops ``op_ids`` (in schedule order) as a Graph: its inputs are the tensors they read that are
+    produced elsewhere (or are step inputs), its outputs those they produce that are read elsewhere, are
+    step outputs, or are in ``keep``. ``roles`` overrides the role of input tensors (step ids)."""
+    op_ids = sorted(op_ids)
+    inside = set(op_ids)
+    keep = set(keep)
+    outputs_set = set(graph.outputs)
+    in_tids: list[int] = []
+    seen: set[int] = set()
+    produced: set[int] = set()
+    for i in op_ids:
+        for t in graph.ops[i].inputs:
+            ten = graph.tensors[t]
+            if t in seen or t in produced:
+                continue
+            if ten.producer is not None and ten.producer in inside:
+                continue
+            if ten.producer is None and ten.role is Role.CONST:
+                continue
+            seen.add(t)
+            in_tids.append(t)
+        produced.update(graph.ops[i].outputs)
+    out_tids = [t for i in op_ids for t in graph.ops[i].outputs
+                if t in outputs_set or t in keep or any(c not in inside for c in graph.tensors[t].consumers)]
+    consts = sorted({t for i in op_ids for t in graph.ops[i].inputs
+                     if graph.tensors[t].producer is None and graph.tensors[t].role is Role.CONST})
+    order = [*in_tids, *consts, *sorted(produced)]
+    tmap = {t: k for k, t in enumerate(order)}
+    omap = {i: k for k, i in enumerate(op_ids)}
+    consumers: dict[int, list[int]] = defaultdict(list)
+    for i in op_ids:
+        for t in graph.ops[i].inputs:
+            lst = consumers[tmap[t]]
+            if not lst or lst[-1] != omap[i]:
+                lst.append(omap[i])
+    n_ops = len(op_ids)
+    out_set = {tmap[t] for t in out_tids}
+    tensors: list[Tensor] = []
+    roles = roles or {}
+    for k, t in enumerate(order):
+        ten = graph.tensors[t]
+        prod = omap.get(ten.producer) if ten.producer is not None and ten.producer in inside else None
+        cons = tuple(consumers.get(k, ()))
+        start = 0 if prod is None else prod
+        end = n_ops if k in out_set else (cons[-1] + 1 if cons else start + 1)
+        role = roles.get(t, ten.role)
+        if prod is None and role is Role.ACTIVATION:
+            role = Role.STATE  # an activation from another program arrives as an input
+        tensors.append(dataclasses.replace(ten, id=k, producer=prod, consumers=cons, live=(start, max(end, start)),
+                                           role=role))
+    ops: list[Op] = [
+        dataclasses.replace(graph.ops[i], id=omap[i], inputs=tuple(tmap[t] for t in graph.ops[i].inputs),
+                            outputs=tuple(tmap[t] for t in graph.ops[i].outputs))
+        for i in op_ids
+    ]
+    sub = Graph(ops=tuple(ops), tensors=tuple(tensors), inputs=tuple(tmap[t] for t in in_tids),
+                outputs=tuple(tmap[t] for t in out_tids),
+                output_names=tuple(graph.tensors[t].name for t in out_tids))
+    return SubGraph(graph=sub, ops=tuple(op_ids), tensors=tuple(order))
+
+
+# ---- programs ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    """Ops of one stage that run as one program: per microbatch (forward/backward) or per step (update)."""
+
+    stage: int
+    kind: str
+    level: int  # update programs only: order among the stages' update programs (0 first)
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]  # step tensor ids read from outside (step inputs or other programs)
+    outputs: tuple[int, ...]  # step tensor ids other programs, the accumulators or the results read
+
+
+def segments(graph: Graph, parts: StepParts, stage_of_op: Sequence[int]) -> list[Segment]:
+    """Group ops into programs: per stage one forward and one backward program, and update programs by
+    (stage, level), where an update op's level counts how many times its inputs changed stage on the
+    way from the accumulated values (so levels run in order and never wait on a later one)."""
+    level = [0] * len(graph.ops)
+    for op in graph.ops:
+        if parts.kind[op.id] != UPDATE:
+            continue
+        lv = 0
+        for t in op.inputs:
+            p = graph.tensors[t].producer
+            if p is not None and parts.kind[p] == UPDATE:
+                lv = max(lv, level[p] + (stage_of_op[p] != stage_of_op[op.id]))
+        level[op.id] = lv
+    groups: dict[tuple[int, str, int], list[int]] = defaultdict(list)
+    for op in graph.ops:
+        groups[(stage_of_op[op.id], parts.kind[op.id], level[op.id])].append(op.id)
+    outputs_set = set(graph.outputs)
+    out: list[Segment] = []
+    for (stage, kind, lv), ids in groups.items():
+        inside = set(ids)
+        ins: list[int] = []
+        seen: set[int] = set()
+        for i in ids:
+            for t in graph.ops[i].inputs:
+                ten = graph.tensors[t]
+                if t in seen or (ten.producer is not None and ten.producer in inside):
+                    continue
+                if ten.producer is None and ten.role is Role.CONST:
+                    continue
+                seen.add(t)
+                ins.append(t)
+        outs = [t for i in ids for t in graph.ops[i].outputs
+                if t in outputs_set or any(c not in inside for c in graph.tensors[t].consumers)]
+        out.append(Segment(stage=stage, kind=kind, level=lv, ops=tuple(ids), inputs=tuple(ins),
+                           outputs=tuple(outs)))
+    rank = {FORWARD: 0, BACKWARD: 1, UPDATE: 2}
+    out.sort(key=lambda s: (rank[s.kind], s.level, s.stage if s.kind != BACKWARD else -s.stage))
+    return out

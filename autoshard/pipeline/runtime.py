@@ -1,0 +1,247 @@
+"""Run a pipelined step: per-stage programs on disjoint submeshes, microbatches in a schedule.
+
+Each stage has up to three kinds of program (``partition.segments``): a forward and a backward program
+run once per microbatch, and update programs run once per step. Every program is the step's own ops
+re-bound by the emitter's interpreter under one ``jax.jit`` on the stage's submesh, with the stage's
+intra-op layouts as in/out shardings and sharding constraints.
+
+One call of the step:
+
+1. split every batch input along dimension 0 into ``B`` equal microbatches;
+2. walk the schedule (``autoshard.pipeline.schedules``) slot by slot; an action ``(stage, microbatch,
+   forward|backward)`` gathers its program's inputs (step inputs, that microbatch's slice, or values other
+   programs produced for that microbatch), moves each onto the stage's submesh in the layout the program
+   wants (``jax.device_put``: a copy between device sets, a reshard within one), and calls the program;
+   values leaving the microbatched part are summed into per-stage accumulators;
+3. divide the accumulators by ``B`` (the mean over microbatches, see ``partition``) and run the update
+   programs in level order;
+4. return the step's results in the traced output structure.
+
+JAX dispatches asynchronously, so a stage's program is queued as soon as its inputs are; stages on
+different devices overlap the way the schedule intends without any thread of ours. Values of one
+microbatch are dropped as soon as the last program that reads them has been queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from autoshard.emit.interpret import Interpreter
+from autoshard.emit.specs import normalize_key, partition_spec
+from autoshard.pipeline.partition import UPDATE, PipelineError, Segment, StepParts
+from autoshard.pipeline.schedules import Schedule
+from autoshard.trace.graph import Graph
+from cost_models import ShardingSpec
+
+if TYPE_CHECKING:
+    from autoshard.pipeline.planner import PipelinePlan
+
+SpecMap = Mapping[Any, Mapping[int, ShardingSpec]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Program:
+    segment: Segment
+    mesh: jax.sharding.Mesh
+    in_shardings: tuple[NamedSharding, ...]
+    jitted: Any
+
+
+def _materialised(spec: ShardingSpec | None, rank: int) -> ShardingSpec:
+    return ShardingSpec.replicated(rank) if spec is None else ShardingSpec(dims=spec.dims)
+
+
+def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: SpecMap) -> Program:
+    # pending sums are the planner's bookkeeping; the partitioner only takes materialised layouts
+    specs = {normalize_key(k): {t: ShardingSpec(dims=s.dims) for t, s in v.items()} for k, v in specs.items()}
+    top = specs.get((), {})
+    interp = Interpreter(mesh, specs)
+
+    def sharding(tid: int) -> NamedSharding:
+        t = graph.tensors[tid]
+        return NamedSharding(mesh, partition_spec(_materialised(top.get(tid), len(t.shape))))
+
+    ins = tuple(sharding(t) for t in seg.inputs)
+    outs = tuple(sharding(t) for t in seg.outputs)
+    ops = [graph.ops[i] for i in seg.ops]
+
+    def fn(*args: Any) -> tuple[Any, ...]:
+        interp.reset()
+        return tuple(interp.run_ops(graph, ops, seg.inputs, args, seg.outputs))
+
+    return Program(segment=seg, mesh=mesh, in_shardings=ins, jitted=jax.jit(fn, in_shardings=ins, out_shardings=outs))
+
+
+class PipelinedStep:
+    """A traced step (at microbatch size) run as a pipeline; call it with the full batch.
+
+    ``stage_meshes[s]``: the submesh of stage ``s`` (Auto axes); ``stage_specs[s]``: the layouts its
+    programs pin, keyed like an emitter spec map with the step's tensor ids (forward/backward and update
+    programs may use separate maps: ``update_specs``); ``stage_of_op``: the stage of every op.
+    """
+
+    def __init__(self, graph: Graph, parts: StepParts, stage_of_op: Sequence[int], segments: Sequence[Segment],
+                 stage_meshes: Sequence[jax.sharding.Mesh], stage_specs: Sequence[SpecMap],
+                 schedule: Schedule, *, update_specs: Sequence[SpecMap] | None = None) -> None:
+        if graph.in_tree is None or graph.out_tree is None:
+            raise PipelineError("a pipelined step needs a top-level Graph from autoshard.trace")
+        if schedule.num_chunks != 1:
+            raise PipelineError("interleaved schedules need a stage per model chunk; this runtime runs one "
+                                "chunk per stage: use 'gpipe' or '1f1b'")
+        if schedule.num_stages != len(stage_meshes):
+            raise PipelineError(f"the schedule has {schedule.num_stages} stages but {len(stage_meshes)} "
+                                "submeshes were given")
+        self.graph = graph
+        self.parts = parts
+        self.schedule = schedule
+        self.num_microbatches = schedule.num_microbatches
+        self.stage_meshes = tuple(stage_meshes)
+        update_specs = update_specs or stage_specs
+        self.programs: dict[tuple[int, str, int], Program] = {}
+        for seg in segments:
+            specs = update_specs[seg.stage] if seg.kind == UPDATE else stage_specs[seg.stage]
+            self.programs[(seg.stage, seg.kind, seg.level)] = _build_program(
+                graph, seg, stage_meshes[seg.stage], specs)
+        self.update_order = [p for k, p in sorted(self.programs.items(), key=lambda kv: (kv[0][2], kv[0][0]))
+                             if k[1] == UPDATE]
+        self._batch = {graph.inputs[i] for i in parts.batch_inputs}
+        self._step_inputs = set(graph.inputs)
+        self._accumulated = set(parts.accumulated)
+        # how many per-microbatch programs read each microbatched value (to free it after the last)
+        reads: dict[int, int] = defaultdict(int)
+        for (_, kind, _), prog in self.programs.items():
+            if kind != UPDATE:
+                for t in prog.segment.inputs:
+                    if t not in self._step_inputs:
+                        reads[t] += 1
+        self._reads = dict(reads)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def _split(self, leaves: list[Any]) -> dict[int, list[Any]]:
+        B = self.num_microbatches
+        micro: dict[int, list[Any]] = {}
+        for i in self.parts.batch_inputs:
+            tid = self.graph.inputs[i]
+            x = leaves[i]
+            t = self.graph.tensors[tid]
+            if x.shape[0] != B * t.shape[0]:
+                raise PipelineError(
+                    f"batch input {t.name!r} has {x.shape[0]} rows; the pipeline was traced with microbatches "
+                    f"of {t.shape[0]} rows and {B} microbatches, so it needs {B * t.shape[0]}")
+            micro[tid] = [x[m * t.shape[0]:(m + 1) * t.shape[0]] for m in range(B)]
+        return micro
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if len(leaves) != len(self.graph.inputs):
+            raise PipelineError(f"the step takes {len(self.graph.inputs)} array leaves, got {len(leaves)} "
+                                f"(traced structure: {self.graph.in_tree}, given: {tree})")
+        graph = self.graph
+        step: dict[int, Any] = dict(zip(graph.inputs, leaves, strict=True))
+        micro = self._split(leaves)
+        values: dict[tuple[int, int], Any] = {}
+        pending: dict[tuple[int, int], int] = {}
+        acc: dict[int, Any] = {}
+        placed: dict[tuple[int, NamedSharding], Any] = {}
+
+        def fetch(tid: int, m: int, sharding: NamedSharding) -> Any:
+            if tid in micro:
+                x = micro[tid][m]
+            elif tid in self._step_inputs:
+                key = (tid, sharding)
+                if key not in placed:
+                    placed[key] = jax.device_put(step[tid], sharding)
+                return placed[key]
+            else:
+                x = values[(tid, m)]
+                left = pending[(tid, m)] - 1
+                if left:
+                    pending[(tid, m)] = left
+                else:
+                    del pending[(tid, m)]
+                    del values[(tid, m)]
+            return jax.device_put(x, sharding)
+
+        for slot in self.schedule.slots:
+            for action in slot:
+                prog = self.programs.get((action.stage, action.kind, 0))
+                if prog is None:
+                    continue
+                m = action.microbatch
+                seg = prog.segment
+                ins = [fetch(t, m, s) for t, s in zip(seg.inputs, prog.in_shardings, strict=True)]
+                outs = prog.jitted(*ins)
+                for tid, x in zip(seg.outputs, outs, strict=True):
+                    if tid in self._accumulated:
+                        if tid not in acc:
+                            acc[tid] = x
+                        elif jnp.issubdtype(x.dtype, jnp.inexact):
+                            acc[tid] = acc[tid] + x
+                        # integer results (counters) are the same for every microbatch: keep the first
+                    if self._reads.get(tid):
+                        values[(tid, m)] = x
+                        pending[(tid, m)] = self._reads[tid]
+        if values:
+            names = sorted({graph.tensors[t].name for t, _ in values})[:5]
+            raise PipelineError(f"values produced but never read by the schedule's programs: {names}")
+        B = self.num_microbatches
+        for tid, x in acc.items():
+            step[tid] = _mean(x, B)
+        for prog in self.update_order:
+            seg = prog.segment
+            ins = [jax.device_put(step[t], s) for t, s in zip(seg.inputs, prog.in_shardings, strict=True)]
+            for tid, x in zip(seg.outputs, prog.jitted(*ins), strict=True):
+                step[tid] = x
+        missing = [graph.output_names[o] for o, t in enumerate(graph.outputs) if t not in step]
+        if missing:
+            raise PipelineError(f"the pipeline produced no value for the step results {missing[:5]}")
+        return jax.tree_util.tree_unflatten(graph.out_tree, [step[t] for t in graph.outputs])
+
+
+@jax.jit
+def _mean_impl(x: Any, b: Any) -> Any:
+    return (x / b).astype(x.dtype)
+
+
+def _mean(x: Any, b: int) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return _mean_impl(x, jnp.asarray(b, x.dtype))
+    return x
+
+
+def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax.Device]) -> PipelinedStep:
+    """The runnable pipeline of ``plan`` for ``graph`` (the step traced at microbatch size) on ``devices``
+    (row-major over the plan's cluster of (hosts, devices per host))."""
+    from autoshard.pipeline.partition import segments, split_step
+    from autoshard.pipeline.schedules import schedule
+
+    plan.verify(graph)
+    cluster = plan.cluster
+    if len(devices) < cluster[0] * cluster[1]:
+        raise PipelineError(f"the plan's cluster {cluster[0]}x{cluster[1]} needs {cluster[0] * cluster[1]} "
+                            f"devices; {len(devices)} given")
+    parts = split_step(graph)
+    stage_of = plan.stage_of_op()
+    meshes = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
+              for st in plan.stages]
+    return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of), meshes,
+                         [st.specs for st in plan.stages],
+                         schedule(plan.schedule, len(plan.stages), plan.num_microbatches),
+                         update_specs=[st.update_specs for st in plan.stages])
+
+
+def stage_mesh(devices: Sequence[jax.Device], shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
+    """A submesh with Auto axes over ``devices`` (row-major into ``shape``)."""
+    import numpy as np
+
+    arr = np.array(list(devices), dtype=object).reshape(shape)
+    return jax.sharding.Mesh(arr, names)
+
