@@ -104,6 +104,7 @@ def plan(
     pipeline: bool | None = None,
     num_layers: int | None = None,
     max_stages: int | None = None,
+    stage_shape: tuple[int, int] | None = None,
 ) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
@@ -112,8 +113,9 @@ def plan(
 
     Pipelines: with ``microbatches=B`` the step is also planned as a pipeline (stages on submeshes, ``B``
     microbatches, ``schedule`` "1f1b" or "gpipe", ``num_layers`` layers to cut, at most ``max_stages``
-    stages) and the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a
-    ``Plan``); ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one.
+    stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and the plan with the lower
+    predicted step time is returned (a ``PipelinePlan`` or a ``Plan``); ``pipeline=True`` always returns
+    the pipeline, ``pipeline=False`` never plans one.
     """
     shape, names = parse_mesh(mesh)
     if hardware == "auto":
@@ -149,7 +151,7 @@ def plan(
     try:
         piped = plan_pipeline(micro, cost, hardware=name, memory_budget=budget, num_microbatches=microbatches,
                               schedule_name=schedule, num_layers=num_layers, time_budget_s=time_budget_s,
-                              max_stages=max_stages)
+                              max_stages=max_stages, stage_shape=stage_shape)
     except AutoshardError as e:
         if intra is not None and pipeline is None:
             log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
@@ -204,8 +206,12 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         microbatches: int | None = None,
         schedule: str = "1f1b",
         pipeline: bool | None = None,
+        num_layers: int | None = None,
+        stage_shape: tuple[int, int] | None = None,
     ) -> None:
         self.fn = fn
+        self.num_layers = num_layers
+        self.stage_shape = stage_shape
         self.microbatches = microbatches
         self.schedule = schedule
         self.pipeline = pipeline
@@ -238,7 +244,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         device_mesh = _device_mesh(shape, names)
         the_plan = plan(self.fn, *args, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
                         memory_budget=self.memory_budget, time_budget_s=self.time_budget_s, roles=self.roles,
-                        microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline)
+                        microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline,
+                        num_layers=self.num_layers, stage_shape=self.stage_shape)
         if isinstance(the_plan, Plan):
             graph = trace(self.fn, *args, roles=self.roles)  # tracing runs nothing, concrete args are fine
             specs = {scope: {t: ShardingSpec(dims=s.dims) for t, s in table.items()}

@@ -31,6 +31,7 @@ import numpy as np
 
 from autoshard.errors import AutoshardError
 from autoshard.trace.graph import Graph, Op, Role, Tensor
+from solvers.inter_op import ClusteringProblem, cluster_layers
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 
@@ -134,8 +135,6 @@ def assign_layers(graph: Graph, parts: StepParts, num_layers: int, *,
     """A layer for every op: forward ops by clustering, the rest by the min rule (module docstring).
 
     ``forced``: forward-op positions after which a layer must end (user stage boundaries)."""
-    from solvers.inter_op.clustering import ClusteringProblem, cluster_layers
-
     fwd, flops, cut = forward_sequence(graph, parts)
     if not fwd:
         raise PipelineError("the step has no forward ops to cut into layers")

@@ -289,9 +289,10 @@ def _plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, 
 def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_budget: float | None = None,
                   num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
                   time_budget_s: float = 60.0, max_stages: int | None = None,
-                  forced_boundaries: Sequence[int] = ()) -> PipelinePlan:
+                  forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
-    docstring. ``num_layers`` defaults to ``min(8, forward ops)``; ``max_stages`` bounds the stage count."""
+    docstring. ``num_layers`` defaults to ``min(8, forward ops)``; ``max_stages`` bounds the stage count;
+    ``stage_shape`` = (hosts, devices) makes every stage that submesh (so ``devices / size`` stages)."""
     t_start = time.perf_counter()
     if schedule_name not in SCHEDULE_NAMES or schedule_name == "interleaved-1f1b":
         raise PipelineError(f"schedule {schedule_name!r}: the pipeline runtime runs 'gpipe' and '1f1b'")
@@ -303,6 +304,13 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     layer_of_op = assign_layers(graph, parts, L, forced=forced_boundaries)
     L = max(layer_of_op) + 1
     submeshes = alpa_submeshes(cluster)
+    if stage_shape is not None:
+        stage_shape = (int(stage_shape[0]), int(stage_shape[1]))
+        n = cluster[0] * cluster[1]
+        if stage_shape not in submeshes or n % (stage_shape[0] * stage_shape[1]):
+            raise PipelineError(f"stage_shape {stage_shape} is not one of the submesh shapes of the "
+                                f"{cluster[0]}x{cluster[1]} cluster that tile it: {list(submeshes)}")
+        submeshes = (stage_shape,)
     M = len(submeshes)
     micro_ops: list[list[int]] = [[] for _ in range(L)]
     update_ops: list[list[int]] = [[] for _ in range(L)]

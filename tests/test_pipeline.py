@@ -1,0 +1,210 @@
+"""Pipelined steps: partitioning rules, the stage planner, and numerics against the unsharded step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import autoshard
+from autoshard._examples import load_example
+from autoshard.api import cost_model_for
+from autoshard.emit.program import global_rel_error
+from autoshard.pipeline import PipelineError, PipelinePlan, plan_pipeline
+from autoshard.pipeline.partition import (
+    BACKWARD,
+    FORWARD,
+    UPDATE,
+    assign_layers,
+    segments,
+    split_step,
+)
+from autoshard.pipeline.planner import microbatch_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def _example(name: str, preset: str = "tiny", **overrides):
+    sets = [f"{k}={v}" for k, v in overrides.items()]
+    return load_example(ROOT / "examples" / f"{name}.py", preset, sets, abstract=False)
+
+
+def _compare(train_step, state, batch, *, steps: int = 2, **kw) -> PipelinePlan:
+    """Run the step pipelined and plain for ``steps`` steps; losses and Adam moments (which carry the
+    gradients) must agree to float32 precision every step."""
+    piped = autoshard.parallelize(train_step, mesh=(2, 4), hardware="h100", pipeline=True, time_budget_s=5,
+                                  **kw)
+    ref = jax.jit(train_step)
+    s_ref = s_pip = state
+    for _ in range(steps):
+        s_ref, m_ref = ref(s_ref, batch)
+        s_pip, m_pip = piped(s_pip, batch)
+        assert global_rel_error(m_ref, m_pip) <= TOL
+        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+    assert isinstance(piped.plan, PipelinePlan)
+    return piped.plan
+
+
+# ---- partitioning ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_micro():
+    ex = _example("gpt")
+    full = autoshard.trace(ex.train_step, *ex.args)
+    micro = autoshard.trace(ex.train_step, *microbatch_args(ex.args, full, None, 4))
+    return ex, full, micro
+
+
+def test_step_splits_into_microbatched_and_update_parts(gpt_micro) -> None:
+    _, full, g = gpt_micro
+    parts = split_step(g)
+    assert parts.ops(FORWARD) and parts.ops(BACKWARD) and parts.ops(UPDATE)
+    # the batch is traced at a quarter of its rows
+    (b,) = parts.batch_inputs
+    assert g.tensors[g.inputs[b]].shape[0] * 4 == full.tensors[full.inputs[b]].shape[0]
+    # what leaves the gradient computation: the loss and one gradient per parameter (same shapes)
+    params = [g.tensors[t] for t in g.inputs if g.tensors[t].role.value == "param"]
+    acc = [g.tensors[t] for t in parts.accumulated]
+    assert sum(t.shape == () for t in acc) >= 1
+    assert sorted(t.shape for t in acc if t.shape != ()) == sorted(t.shape for t in params if t.shape != ())
+    # no update op reads the batch
+    batch = {g.inputs[i] for i in parts.batch_inputs}
+    assert not any(set(g.ops[i].inputs) & batch for i in parts.ops(UPDATE))
+
+
+def test_layers_keep_dependencies_pointing_the_right_way(gpt_micro) -> None:
+    _, _, g = gpt_micro
+    parts = split_step(g)
+    layer = assign_layers(g, parts, 4)
+    fwd = parts.ops(FORWARD)
+    assert [layer[i] for i in fwd] == sorted(layer[i] for i in fwd)  # contiguous, in schedule order
+    assert set(layer[i] for i in fwd) == {0, 1, 2, 3}
+    for op in g.ops:
+        for t in op.inputs:
+            p = g.tensors[t].producer
+            if p is None:
+                continue
+            if parts.kind[op.id] == FORWARD and parts.kind[p] == FORWARD:
+                assert layer[p] <= layer[op.id]
+            if parts.kind[op.id] == BACKWARD and parts.kind[p] == BACKWARD:
+                assert layer[p] >= layer[op.id], f"{op.where()} waits on a later stage's backward"
+
+
+def test_a_step_without_gradient_cannot_be_pipelined() -> None:
+    def step(params, batch):
+        return params, {"y": jnp.sum(batch["x"] @ params["w"])}
+
+    g = autoshard.trace(step, {"w": jnp.ones((4, 4))}, {"x": jnp.ones((8, 4))})
+    with pytest.raises(PipelineError, match=r"no jax\.grad"):
+        split_step(g)
+
+
+def test_an_update_that_reads_the_batch_is_refused_with_the_op_named() -> None:
+    def step(params, batch):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(batch["x"] @ p["w"]))(params)
+        seen = jnp.sum(batch["x"])  # per-example data used outside the gradient
+        return jax.tree.map(lambda p, d: p - 0.1 * d * seen, params, g), {"loss": loss}
+
+    g = autoshard.trace(step, {"w": jnp.ones((4, 4))}, {"x": jnp.ones((8, 4))})
+    with pytest.raises(PipelineError, match=r"reads the batch input .*outside the gradient"):
+        split_step(g)
+
+
+def test_microbatch_count_must_divide_the_batch(gpt_micro) -> None:
+    ex, full, _ = gpt_micro
+    with pytest.raises(PipelineError, match="not divisible into 3 microbatches"):
+        microbatch_args(ex.args, full, None, 3)
+
+
+# ---- the planner -----------------------------------------------------------------------------------------
+
+
+def test_pipeline_plan_round_trips_and_explains_itself(gpt_micro, tmp_path: Path) -> None:
+    _, _, g = gpt_micro
+    cost = cost_model_for("h100", (2, 4), ("x", "y"))
+    plan = plan_pipeline(g, cost, hardware="h100", num_microbatches=4, num_layers=4, time_budget_s=5,
+                         stage_shape=(1, 4))
+    assert [st.submesh for st in plan.stages] == [(1, 4), (1, 4)]
+    assert sorted(d for st in plan.stages for d in st.devices(plan.cluster)) == list(range(8))
+    assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == 3
+    # step time: the pipeline formula over the stages' times, plus the slowest update
+    t = [st.micro_time for st in plan.stages]
+    assert plan.predicted_step_time == pytest.approx(sum(t) + 3 * max(t) + max(st.update_time for st in plan.stages))
+    assert 0 < plan.bubble_fraction < 1
+    path = tmp_path / "pipe.json"
+    plan.save(path)
+    back = PipelinePlan.load(path)
+    assert back.to_dict() == plan.to_dict()
+    back.verify(g)
+    text = plan.summary()
+    assert "2 stages, 4 microbatches, schedule 1f1b" in text and "bubble" in text
+    with pytest.raises(PipelineError, match="stage_shape"):
+        plan_pipeline(g, cost, num_microbatches=4, stage_shape=(1, 3))
+
+
+# ---- numerics --------------------------------------------------------------------------------------------
+
+
+def test_gpt_two_stages_of_four_match_the_unsharded_step() -> None:
+    ex = _example("gpt")
+    plan = _compare(ex.train_step, *ex.args, microbatches=4, stage_shape=(1, 4), num_layers=4)
+    assert len(plan.stages) == 2
+
+
+def test_wide_resnet_four_stages_of_two_gpipe_match_the_unsharded_step() -> None:
+    ex = _example("wide_resnet")
+    plan = _compare(ex.train_step, *ex.args, microbatches=8, schedule="gpipe", stage_shape=(1, 2), num_layers=4)
+    assert len(plan.stages) == 4 and plan.schedule == "gpipe"
+
+
+class _Skip(nn.Module):
+    """Four dense layers whose input is also added to the last one's output: a skip over every stage."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x
+        for i in range(4):
+            h = jnp.tanh(nn.Dense(32, name=f"dense_{i}")(h))
+        return jnp.mean((h + x) ** 2)
+
+
+def test_a_skip_connection_across_stages_is_carried_to_the_stage_that_reads_it() -> None:
+    model = _Skip()
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(1), x)["params"],
+                              tx=optax.adam(1e-2))
+    state = state.replace(step=jnp.zeros((), jnp.int32))
+
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
+        with jax.numpy_dtype_promotion("standard"):
+            return state.apply_gradients(grads=grads), {"loss": loss}
+
+    plan = _compare(train_step, state, {"x": x}, steps=3, microbatches=4, stage_shape=(1, 2), num_layers=4)
+    assert len(plan.stages) == 4
+    # the batch input x is read by the first and the last stage's forward programs
+    full = autoshard.trace(train_step, state, {"x": x})
+    g = autoshard.trace(train_step, *microbatch_args((state, {"x": x}), full, None, 4))
+    parts = split_step(g)
+    (b,) = parts.batch_inputs
+    readers = {seg.stage for seg in segments(g, parts, plan.stage_of_op())
+               if seg.kind == FORWARD and g.inputs[b] in seg.inputs}
+    assert {0, 3} <= readers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "wide_resnet"])
+@pytest.mark.parametrize("shape", [(1, 4), (1, 2)])
+@pytest.mark.parametrize("micro", [4, 8])
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
+def test_pipelines_match_the_unsharded_step(name: str, shape: tuple[int, int], micro: int, sched: str) -> None:
+    ex = _example(name)
+    _compare(ex.train_step, *ex.args, steps=3, microbatches=micro, schedule=sched, stage_shape=shape,
+             num_layers=4)
