@@ -159,8 +159,10 @@ def plan(
         if intra_error is not None:
             raise PlanningError(f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}") from None
         raise
-    piped.solver["intra_op_step_time"] = (intra.predicted_step_time if intra is not None
-                                          else f"no plan: {str(intra_error).splitlines()[0]}")
+    if intra is not None:
+        piped.solver["intra_op_step_time"] = intra.predicted_step_time
+    elif intra_error is not None:
+        piped.solver["intra_op_step_time"] = f"no plan: {str(intra_error).splitlines()[0]}"
     if intra is not None and pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
         intra.solver["pipeline_step_time"] = piped.predicted_step_time
         return intra

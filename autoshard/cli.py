@@ -106,6 +106,13 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes per device ('16e9'), 'auto' (capacity less 10%%) or 'none'")
     p.add_argument("--time-budget", type=float, default=60.0, help="solver time budget in seconds")
     p.add_argument("-o", "--output", metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--microbatches", type=int, metavar="B",
+                   help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
+    p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
+                   help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    p.add_argument("--layers", type=int, metavar="L", help="layers the pipeline planner cuts the model into")
+    p.add_argument("--max-stages", type=int, metavar="S", help="at most S pipeline stages")
 
 
 def _plan_run(args: argparse.Namespace) -> int:
@@ -113,7 +120,8 @@ def _plan_run(args: argparse.Namespace) -> int:
 
     from autoshard._examples import load_example
     from autoshard.api import PlanningError, parse_mesh, plan
-    from autoshard.planner.summary import format_plan
+    from autoshard.planner.plan import Plan
+    from autoshard.planner.summary import format_pipeline_plan, format_plan
 
     shape, names = parse_mesh(args.mesh)
     if args.axes:
@@ -130,11 +138,27 @@ def _plan_run(args: argparse.Namespace) -> int:
             raise PlanningError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
+    pipeline = {"auto": None, "yes": True, "no": False}[args.pipeline]
+    if pipeline and not args.microbatches:
+        raise PlanningError("--pipeline yes needs --microbatches B")
     the_plan = plan(example.train_step, *example.args, mesh=dict(zip(names, shape, strict=True)),
-                    hardware=args.hardware, memory_budget=budget, time_budget_s=args.time_budget)
+                    hardware=args.hardware, memory_budget=budget, time_budget_s=args.time_budget,
+                    microbatches=args.microbatches, schedule=args.schedule, pipeline=pipeline,
+                    num_layers=args.layers, max_stages=args.max_stages)
     elapsed = time.perf_counter() - t0
     print(f"{example.name} preset={example.preset} planned in {elapsed:.1f} s (trace, build, solve)")
-    print(format_plan(the_plan))
+    if isinstance(the_plan, Plan):
+        print(format_plan(the_plan))
+        other = the_plan.solver.get("pipeline_step_time")
+        if other is not None:
+            print(f"(the best pipelined plan predicts {other * 1e3:.2f} ms: intra-operator only is faster)")
+    else:
+        print(format_pipeline_plan(the_plan))
+        other = the_plan.solver.get("intra_op_step_time")
+        if isinstance(other, float):
+            print(f"(the best intra-operator plan predicts {other * 1e3:.2f} ms)")
+        elif other is not None:
+            print(f"(intra-operator: {other})")
     if args.output:
         the_plan.save(args.output)
         print(f"plan written to {args.output}")

@@ -130,18 +130,79 @@ def forward_sequence(graph: Graph, parts: StepParts) -> tuple[list[int], np.ndar
     return fwd, flops, cut
 
 
-def assign_layers(graph: Graph, parts: StepParts, num_layers: int, *,
+def default_num_layers(graph: Graph, parts: StepParts) -> int:
+    """One layer per numbered block the model's scopes name (``block_3``, ``layers_0``), plus one for the
+    ops around them, between 2 and 64; 8 when the scopes name no blocks."""
+    tags = {graph.ops[i].layer for i in parts.ops(FORWARD) if graph.ops[i].layer}
+    return max(2, min(64, len(tags) + 1)) if tags else 8
+
+
+def assign_layers(graph: Graph, parts: StepParts, num_layers: int | None = None, *,
                   forced: Iterable[int] = ()) -> tuple[int, ...]:
     """A layer for every op: forward ops by clustering, the rest by the min rule (module docstring).
 
-    ``forced``: forward-op positions after which a layer must end (user stage boundaries)."""
+    ``num_layers`` defaults to ``default_num_layers``; ``forced``: forward-op positions after which a
+    layer must end (user stage boundaries)."""
     fwd, flops, cut = forward_sequence(graph, parts)
     if not fwd:
         raise PipelineError("the step has no forward ops to cut into layers")
-    num_layers = max(1, min(num_layers, len(fwd)))
-    clustering = cluster_layers(ClusteringProblem(flops=flops, cut_bytes=cut, num_layers=num_layers,
-                                                  forced=tuple(forced)))
-    return propagate_layers(graph, fwd, clustering.layer_of(len(fwd)))
+    num_layers = num_layers or default_num_layers(graph, parts)
+    return propagate_layers(graph, fwd, cluster_forward(flops, cut, num_layers, forced))
+
+
+def cluster_forward(flops: np.ndarray, cut: np.ndarray, num_layers: int, forced: Iterable[int] = ()) -> np.ndarray:
+    """The layer of each forward op: Alpa's clustering (``solvers.inter_op.cluster_layers``), run piecewise.
+
+    An op heavier than a mean layer (``F / L``; a language model's output projection) is a layer of its
+    own, with the light ops right after it that weigh less than half a layer; forced boundaries also
+    split the chain. The ``L`` layers are shared among the pieces in proportion to their flops (largest
+    remainder, at least one each) and each piece is clustered on its own: one heavy op can then no
+    longer force the balance cap so wide that near-empty layers at cheap cuts win."""
+    n = flops.shape[0]
+    L = max(1, min(num_layers, n))
+    total = float(flops.sum()) or 1.0
+    mean = total / L
+    forced_set = {int(p) for p in forced if 0 <= int(p) < n - 1}
+    cuts = sorted(forced_set)
+    heavy = [k for k in range(n) if flops[k] > mean]
+    for k in heavy:
+        cuts += [k - 1, k] if k > 0 else [k]
+    bounds = sorted({c for c in cuts if 0 <= c < n - 1})
+    pieces = [(a + 1, b + 1) for a, b in zip([-1, *bounds], [*bounds, n - 1], strict=True)]  # [start, end)
+    # light crumbs after a heavy op (or at either end) join their neighbour instead of taking a layer
+    merged: list[list[int]] = []
+    for a, b in pieces:
+        light = float(flops[a:b].sum()) < 0.5 * mean and not any(a <= k < b for k in heavy)
+        if merged and light and (a - 1) not in forced_set:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    if len(merged) > 1 and float(flops[merged[0][0]:merged[0][1]].sum()) < 0.5 * mean:
+        merged[1][0] = merged[0][0]
+        merged.pop(0)
+    weights = np.array([float(flops[a:b].sum()) for a, b in merged])
+    fixed = np.array([any(a <= k < b for k in heavy) for a, b in merged])
+    share = np.ones(len(merged), dtype=np.int64)
+    spare = L - len(merged)
+    if spare > 0 and (~fixed).any():
+        w = np.where(fixed, 0.0, weights)
+        ideal = w / w.sum() * (spare + int((~fixed).sum()))
+        share = np.where(fixed, 1, np.maximum(1, np.floor(ideal).astype(np.int64)))
+        rest = L - int(share.sum())
+        order = np.argsort(-(ideal - np.floor(ideal)) + fixed * 1e9)
+        for i in order[:max(rest, 0)]:
+            share[i] += 1
+    out = np.empty(n, dtype=np.int64)
+    base = 0
+    for (a, b), k in zip(merged, share.tolist(), strict=True):
+        k = max(1, min(k, b - a))
+        if k == 1:
+            out[a:b] = base
+        else:
+            part = cluster_layers(ClusteringProblem(flops=flops[a:b], cut_bytes=cut[a:b - 1], num_layers=k))
+            out[a:b] = base + part.layer_of(b - a)
+        base += k
+    return out
 
 
 def propagate_layers(graph: Graph, fwd: Sequence[int], fwd_layer: Sequence[int]) -> tuple[int, ...]:

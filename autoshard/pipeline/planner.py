@@ -291,7 +291,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                   time_budget_s: float = 60.0, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
-    docstring. ``num_layers`` defaults to ``min(8, forward ops)``; ``max_stages`` bounds the stage count;
+    docstring. ``num_layers`` defaults to one per block the scopes name, plus one (``partition.default_num_layers``); ``max_stages`` bounds the stage count;
     ``stage_shape`` = (hosts, devices) makes every stage that submesh (so ``devices / size`` stages)."""
     t_start = time.perf_counter()
     if schedule_name not in SCHEDULE_NAMES or schedule_name == "interleaved-1f1b":
@@ -300,8 +300,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
     cluster = _cluster(cost.mesh)
     parts = split_step(graph)
-    L = num_layers or 8
-    layer_of_op = assign_layers(graph, parts, L, forced=forced_boundaries)
+    layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     L = max(layer_of_op) + 1
     submeshes = alpa_submeshes(cluster)
     if stage_shape is not None:
