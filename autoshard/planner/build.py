@@ -404,6 +404,18 @@ class _Build:
             src, dst = ((), g.outputs[o]), ((), g.inputs[i])
             if dst in self.producer and src in self.producer and self.producer[src] != self.producer[dst]:
                 self.add_tie(src, dst, 1.0, "state", edge_u, edge_v, mats)
+        # A result leaves the step materialised: a pending sum is reduced before it is returned.
+        for tid in dict.fromkeys(g.outputs):
+            u = self.producer.get(((), tid))
+            if u is None:
+                continue
+            node, t = self.nodes[u], g.tensors[tid]
+            for s in range(node.k):
+                spec = node.produced(((), tid), s)
+                if spec.partial:
+                    extra = self.cost.reshard_time(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims))
+                    node.cost[s] += extra
+                    node.comm[s] += extra
         # Tie-break toward less memory: holding a byte costs 1% of reading it once. Between layouts of
         # equal time (slicing an input is free), the one that keeps less per device wins.
         hold = MEMORY_TIE_BREAK / self.cost.memory_bandwidth

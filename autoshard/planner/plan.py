@@ -181,6 +181,15 @@ def _breakdown(built: BuiltProblem, sol: IntraOpSolution, cost: CostModel) -> di
         if src is not None and dst is not None:
             for step in cost.reshard(tensor.shape, tensor.dtype, src, dst).steps:
                 out[f"{step.kind}({','.join(step.axes)})"] += step.time * e.weight
+    g = built.graphs[()]
+    results = {((), t) for t in g.outputs}
+    for i, node in enumerate(built.nodes):  # pending sums reduced as the step returns them
+        for key, spec in node.produces[int(sol.choice[i])]:
+            if key in results and spec.partial:
+                results.discard(key)
+                t = g.tensors[key[1]]
+                for step in cost.reshard(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims)).steps:
+                    out[f"{step.kind}({','.join(step.axes)})"] += step.time
     return dict(out)
 
 
