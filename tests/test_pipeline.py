@@ -208,3 +208,30 @@ def test_pipelines_match_the_unsharded_step(name: str, shape: tuple[int, int], m
     ex = _example(name)
     _compare(ex.train_step, *ex.args, steps=3, microbatches=micro, schedule=sched, stage_shape=shape,
              num_layers=4)
+
+
+def test_pipeline_stage_regions_force_layer_boundaries() -> None:
+    class Marked(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            with autoshard.pipeline_stage("front"):  # one small layer the clustering would not cut out
+                x = jnp.tanh(nn.Dense(8, name="small")(x))
+            with autoshard.pipeline_stage("back"):
+                for i in range(3):
+                    x = jnp.tanh(nn.Dense(64, name=f"big_{i}")(x))
+            return jnp.mean(x**2)
+
+    model = Marked()
+    x = jnp.ones((16, 64))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def step(params, batch):
+        loss, g = jax.value_and_grad(lambda p: model.apply({"params": p}, batch["x"]))(params)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), {"loss": loss}
+
+    g = autoshard.trace(step, params, {"x": x})
+    parts = split_step(g)
+    layer = assign_layers(g, parts, 2)
+    fwd_dots = [op for op in g.ops if op.primitive == "dot_general" and parts.kind[op.id] == FORWARD]
+    assert [layer[op.id] for op in fwd_dots] == [0, 1, 1, 1]
+    assert "autoshard_stage_front" in fwd_dots[0].scope

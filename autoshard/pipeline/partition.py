@@ -23,10 +23,12 @@ equal layer to a lower one, so backward programs of stage ``s`` only wait on sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+import jax
 import numpy as np
 
 from autoshard.errors import AutoshardError
@@ -130,6 +132,32 @@ def forward_sequence(graph: Graph, parts: StepParts) -> tuple[list[int], np.ndar
     return fwd, flops, cut
 
 
+STAGE_SCOPE = "autoshard_stage_"
+
+
+def pipeline_stage(name: str | int) -> contextlib.AbstractContextManager:
+    """Mark a region of the model: ``with autoshard.pipeline_stage("encoder"): ...``.
+
+    A named scope (``autoshard_stage_<name>``); where consecutive forward ops change region, a layer
+    must end, so the layer clustering (and hence every stage boundary) respects the user's cut. With as
+    many layers as regions (``num_layers=``), the regions are the layers."""
+    return jax.named_scope(f"{STAGE_SCOPE}{name}")
+
+
+def marked_boundaries(graph: Graph, fwd: Sequence[int]) -> list[int]:
+    """Forward-op positions after which the user's ``pipeline_stage`` region changes."""
+
+    def region(op_id: int) -> str | None:
+        for part in graph.ops[op_id].scope.split("/"):
+            if part.startswith(STAGE_SCOPE):
+                return part
+        return None
+
+    tags = [region(i) for i in fwd]
+    return [k for k in range(len(fwd) - 1) if tags[k] != tags[k + 1] and tags[k + 1] is not None
+            and (tags[k] is not None or any(t is not None for t in tags[:k + 1]))]
+
+
 def default_num_layers(graph: Graph, parts: StepParts) -> int:
     """One layer per numbered block the model's scopes name (``block_3``, ``layers_0``), plus one for the
     ops around them, between 2 and 64; 8 when the scopes name no blocks."""
@@ -147,6 +175,7 @@ def assign_layers(graph: Graph, parts: StepParts, num_layers: int | None = None,
     if not fwd:
         raise PipelineError("the step has no forward ops to cut into layers")
     num_layers = num_layers or default_num_layers(graph, parts)
+    forced = sorted({*forced, *marked_boundaries(graph, fwd)})
     return propagate_layers(graph, fwd, cluster_forward(flops, cut, num_layers, forced))
 
 
@@ -177,7 +206,8 @@ def cluster_forward(flops: np.ndarray, cut: np.ndarray, num_layers: int, forced:
             merged[-1][1] = b
         else:
             merged.append([a, b])
-    if len(merged) > 1 and float(flops[merged[0][0]:merged[0][1]].sum()) < 0.5 * mean:
+    if (len(merged) > 1 and float(flops[merged[0][0]:merged[0][1]].sum()) < 0.5 * mean
+            and merged[0][1] - 1 not in forced_set):
         merged[1][0] = merged[0][0]
         merged.pop(0)
     weights = np.array([float(flops[a:b].sum()) for a, b in merged])

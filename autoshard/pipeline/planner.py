@@ -283,6 +283,16 @@ def _plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, 
     return _Priced(plan.predicted_step_time, plan.peak_memory, plan, sub)
 
 
+def _reuse(graph: Graph, priced: _Priced, ops: Sequence[int]) -> _Priced | None:
+    """The plan of an identical set of ops, carried over to ``ops`` (their sub-graphs number tensors the
+    same way: inputs by first use, then results in schedule order); None if the numbering differs."""
+    if priced.plan is None or not ops:
+        return _Priced(priced.time, priced.memory, priced.plan, None)
+    sub = subgraph(graph, ops)
+    same = [(t.shape, t.dtype) for t in sub.graph.tensors] == [(t.shape, t.dtype) for t in priced.sub.graph.tensors]
+    return _Priced(priced.time, priced.memory, priced.plan, sub) if same else None
+
+
 # ---- the planner -----------------------------------------------------------------------------------------
 
 
@@ -372,15 +382,27 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     stages: list[StagePlan] = []
     S = len(sol.stages)
     left = max(0.0, time_budget_s - (time.perf_counter() - t_start))
+    stage_ops = []
+    for st in sol.stages:
+        layers = range(st.first_layer, st.last_layer + 1)
+        stage_ops.append(([i for ell in layers for i in micro_ops[ell]], [i for ell in layers for i in update_ops[ell]]))
+    # identical stages (same ops on the same submesh shape) are planned once
+    keys = [(_signature(graph, m) + _signature(graph, u), st.submesh) for (m, u), st in zip(stage_ops, sol.stages,
+                                                                                          strict=True)]
+    budget_each = max(1.0, left / (2 * len(set(keys))))
+    done: dict[Any, tuple[_Priced, _Priced]] = {}
     for s, st in enumerate(sol.stages):
         shape = submeshes[st.submesh]
         sub_cost = _submesh_cost(cost, shape)
-        layers = range(st.first_layer, st.last_layer + 1)
-        mops = [i for ell in layers for i in micro_ops[ell]]
-        uops = [i for ell in layers for i in update_ops[ell]]
-        budget_each = max(1.0, left / (2 * S))
-        pm = _plan_ops(graph, mops, sub_cost, hardware, memory_budget, budget_each)
-        pu = _plan_ops(graph, uops, sub_cost, hardware, memory_budget, budget_each)
+        mops, uops = stage_ops[s]
+        hit = done.get(keys[s])
+        reused = [_reuse(graph, p, ops) for p, ops in zip(hit, (mops, uops), strict=True)] if hit else [None]
+        if None not in reused:
+            pm, pu = reused
+        else:
+            pm = _plan_ops(graph, mops, sub_cost, hardware, memory_budget, budget_each)
+            pu = _plan_ops(graph, uops, sub_cost, hardware, memory_budget, budget_each)
+            done[keys[s]] = (pm, pu)
         if pm.plan is None and mops:
             raise PipelineError(f"stage {s} (layers {st.first_layer}..{st.last_layer}) on {shape} did not plan "
                                 "within the memory budget when planned whole")
