@@ -17,6 +17,7 @@ from autoshard.pipeline.schedules import (
     one_f_one_b,
     schedule,
 )
+from autoshard.pipeline.spmd import spmd_pipeline
 
 __all__ = [
     "SCHEDULE_NAMES",
@@ -34,4 +35,5 @@ __all__ = [
     "one_f_one_b",
     "plan_pipeline",
     "schedule",
+    "spmd_pipeline",
 ]
