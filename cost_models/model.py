@@ -58,6 +58,11 @@ class CostModel:
     _matmul: dict[str, RateTable] = field(init=False, repr=False, compare=False)
     _collective: dict[tuple[str, int, frozenset[str]], Curve] = field(init=False, repr=False, compare=False)
     _copy_bandwidth: float | None = field(init=False, repr=False, compare=False)
+    # (shape, dtype, src, dst) -> ReshardCost: a pure function of this model, asked again and again by the
+    # problem builder (every edge of every op group); kept per instance so that a model and its copies on
+    # other meshes never share entries
+    _reshards: dict[Any, ReshardCost] = field(init=False, repr=False, compare=False)
+    _memo: dict[str, dict[Any, Any]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_dtype: dict[str, list[Any]] = {}
@@ -77,6 +82,8 @@ class CostModel:
             )
             bw = 1.0 / c.b
         object.__setattr__(self, "_copy_bandwidth", bw)
+        object.__setattr__(self, "_reshards", {})
+        object.__setattr__(self, "_memo", {})
 
     # ------------------------------------------------------------------------------------ construction
     @classmethod
@@ -180,16 +187,28 @@ class CostModel:
         a partial-sum tensor takes a full block on every device)."""
         return per_device_bytes(shape, dtype_bytes(dtype), spec, self.mesh)
 
+    def memo(self, name: str) -> dict[Any, Any]:
+        """A per-instance table for values callers derive purely from this model's prices (a problem
+        builder's priced strategies): they live as long as the model and never leak to a model with other
+        prices or another mesh."""
+        return self._memo.setdefault(name, {})
+
     def reshard(
         self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec
     ) -> ReshardCost:
         """Collectives and seconds to take a tensor of global ``shape`` from ``src`` to ``dst``
         (rules in ``cost_models.reshard``; each step priced by ``collective_time``)."""
+        key = (tuple(shape), str(dtype), src, dst)
+        hit = self._reshards.get(key)
+        if hit is not None:
+            return hit
         steps = tuple(
             replace(s, time=self.collective_time(s.kind, s.nbytes, s.axes))
             for s in plan_reshard(shape, dtype_bytes(dtype), src, dst, self.mesh)
         )
-        return ReshardCost(time=math.fsum(s.time for s in steps), steps=steps, src=src, dst=dst)
+        cost = ReshardCost(time=math.fsum(s.time for s in steps), steps=steps, src=src, dst=dst)
+        self._reshards[key] = cost
+        return cost
 
     def reshard_time(
         self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec

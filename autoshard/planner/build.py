@@ -108,10 +108,12 @@ class BuiltProblem:
     nodes: tuple[NodeInfo, ...]
     edges: tuple[EdgeInfo, ...]
     graphs: dict[Scope, Graph]
+    activation_weight: float = 1.0
 
 
 class _Build:
-    def __init__(self, graph: Graph, cost: CostModel) -> None:
+    def __init__(self, graph: Graph, cost: CostModel, activation_weight: float = 1.0) -> None:
+        self.activation_weight = activation_weight
         self.root = graph
         self.cost = cost
         self.mesh = cost.mesh
@@ -120,10 +122,14 @@ class _Build:
         self.producer: dict[TensorKey, int] = {}  # tensor -> node that produces it
         self.graphs: dict[Scope, Graph] = {(): graph}
         self.warned: set[str] = set()
-        self._strategy_cache: dict[Any, list[Strategy]] = {}
-        self._spec_cache: dict[tuple[int, ...], list[ShardingSpec]] = {}
-        self._matrix_cache: dict[Any, np.ndarray] = {}
-        self._pair_cache: dict[Any, dict[tuple[ShardingSpec, ShardingSpec], float]] = {}
+        # pure functions of the cost model (and its mesh): shared by every problem built with it
+        self._strategy_cache: dict[Any, list[Strategy]] = cost.memo("autoshard.build.strategies")
+        self._spec_cache: dict[tuple[int, ...], list[ShardingSpec]] = cost.memo("autoshard.build.specs")
+        self._matrix_cache: dict[Any, np.ndarray] = cost.memo("autoshard.build.matrices")
+        self._pair_cache: dict[Any, dict[tuple[ShardingSpec, ShardingSpec], float]] = cost.memo(
+            "autoshard.build.pairs")
+        self._follow_cache: dict[Any, Strategy] = cost.memo("autoshard.build.follow")
+        self._shards: dict[ShardingSpec, int] = cost.memo("autoshard.build.shards")
         self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
 
     # ---- helpers ---------------------------------------------------------------------------------------
@@ -134,17 +140,26 @@ class _Build:
         return self._spec_cache[shape]
 
     def bytes_on_device(self, nbytes: int, spec: ShardingSpec) -> float:
-        return nbytes / max(1, spec.num_shards(self.mesh))
+        shards = self._shards.get(spec)
+        if shards is None:
+            shards = self._shards[spec] = max(1, spec.num_shards(self.mesh))
+        return nbytes / shards
 
-    def op_strategies(self, op: Op, ctx: RuleContext) -> list[Strategy]:
+    def op_key(self, op: Op, ctx: RuleContext) -> tuple[Any, ...]:
+        """What an op's priced strategies depend on (ops with equal keys share them)."""
         g = ctx.graph
-        key = (
+        return (
             op.primitive,
             op.params,
             tuple((g.tensors[t].shape, g.tensors[t].dtype) for t in op.inputs),
             tuple((g.tensors[t].shape, g.tensors[t].dtype, ctx.fanout(t)) for t in op.outputs),
             op.flops,
+            tuple(t in ctx.fused for t in (*op.inputs, *op.outputs)),  # fused tensors cost no traffic
+            next((k for k, t in enumerate(op.inputs) if g.tensors[t].shape), None),
         )
+
+    def op_strategies(self, op: Op, ctx: RuleContext) -> list[Strategy]:
+        key = self.op_key(op, ctx)
         hit = self._strategy_cache.get(key)
         if hit is None:
             hit = strategies_for(op, ctx, self.cost, self.warned)
@@ -253,6 +268,13 @@ class _Build:
     def follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext) -> Strategy:
         """The follower's strategy when its operand arrives as ``in_spec``: same layout out; a pending sum
         is reduced first unless the op is linear in it."""
+        key = (self.op_key(op, ctx), in_spec)
+        hit = self._follow_cache.get(key)
+        if hit is None:
+            hit = self._follow_cache[key] = self._follow(op, in_spec, ctx)
+        return hit
+
+    def _follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext) -> Strategy:
         g = ctx.graph
         src = next(t for t in op.inputs if g.tensors[t].shape)
         linear = op.primitive in ("neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "mul",
@@ -419,15 +441,18 @@ class _Build:
         # Tie-break toward less memory: holding a byte costs 1% of reading it once. Between layouts of
         # equal time (slicing an input is free), the one that keeps less per device wins.
         hold = MEMORY_TIE_BREAK / self.cost.memory_bandwidth
+        w = self.activation_weight
+        memory = [n.memory if n.kind == "input" or w == 1.0 else n.memory * w for n in self.nodes]
         problem = IntraOpProblem(
-            node_costs=[n.cost + hold * n.memory for n in self.nodes],
-            node_memory=[n.memory for n in self.nodes],
+            node_costs=[n.cost + hold * m for n, m in zip(self.nodes, memory, strict=True)],
+            node_memory=memory,
             intervals=np.array([n.interval for n in self.nodes], dtype=np.int64).reshape(-1, 2),
             edges=np.array(list(zip(edge_u, edge_v, strict=True)), dtype=np.int64).reshape(-1, 2),
             edge_costs=mats,
             node_names=[n.name for n in self.nodes],
         )
-        return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs))
+        return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
+                            self.activation_weight)
 
     def add_tie(self, src: TensorKey, dst: TensorKey, weight: float, kind: str,
                 edge_u: list[int], edge_v: list[int], mats: list[np.ndarray]) -> None:
@@ -472,8 +497,12 @@ class _Build:
         return m
 
 
-def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None) -> BuiltProblem:
-    """The solver problem for ``graph`` on ``cost.mesh`` (see the module docstring)."""
-    built = _Build(graph, cost).build()
+def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None, *,
+                  activation_weight: float = 1.0) -> BuiltProblem:
+    """The solver problem for ``graph`` on ``cost.mesh`` (see the module docstring).
+
+    ``activation_weight``: what is computed inside the graph counts this many times against the memory
+    limit, its inputs once (a pipeline stage holds the activations of several microbatches at once)."""
+    built = _Build(graph, cost, activation_weight).build()
     problem = dataclasses.replace(built.problem, memory_limit=memory_budget)
     return dataclasses.replace(built, problem=problem)
