@@ -233,6 +233,12 @@ class _Build:
         leader = graph.ops[group[0]]
         strategies = self.op_strategies(leader, ctx)
         members = [graph.ops[i] for i in sorted(group)]
+        # a value read only inside the group (a dot's result that a convert follows) is a temporary the
+        # fused kernel never keeps: it holds no memory over the group's interval
+        inside, outs = set(group), set(graph.outputs)
+        internal = {t for op in members for t in op.outputs
+                    if t not in outs and graph.tensors[t].consumers
+                    and all(c in inside for c in graph.tensors[t].consumers)}
         produces, reads, compute, comm, memory = [], [], [], [], []
         for st in strategies:
             spec_of = {t: s for t, s in zip(leader.outputs, st.out_specs, strict=True)}
@@ -254,7 +260,7 @@ class _Build:
             reads.append(rd)
             compute.append(c_time)
             comm.append(m_time)
-            memory.append(self.peak_bytes(graph, prod, when))
+            memory.append(self.peak_bytes(graph, [p for p in prod if p[0][1] not in internal] or prod[-1:], when))
         starts = [graph.tensors[key[1]].live for key, _ in produces[0]]
         interval = when(min(s for s, _ in starts), max(e for _, e in starts))
         name = leader.where() + (f" (+{len(members) - 1} followers)" if len(members) > 1 else "")
