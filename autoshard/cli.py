@@ -165,6 +165,104 @@ def _plan_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="a plan JSON written by `autoshard plan -o`")
+    p.add_argument("--graph", metavar="MODEL", help="the model file the plan was made for (needed for --why)")
+    p.add_argument("--preset", default="tiny", help="with --graph: the preset the plan was made for")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --graph: the preset overrides the plan was made for (repeatable)")
+    p.add_argument("--why", action="append", default=[], metavar="TENSOR",
+                   help="why does this tensor have its layout: each alternative and its cost (repeatable; "
+                        "needs --graph)")
+    p.add_argument("--resolve", action="store_true",
+                   help="with --why: also re-solve the whole step with each alternative forced")
+    p.add_argument("--top", type=int, default=10, help="how many op groups to list where the time goes")
+    p.add_argument("--json", metavar="PATH", help="also write the explanation as JSON")
+
+
+def _explain_run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from autoshard.planner.explain import explain_pipeline, explain_plan, explain_tensor
+    from autoshard.planner.plan import Plan, PlanError
+
+    try:
+        data = json.loads(Path(args.plan).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"{args.plan}: cannot read a plan ({e})") from None
+    if args.why and not args.graph:
+        raise PlanError("--why needs --graph MODEL (and the --preset/--set the plan was made with)")
+    if isinstance(data, dict) and data.get("kind") == "pipeline":
+        from autoshard.pipeline.planner import PipelinePlan
+
+        pplan = PipelinePlan.from_dict(data)
+        print(explain_pipeline(pplan))
+        if args.why:
+            print("(--why answers for intra-operator plans only)")
+        return 0
+    plan = Plan.load(args.plan)
+    explanation = explain_plan(plan, top=args.top)
+    print(explanation.text())
+    out: dict = {"plan": explanation.to_dict(), "why": []}
+    if args.graph:
+        from autoshard._examples import load_example
+        from autoshard.trace import trace
+
+        example = load_example(args.graph, args.preset, args.overrides, abstract=True)
+        graph = trace(example.train_step, *example.args)
+        plan.verify(graph)
+        for name in args.why:
+            why = explain_tensor(graph, plan, None, name, resolve=args.resolve)
+            print()
+            print(why.text())
+            out["why"].append(why.to_dict())
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    _add_example_arguments(p)
+    p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
+    p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
+    p.add_argument("--hardware", default="h100", help="hardware preset or profile JSON (as for `plan`)")
+    p.add_argument("--memory-budget", default="auto",
+                   help="bytes per device ('16e9'), 'auto' (capacity less 10%%) or 'none'")
+    p.add_argument("--time-budget", type=float, default=30.0, help="solver time budget per plan, in seconds")
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+
+
+def _compare_run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from autoshard.api import PlanningError, parse_mesh
+    from autoshard.planner.compare import compare_model
+
+    shape, names = parse_mesh(args.mesh)
+    if args.axes:
+        names = tuple(a.strip() for a in args.axes.split(","))
+        if len(names) != len(shape):
+            raise PlanningError(f"--axes names {len(names)} axes but --mesh {args.mesh} has {len(shape)}")
+    budget: float | str | None = args.memory_budget
+    if budget == "none":
+        budget = None
+    elif budget != "auto":
+        try:
+            budget = float(budget)
+        except ValueError:
+            raise PlanningError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
+    result = compare_model(args.model, preset=args.preset, overrides=args.overrides,
+                           mesh=dict(zip(names, shape, strict=True)), hardware=args.hardware,
+                           memory_budget=budget, time_budget_s=args.time_budget,
+                           log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
+    print(result.text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+    return 0
+
+
 _COMMANDS: dict[str, _Command] = {
     "plan": _Command(
         help="plan a model's train step on a logical mesh and print the plan",
@@ -175,6 +273,16 @@ _COMMANDS: dict[str, _Command] = {
         help="trace a model's train step into a graph and print its summary",
         add_arguments=_trace_arguments,
         run=_trace_run,
+    ),
+    "explain": _Command(
+        help="explain a saved plan: layouts per class and layer, time and memory by category, why-questions",
+        add_arguments=_explain_arguments,
+        run=_explain_run,
+    ),
+    "compare": _Command(
+        help="the automatic plan beside the hand-written dp x tp (x ZeRO) layouts, priced the same way",
+        add_arguments=_compare_arguments,
+        run=_compare_run,
     ),
     "profile": _Command(
         help="measure this machine's devices (matmuls, copies, collectives) and write a cost profile",

@@ -2,7 +2,11 @@
 
 ``plan_graph`` builds the intra-operator problem (``autoshard.planner.build``), solves it
 (``solvers.solve_intra_op``) and reads the solution back into layouts per tensor, a predicted step time
-split by category, and the predicted peak memory per device.
+split by category, and the predicted peak memory per device. ``plan.solver`` also records the solver's
+choice per node (``"choice"``, to answer why-questions later) and the op groups that cost the most
+(``"top_ops"``). ``fixed=`` pins some inputs' layouts (a hand-written layout, ``autoshard.planner.manual``)
+and lets the solver complete the rest. ``Plan.explain()`` and ``Plan.diff()`` read a plan for a person
+(``autoshard.planner.explain``, ``autoshard.planner.compare``).
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,9 +27,13 @@ from autoshard.errors import AutoshardError
 from autoshard.planner.build import BuiltProblem, Scope, build_problem
 from autoshard.trace.graph import Graph
 from cost_models import CostModel, LogicalMesh, ShardingSpec
-from solvers import InfeasibleError, IntraOpSolution, solve_intra_op
+from solvers import InfeasibleError, IntraOpProblem, IntraOpSolution, solve_intra_op
+
+if TYPE_CHECKING:
+    from autoshard.planner.compare import PlanDiff
 
 PLAN_VERSION = 1
+TOP_OPS = 30  # op groups recorded per plan, costliest first
 
 
 class PlanError(AutoshardError, ValueError):
@@ -87,6 +96,21 @@ class Plan:
                     spec.validate(t.shape, self.mesh, require_divisible=True)
                 except ValueError as e:
                     raise PlanError(f"plan layout of {t.name} {list(t.shape)}: {e}") from None
+
+    # ---- reading ------------------------------------------------------------------------------------
+
+    def explain(self, *, top: int = 10) -> str:
+        """The plan for a person: layouts per parameter class and per layer, time by category, memory by
+        kind, and where the time goes (``autoshard.planner.explain``)."""
+        from autoshard.planner.explain import explain_plan
+
+        return explain_plan(self, top=top).text()
+
+    def diff(self, other: Plan) -> PlanDiff:
+        """What changes from this plan to ``other``: layouts, time and memory by category."""
+        from autoshard.planner.compare import diff_plans
+
+        return diff_plans(self, other)
 
     # ---- JSON --------------------------------------------------------------------------------------
 
@@ -194,10 +218,15 @@ def _breakdown(built: BuiltProblem, sol: IntraOpSolution, cost: CostModel) -> di
 
 
 def _peak_memory(built: BuiltProblem, sol: IntraOpSolution) -> float:
+    return peak_memory_of(built, sol.choice)
+
+
+def peak_memory_of(built: BuiltProblem, choice: np.ndarray) -> float:
+    """Peak over the schedule of the summed bytes per device of the live nodes under ``choice``."""
     p = built.problem
     events: dict[int, float] = defaultdict(float)
     for i, node in enumerate(built.nodes):
-        m = float(p.node_memory[i][sol.choice[i]])
+        m = float(p.node_memory[i][choice[i]])
         start, end = node.interval
         if end > start and m:
             events[start] += m
@@ -209,15 +238,80 @@ def _peak_memory(built: BuiltProblem, sol: IntraOpSolution) -> float:
     return peak
 
 
+@dataclasses.dataclass(slots=True)
+class ProblemCache:
+    """The problems built for one graph, kept across several ``plan_graph`` calls on it (pricing hand-written
+    layouts, ``compare``). Building is deterministic: a problem depends on the graph and the cost model's
+    mesh and prices only; the memory budget is set per call."""
+
+    graph: Graph
+    _built: dict[Any, tuple[Any, BuiltProblem]] = dataclasses.field(default_factory=dict)
+
+    def get(self, cost: CostModel, memory_budget: float | None, activation_weight: float = 1.0) -> BuiltProblem:
+        key = (id(cost.profile), cost.mesh, activation_weight)
+        hit = self._built.get(key)
+        if hit is None or hit[0] is not cost.profile:
+            hit = (cost.profile, build_problem(self.graph, cost, None, activation_weight=activation_weight))
+            self._built[key] = hit
+        built = hit[1]
+        return dataclasses.replace(built, problem=dataclasses.replace(built.problem, memory_limit=memory_budget))
+
+
+def _input_nodes(built: BuiltProblem) -> dict[int, int]:
+    """Top-level input tensor id -> the node whose strategies are its layouts."""
+    return {node.produces[0][0][0][1]: i for i, node in enumerate(built.nodes) if node.kind == "input"}
+
+
+def _pin(graph: Graph, built: BuiltProblem, fixed: Mapping[int, ShardingSpec] | None, *,
+         strict: bool = True) -> IntraOpProblem | None:
+    """``built.problem`` with each input in ``fixed`` (tensor id -> layout) held at its layout: every other
+    strategy of its node costs +inf. A layout the node does not have raises PlanError (``strict``) or
+    gives None."""
+    if not fixed:
+        return built.problem
+    costs = list(built.problem.node_costs)
+    nodes = _input_nodes(built)
+    mesh = None
+    for tid, spec in fixed.items():
+        i = nodes.get(tid)
+        if i is None:
+            continue  # an input nothing reads: its layout costs nothing either way
+        node = built.nodes[i]
+        specs = [node.produces[s][0][1] for s in range(node.k)]
+        if spec not in specs:
+            if not strict:
+                return None
+            t = graph.tensors[tid]
+            mesh = mesh or _mesh_of(built, specs)
+            raise PlanError(
+                f"the layout {spec} given for {t.name} {list(t.shape)} is not one autoshard can express"
+                f"{mesh}: a split dimension must divide evenly, at most two mesh axes split one dimension, "
+                f"and they go in mesh order (major to minor). Layouts it has for this tensor: "
+                + ", ".join(str(x) for x in specs[:12]) + (" ..." if len(specs) > 12 else "")
+            )
+        mask = np.full(node.k, math.inf)
+        s = specs.index(spec)
+        mask[s] = costs[i][s]
+        costs[i] = mask
+    return dataclasses.replace(built.problem, node_costs=costs)
+
+
+def _mesh_of(built: BuiltProblem, specs: list[ShardingSpec]) -> str:
+    axes = sorted({a for sp in specs for a in sp.sharded_axes})
+    return f" (mesh axes {', '.join(axes)})" if axes else ""
+
+
 def _single_axis_seeds(graph: Graph, cost: CostModel, memory_budget: float | None, built: BuiltProblem,
-                       budget_s: float) -> tuple[np.ndarray | None, dict[str, float]]:
+                       problem: IntraOpProblem, budget_s: float, fixed: Mapping[int, ShardingSpec] | None,
+                       problems: ProblemCache) -> tuple[np.ndarray | None, dict[str, float]]:
     """On a mesh with several axes, plan once per axis with the others held at size 1 (a problem with a
     fraction of the strategies, which the ILP solves well) and return the best answer, mapped onto the
     full problem's strategies, as the full solve's starting point: the 2-D plan is then never worse
-    than the best plan that uses one axis. Returns (initial assignment or None, objective per axis)."""
+    than the best plan that uses one axis. With ``fixed`` layouts, an axis whose problem cannot hold them
+    gives no seed. Returns (initial assignment or None, objective per axis)."""
     mesh = cost.mesh
     axes = [i for i, n in enumerate(mesh.shape) if n > 1]
-    if len(axes) < 2 or budget_s <= 0:
+    if len(axes) < 2 or budget_s < 0.5:  # below half a second, building the extra problems costs more
         return None, {}
     share = budget_s / len(axes)
     best, best_obj, seeds = None, math.inf, {}
@@ -225,14 +319,19 @@ def _single_axis_seeds(graph: Graph, cost: CostModel, memory_budget: float | Non
         shape = tuple(n if j == i else 1 for j, n in enumerate(mesh.shape))
         sub = dataclasses.replace(cost, mesh=LogicalMesh(axis_names=mesh.axis_names, shape=shape, links=mesh.links))
         try:
-            small = build_problem(graph, sub, memory_budget)
-            sol = solve_intra_op(small.problem, time_budget_s=share)
+            small = problems.get(sub, memory_budget, built.activation_weight)
+            pinned = _pin(graph, small, fixed, strict=False)
+            if pinned is None:
+                continue
+            sol = solve_intra_op(pinned, time_budget_s=share)
         except InfeasibleError:
             continue
         mapped = _map_choice(small, built, sol.choice)
         if mapped is None:
             continue
-        obj = built.problem.cost_of(mapped)
+        obj = problem.cost_of(mapped)
+        if not math.isfinite(obj):
+            continue
         seeds[mesh.axis_names[i]] = float(obj)
         if obj < best_obj:
             best, best_obj = mapped, obj
@@ -259,6 +358,60 @@ def _map_choice(small: BuiltProblem, full: BuiltProblem, choice: np.ndarray) -> 
     return out
 
 
+_SCOPE_INDEX = re.compile(r"_\d+(?=[./]|$)")
+
+
+def top_ops(built: BuiltProblem, choice: np.ndarray, n: int = TOP_OPS) -> list[dict[str, Any]]:
+    """The op groups where the step's time goes under ``choice``, costliest first, as JSON-ready dicts.
+
+    A node's time is its own cost (compute and collectives, times its trip count) plus the resharding on
+    the edges into it (on an edge into an input node, the tie of returned state: charged to its producer).
+    Nodes are folded by (primitive, name scope with layer indices as ``_*``, source line, phase), so the 24
+    copies of one matmul in a 24-layer model are one entry with ``count`` 24."""
+    p = built.problem
+    res = np.zeros(len(built.nodes))
+    for (u, v), mat in zip(p.edges.tolist(), p.edge_costs, strict=True):
+        t = float(mat[choice[u], choice[v]])
+        if t > 0:
+            res[v if built.nodes[v].ops else u] += t
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    for i, node in enumerate(built.nodes):
+        if not node.ops:
+            continue
+        s = int(choice[i])
+        t = float(node.cost[s]) + float(res[i])
+        if t <= 0:
+            continue
+        scope, op_id = node.ops[0]
+        op = built.graphs[scope].ops[op_id]
+        folded = _SCOPE_INDEX.sub("_*", op.scope)
+        key = (op.primitive, folded, op.source, op.phase, node.kind)
+        g = groups.get(key)
+        if g is None:
+            reads = ", ".join(str(spec) for _, spec in node.reads[s][:3])
+            outs = ", ".join(str(spec) for _, spec in node.produces[s][:1])
+            g = groups[key] = {
+                "op": op.where(), "primitive": op.primitive, "scope": folded, "source": op.source,
+                "phase": op.phase, "layout": f"{reads} -> {outs}", "count": 0, "time": 0.0, "compute": 0.0,
+                "collectives": 0.0, "resharding": 0.0,
+            }
+        g["count"] += 1
+        g["time"] += t
+        g["compute"] += float(node.compute[s])
+        g["collectives"] += float(node.comm[s])
+        g["resharding"] += float(res[i])
+    return sorted(groups.values(), key=lambda g: -g["time"])[:n]
+
+
+def encode_choice(choice: np.ndarray) -> str:
+    """The solver's strategy index per node, as recorded in ``plan.solver["choice"]``."""
+    return " ".join(str(int(c)) for c in choice)
+
+
+def decode_choice(text: str) -> np.ndarray:
+    return np.array([int(c) for c in text.split()], dtype=np.int64)
+
+
 def plan_graph(
     graph: Graph,
     cost: CostModel,
@@ -266,20 +419,48 @@ def plan_graph(
     hardware: str = "",
     memory_budget: float | None = None,
     time_budget_s: float = 60.0,
+    fixed: Mapping[str, ShardingSpec] | None = None,
+    problems: ProblemCache | None = None,
+    activation_weight: float = 1.0,
+    starts: Sequence[Any] = (),
 ) -> Plan:
-    """Plan ``graph`` on ``cost.mesh``: build the problem, solve it, read the layouts back."""
+    """Plan ``graph`` on ``cost.mesh``: build the problem, solve it, read the layouts back.
+
+    ``fixed``: input tensor name -> layout, held as given while the solver places everything else (the
+    best completion of a hand-written layout). ``problems``: reuse problems already built for ``graph``.
+    ``activation_weight``: see ``build_problem`` (the peak memory reported counts activations that many
+    times; a pipeline stage holds several microbatches' at once).
+    ``starts``: other starting points for the solve, each a Plan of this graph (its recorded choice) or a
+    hand layout (``manual.HandLayout`` or a mapping input name -> layout), which is completed first with
+    the inputs pinned. The budget is shared equally by the hand layouts to complete and the final solve,
+    which starts from the best of them and the single-axis seeds: the plan is then never worse than the
+    best start. Windowed search cannot move a large plan from one global structure to another (say, from
+    data parallel over one axis to data × tensor parallel over two), so textbook starts help there.
+    """
     t0 = time.perf_counter()
-    built = build_problem(graph, cost, memory_budget)
+    if problems is None:
+        problems = ProblemCache(graph)
+    pins = _fixed_ids(graph, fixed, cost.mesh)
+    built = problems.get(cost, memory_budget, activation_weight)
+    problem = _pin(graph, built, pins)
+    assert problem is not None
     t_build = time.perf_counter() - t0
     try:
-        initial, seeds = _single_axis_seeds(graph, cost, memory_budget, built, 0.3 * time_budget_s)
-        left = time_budget_s - (time.perf_counter() - t0 - t_build)
-        sol = solve_intra_op(built.problem, time_budget_s=max(left, 0.2 * time_budget_s), initial=initial)
+        t_start = time.perf_counter()
+        started, start_costs, budget_s = _solve_starts(graph, cost, built, problem, starts, time_budget_s)
+        initial, seeds = _single_axis_seeds(graph, cost, memory_budget, built, problem, 0.3 * budget_s,
+                                            pins, problems)
+        if started is not None and (initial is None or problem.cost_of(started) < problem.cost_of(initial)):
+            initial = started
+        left = time_budget_s - (time.perf_counter() - t_start)
+        sol = solve_intra_op(problem, time_budget_s=max(left, 0.2 * budget_s), initial=initial)
     except InfeasibleError as e:
+        what = ("with the given inputs' layouts held fixed" if pins
+                else "with any layout autoshard can express")
         raise PlanError(
-            f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} with any "
-            "layout autoshard can express: use more devices, a smaller batch, recomputation (remat), or plan "
-            "without a memory limit (memory_budget=None, --memory-budget none) to see what it would need."
+            f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} {what}: "
+            "use more devices, a smaller batch, recomputation (remat), or plan without a memory limit "
+            "(memory_budget=None, --memory-budget none) to see what it would need."
         ) from None
     specs: dict[Scope, dict[int, ShardingSpec]] = defaultdict(dict)
     for i, node in enumerate(built.nodes):
@@ -289,7 +470,7 @@ def plan_graph(
 
     def layout(tid: int, name: str) -> TensorLayout:
         t = graph.tensors[tid]
-        spec = top.get(tid, ShardingSpec.replicated(len(t.shape)))
+        spec = top.get(tid, (pins or {}).get(tid, ShardingSpec.replicated(len(t.shape))))
         spec = ShardingSpec(dims=spec.dims)  # inputs and outputs are materialised: no pending sums
         return TensorLayout(name=name, shape=t.shape, dtype=t.dtype, role=t.role.value, spec=spec)
 
@@ -303,6 +484,24 @@ def plan_graph(
             specs[()][tid] = inputs[i].spec
         outputs.append(lay)
     breakdown = _breakdown(built, sol, cost)
+    solver: dict[str, Any] = {
+        "status": sol.status,
+        "optimal": bool(sol.optimal),
+        "objective": float(sol.cost),
+        "lower_bound": None if sol.lower_bound is None else float(sol.lower_bound),
+        "build_seconds": t_build,
+        "single_axis_seeds": seeds,
+        "solve_seconds": float(sol.solve_seconds),
+        "nodes": built.problem.num_nodes,
+        "edges": built.problem.num_edges,
+        "strategies": int(built.problem.num_strategies.sum()),
+        "top_ops": top_ops(built, sol.choice),
+        "choice": encode_choice(sol.choice),
+    }
+    if pins:
+        solver["fixed_inputs"] = len(pins)
+    if start_costs:
+        solver["starts"] = start_costs
     plan = Plan(
         mesh=cost.mesh,
         hardware=hardware,
@@ -313,18 +512,69 @@ def plan_graph(
         time_breakdown=breakdown,
         predicted_step_time=math.fsum(v for k, v in breakdown.items() if k != "resharding"),
         peak_memory=_peak_memory(built, sol),
-        solver={
-            "status": sol.status,
-            "optimal": bool(sol.optimal),
-            "objective": float(sol.cost),
-            "lower_bound": None if sol.lower_bound is None else float(sol.lower_bound),
-            "build_seconds": t_build,
-            "single_axis_seeds": seeds,
-            "solve_seconds": float(sol.solve_seconds),
-            "nodes": built.problem.num_nodes,
-            "edges": built.problem.num_edges,
-        },
+        solver=solver,
         versions=_versions(),
     )
     plan.verify(graph)
     return plan
+
+
+def _solve_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
+                  starts: Sequence[Any], time_budget_s: float) -> tuple[np.ndarray | None, dict[str, float], float]:
+    """The best of ``starts`` (see ``plan_graph``) as an assignment of ``problem``, the objective of each,
+    and the budget left for the final solve (an equal share)."""
+    if not starts:
+        return None, {}, time_budget_s
+    layouts = [s for s in starts if not isinstance(s, Plan)]
+    share = time_budget_s / (len(layouts) + 1)
+    best, best_obj, costs = None, math.inf, {}
+    k = problem.num_strategies
+    for n, start in enumerate(starts):
+        if isinstance(start, Plan):
+            name = f"plan {n}"
+            text = start.solver.get("choice")
+            if not isinstance(text, str):
+                continue
+            choice = decode_choice(text)
+            if len(choice) != len(k) or not bool(np.all(choice < k)):
+                continue
+        else:
+            name = str(getattr(start, "name", f"layout {n}"))
+            fixed = getattr(start, "specs", start)
+            pinned = _pin(graph, built, _fixed_ids(graph, fixed, cost.mesh), strict=False)
+            if pinned is None:
+                continue
+            try:
+                choice = solve_intra_op(pinned, time_budget_s=share).choice
+            except InfeasibleError:
+                continue
+        obj = problem.cost_of(choice)
+        if built.problem.memory_limit is not None and peak_memory_of(built, choice) > built.problem.memory_limit:
+            continue
+        costs[name] = float(obj)
+        if obj < best_obj:
+            best, best_obj = choice, obj
+    return best, costs, share
+
+
+def _fixed_ids(graph: Graph, fixed: Mapping[str, ShardingSpec] | None, mesh: LogicalMesh) -> dict[int, ShardingSpec]:
+    """Input names -> tensor ids, each layout checked against its tensor and the mesh."""
+    if not fixed:
+        return {}
+    by_name = {graph.tensors[t].name: t for t in graph.inputs}
+    out = {}
+    for name, spec in fixed.items():
+        tid = by_name.get(name)
+        if tid is None:
+            close = [n for n in by_name if n.endswith(name.rsplit(".", 1)[-1])][:5]
+            raise PlanError(f"a fixed layout names {name!r}, which is not an input of the step"
+                            + (f"; inputs with that ending: {', '.join(close)}" if close else ""))
+        t = graph.tensors[tid]
+        try:
+            spec.validate(t.shape, mesh, require_divisible=True)
+        except ValueError as e:
+            raise PlanError(f"fixed layout of {name} {list(t.shape)}: {e}") from None
+        if spec.partial:
+            raise PlanError(f"fixed layout of {name}: {spec} has pending partial sums; an input holds whole values")
+        out[tid] = spec
+    return out
