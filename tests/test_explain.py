@@ -137,7 +137,7 @@ def test_why_for_an_op_result_and_for_a_plan_without_a_recorded_choice(wide) -> 
         explain_tensor(graph, plan, cost, "state.params.nope")
 
 
-def test_pipeline_explain_splits_work_bubble_and_update() -> None:
+def test_pipeline_explain_splits_work_bubble_and_update(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mesh = CostModel.load("h100", mesh_shape=(1, 4), axis_names=("x", "y")).mesh
 
     def stage(i: int, t: float) -> StagePlan:
@@ -154,6 +154,10 @@ def test_pipeline_explain_splits_work_bubble_and_update() -> None:
     text = explain_pipeline(pp)
     assert "pipeline bubble" in text and "3.00 ms" in text  # 9 ms of pipeline, 6 ms of work per stage
     assert "stage work (mean per stage)" in text and "6.00 ms" in text
+    path = tmp_path / "pipe.json"
+    pp.save(path)
+    assert main(["explain", str(path)]) == 0
+    assert "pipeline bubble" in capsys.readouterr().out
 
 
 def test_cli_explain_with_why_and_json(wide, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -215,8 +215,8 @@ class Explanation:
                 for name, spec in group.specs:
                     lines.append(f"      {name:<40} {spec}")
         if self.top_ops:
-            lines += ["", f"where the time goes (top {len(self.top_ops)} op groups; xN: ops of that line, "
-                      "one per layer)"]
+            lines += ["", f"where the time goes (top {len(self.top_ops)} op groups; xN: the ops that share the "
+                      "source line, phase and scope, layers folded)"]
             for n, g in enumerate(self.top_ops, 1):
                 count = f" x{g['count']}" if g["count"] > 1 else ""
                 lines.append(f"  {n:>2}. {_us(g['time']):>10} {100 * g['time'] / total:5.1f}%  "
