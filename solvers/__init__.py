@@ -4,6 +4,8 @@ inter-operator stage DP. Knows nothing of JAX; inputs are frozen dataclasses of 
 Intra-operator sharding (``solvers.intra_op``): build an :class:`IntraOpProblem`, call
 :func:`solve_intra_op` with a time budget, read :class:`IntraOpSolution`. The ILP's mathematics is in
 ``solvers/intra_op/ilp.py``; the exact reductions in ``solvers/intra_op/presolve.py``.
+
+Inter-operator parallelism (``solvers.inter_op``): the stage/submesh DP and layer clustering.
 """
 
 from solvers.intra_op import (
@@ -12,6 +14,7 @@ from solvers.intra_op import (
     IntraOpSolution,
     PresolveStats,
     brute_force_intra_op,
+    greedy_completion,
     load_problem,
     save_problem,
     solve_intra_op,
@@ -23,6 +26,7 @@ __all__ = [
     "IntraOpSolution",
     "PresolveStats",
     "brute_force_intra_op",
+    "greedy_completion",
     "load_problem",
     "save_problem",
     "solve_intra_op",

@@ -27,7 +27,7 @@ from autoshard.errors import AutoshardError
 from autoshard.planner.build import BuiltProblem, Scope, build_problem
 from autoshard.trace.graph import Graph
 from cost_models import CostModel, LogicalMesh, ShardingSpec
-from solvers import InfeasibleError, IntraOpProblem, IntraOpSolution, solve_intra_op
+from solvers import InfeasibleError, IntraOpProblem, IntraOpSolution, greedy_completion, solve_intra_op
 
 if TYPE_CHECKING:
     from autoshard.planner.compare import PlanDiff
@@ -452,6 +452,10 @@ def plan_graph(
                                             pins, problems)
         if started is not None and (initial is None or problem.cost_of(started) < problem.cost_of(initial)):
             initial = started
+        grid_start, grid_costs = (None, {}) if pins else _grid_starts(graph, cost, built, problem,
+                                                                        0.3 * budget_s)
+        if grid_start is not None and (initial is None or problem.cost_of(grid_start) < problem.cost_of(initial)):
+            initial = grid_start
         left = time_budget_s - (time.perf_counter() - t_start)
         sol = solve_intra_op(problem, time_budget_s=max(left, 0.2 * budget_s), initial=initial)
     except InfeasibleError as e:
@@ -491,6 +495,7 @@ def plan_graph(
         "lower_bound": None if sol.lower_bound is None else float(sol.lower_bound),
         "build_seconds": t_build,
         "single_axis_seeds": seeds,
+        "grid_seeds": grid_costs,
         "solve_seconds": float(sol.solve_seconds),
         "nodes": built.problem.num_nodes,
         "edges": built.problem.num_edges,
@@ -555,6 +560,51 @@ def _solve_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: I
         if obj < best_obj:
             best, best_obj = choice, obj
     return best, costs, share
+
+
+def _grid_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
+                 budget_s: float, refine: int = 2) -> tuple[np.ndarray | None, dict[str, float]]:
+    """Completions of the textbook layouts of ``manual.grid`` (data, ZeRO and tensor parallel per mesh
+    axis): greedy propagation plus ICM sweeps for each (``solvers.greedy_completion``, one pass over the
+    problem), then the ``refine`` best solved with their inputs pinned in ``budget_s`` seconds shared.
+    The best that fits in memory hands the final solve a global structure its windowed search could not
+    reach on its own. Returns (best assignment or None, objective per layout)."""
+    from autoshard.planner import manual
+
+    if all(n == 1 for n in cost.mesh.shape):
+        return None, {}
+    best, best_obj, costs = None, math.inf, {}
+    found: list[tuple[float, str, IntraOpProblem, np.ndarray]] = []
+    limit = built.problem.memory_limit
+    for layout in manual.grid(graph, cost.mesh):
+        try:
+            pinned = _pin(graph, built, _fixed_ids(graph, layout.specs, cost.mesh), strict=False)
+        except PlanError:
+            continue
+        choice = None if pinned is None else greedy_completion(pinned)
+        if choice is None:
+            continue
+        obj = problem.cost_of(choice)
+        if not math.isfinite(obj) or (limit is not None and peak_memory_of(built, choice) > limit):
+            continue
+        costs[layout.name] = float(obj)
+        found.append((float(obj), layout.name, pinned, choice))
+        if obj < best_obj:
+            best, best_obj = choice, obj
+    found.sort(key=lambda f: f[0])
+    top = found[:refine] if budget_s >= 1.0 else []
+    for _, name, pinned, choice in top:
+        try:
+            sol = solve_intra_op(pinned, time_budget_s=budget_s / len(top), initial=choice)
+        except InfeasibleError:
+            continue
+        obj = problem.cost_of(sol.choice)
+        if limit is not None and peak_memory_of(built, sol.choice) > limit:
+            continue
+        costs[name] = min(costs[name], float(obj))
+        if obj < best_obj:
+            best, best_obj = sol.choice, obj
+    return best, costs
 
 
 def _fixed_ids(graph: Graph, fixed: Mapping[str, ShardingSpec] | None, mesh: LogicalMesh) -> dict[int, ShardingSpec]:
