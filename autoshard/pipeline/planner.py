@@ -14,12 +14,21 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
        α[i, j, m] = Σ_{ℓ=i..j} M_micro(ℓ, m)                         (one microbatch in flight)
 
    where ``X(i)`` is the bytes live across the cut before layer ``i`` and ``β`` the bandwidth of the
-   mesh's slowest link. Summing per-layer plans ignores resharding between layers inside a stage; the
-   chosen stages are re-planned whole in step 4, and those plans give the reported times.
+   mesh's slowest link. Each layer is planned under its share of a stage's memory (``budget · N /
+   (n_m · L)``: on shape ``m`` about ``N / n_m`` stages of ``L·n_m / N`` layers) with its activations
+   counted ``inflight`` times (the first stage's), so that it picks layouts a whole stage can hold; a
+   layer that cannot fit its share is priced under the whole budget. Summing per-layer plans ignores
+   resharding between layers inside a stage; the chosen stages are re-planned whole in step 4 (update
+   ops first, then the microbatched ops in what memory is left, activations counted ``inflight(s)``
+   times), and those plans give the reported times. Identical stages are planned once.
 3. ``solvers.solve_inter_op`` picks stage boundaries and submeshes minimising
    ``Σ_s t_s + (B − 1)·max_s t_s`` under ``σ + inflight(r)·α <= budget``.
-4. Each chosen stage is planned whole (microbatched ops, then update ops) on its submesh. The predicted
+4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh. The predicted
    step time is ``Σ_s t_s + (B − 1)·max_s t_s + max_s T_update(s)``.
+
+Known limits: gradients are reduced per microbatch (a stage sharded data-parallel over a slow axis pays
+that reduction ``B`` times, where accumulating partial sums would pay once); a ``scan`` over layers is
+one forward op, so a scanned stack is one layer (trace with the layers unrolled to pipeline them).
 """
 
 from __future__ import annotations
@@ -272,12 +281,14 @@ class _Priced:
 
 
 def _plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, budget: float | None,
-              time_budget_s: float) -> _Priced:
+              time_budget_s: float, activation_weight: float = 1.0) -> _Priced:
+    """Plan some ops; ``memory`` is the plan's peak with activations counted ``activation_weight`` times."""
     if not ops:
         return _Priced(0.0, 0.0, None, None)
     sub = subgraph(graph, ops)
     try:
-        plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s)
+        plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s,
+                          activation_weight=activation_weight)
     except PlanError:
         return _Priced(math.inf, math.inf, None, sub)
     return _Priced(plan.predicted_step_time, plan.peak_memory, plan, sub)
@@ -301,8 +312,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                   time_budget_s: float = 60.0, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
-    docstring. ``num_layers`` defaults to one per block the scopes name, plus one (``partition.default_num_layers``); ``max_stages`` bounds the stage count;
-    ``stage_shape`` = (hosts, devices) makes every stage that submesh (so ``devices / size`` stages)."""
+    docstring. ``num_layers`` defaults to one per block the scopes name, plus one
+    (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
+    (hosts, devices) makes every stage that submesh (so ``devices / size`` stages)."""
     t_start = time.perf_counter()
     if schedule_name not in SCHEDULE_NAMES or schedule_name == "interleaved-1f1b":
         raise PipelineError(f"schedule {schedule_name!r}: the pipeline runtime runs 'gpipe' and '1f1b'")
@@ -321,6 +333,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                                 f"{cluster[0]}x{cluster[1]} cluster that tile it: {list(submeshes)}")
         submeshes = (stage_shape,)
     M = len(submeshes)
+    sub_costs = {shape: _submesh_cost(cost, shape) for shape in submeshes}  # one per shape: they cache prices
     micro_ops: list[list[int]] = [[] for _ in range(L)]
     update_ops: list[list[int]] = [[] for _ in range(L)]
     for op in graph.ops:
@@ -334,8 +347,16 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             into[b] = cut[k - 1]
     slow = min(link.bandwidth for link in cost.mesh.links)
     # ---- per-layer prices ----
-    share = 0.5 * time_budget_s / max(1, L * M)
-    cache: dict[tuple[str, int], tuple[_Priced, _Priced]] = {}
+    # A layer is priced under its share of a stage's memory: on submesh m the cluster holds about
+    # N / n_m stages of L·n_m / N layers each, the first of which keeps the most microbatches in flight.
+    # Its activations count that many times (so the intra-op plan picks layouts a full stage can hold);
+    # a layer that cannot fit its share is priced again under the whole budget.
+    distinct = len({_signature(graph, micro_ops[ell]) + _signature(graph, update_ops[ell]) for ell in range(L)})
+    share = 0.4 * time_budget_s / max(1, 2 * distinct * M)  # solver seconds per layer plan
+    limit = max_stages or L
+    inflight = inflight_rule(schedule_name, min(limit, L), num_microbatches)
+    n_dev = cluster[0] * cluster[1]
+    cache: dict[tuple[str, int], tuple[_Priced, _Priced, float]] = {}
     t_micro = np.zeros((L, M))
     m_micro = np.zeros((L, M))
     t_upd = np.zeros((L, M))
@@ -346,26 +367,36 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         for m, shape in enumerate(submeshes):
             key = (sig, m)
             if key not in cache:
-                sub_cost = _submesh_cost(cost, shape)
-                cache[key] = (_plan_ops(graph, micro_ops[ell], sub_cost, hardware, memory_budget, share),
-                              _plan_ops(graph, update_ops[ell], sub_cost, hardware, memory_budget, share))
+                sub_cost = sub_costs[shape]
+                stages_m = max(1, n_dev // (shape[0] * shape[1]))
+                weight = float(inflight[min(stages_m, len(inflight)) - 1])
+                layer_budget = None if memory_budget is None else memory_budget * min(1.0, stages_m / L)
+                pu = _plan_ops(graph, update_ops[ell], sub_cost, hardware, layer_budget, share)
+                if not math.isfinite(pu.time) and memory_budget is not None:
+                    pu = _plan_ops(graph, update_ops[ell], sub_cost, hardware, memory_budget, share)
+                micro_budget = None if layer_budget is None else layer_budget - pu.memory
+                pm = _Priced(math.inf, math.inf, None, None)
+                if micro_budget is None or micro_budget > 0:
+                    pm = _plan_ops(graph, micro_ops[ell], sub_cost, hardware, micro_budget, share, weight)
                 solves += 2
-            pm, pu = cache[key]
-            t_micro[ell, m], m_micro[ell, m] = pm.time, pm.memory
+                if not math.isfinite(pm.time) and memory_budget is not None and math.isfinite(pu.memory):
+                    pm = _plan_ops(graph, micro_ops[ell], sub_cost, hardware, memory_budget, share, weight)
+                    solves += 1
+                cache[key] = (pm, pu, weight)
+            pm, pu, weight = cache[key]
+            t_micro[ell, m], m_micro[ell, m] = pm.time, pm.memory / weight
             t_upd[ell, m], m_upd[ell, m] = pu.time, pu.memory
-    cs = lambda a: np.concatenate([np.zeros((1, M)), np.cumsum(a, axis=0)])  # noqa: E731
-    ct, cm, cu = cs(t_micro), cs(m_micro), cs(m_upd)
     stage_time = np.full((L, L, M), np.inf)
     static = np.zeros((L, L, M))
     act = np.zeros((L, L, M))
-    for i in range(L):
+    for i in range(L):  # running sums (an infinite layer makes every range holding it infinite)
+        t_run, s_run, a_run = np.zeros(M), np.zeros(M), np.zeros(M)
         for j in range(i, L):
-            stage_time[i, j] = ct[j + 1] - ct[i] + 2 * into[i] / slow
-            static[i, j] = cu[j + 1] - cu[i]
-            act[i, j] = cm[j + 1] - cm[i]
+            t_run, s_run, a_run = t_run + t_micro[j], s_run + m_upd[j], a_run + m_micro[j]
+            stage_time[i, j] = t_run + 2 * into[i] / slow
+            static[i, j] = s_run
+            act[i, j] = a_run
     stage_time[~np.isfinite(stage_time)] = np.inf
-    limit = max_stages or L
-    inflight = inflight_rule(schedule_name, min(limit, L), num_microbatches)
     problem = InterOpProblem(num_layers=L, cluster=cluster, stage_time=stage_time,
                              num_microbatches=num_microbatches, submeshes=submeshes, static_memory=static,
                              activation_memory=act, memory_limit=memory_budget, inflight=inflight,
@@ -381,36 +412,39 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the cluster {cluster}")
     stages: list[StagePlan] = []
     S = len(sol.stages)
-    left = max(0.0, time_budget_s - (time.perf_counter() - t_start))
     stage_ops = []
     for st in sol.stages:
         layers = range(st.first_layer, st.last_layer + 1)
-        stage_ops.append(([i for ell in layers for i in micro_ops[ell]], [i for ell in layers for i in update_ops[ell]]))
+        stage_ops.append(([i for ell in layers for i in micro_ops[ell]],
+                          [i for ell in layers for i in update_ops[ell]]))
     # identical stages (same ops on the same submesh shape) are planned once
-    keys = [(_signature(graph, m) + _signature(graph, u), st.submesh) for (m, u), st in zip(stage_ops, sol.stages,
-                                                                                          strict=True)]
-    budget_each = max(1.0, left / (2 * len(set(keys))))
+    keys = [(_signature(graph, m) + _signature(graph, u), st.submesh, inflight[S - 1 - s])
+            for s, ((m, u), st) in enumerate(zip(stage_ops, sol.stages, strict=True))]
+    budget_each = max(1.0, 0.6 * time_budget_s / (2 * len(set(keys))))  # solver seconds per stage plan
     done: dict[Any, tuple[_Priced, _Priced]] = {}
     for s, st in enumerate(sol.stages):
         shape = submeshes[st.submesh]
-        sub_cost = _submesh_cost(cost, shape)
+        sub_cost = sub_costs[shape]
         mops, uops = stage_ops[s]
         hit = done.get(keys[s])
         reused = [_reuse(graph, p, ops) for p, ops in zip(hit, (mops, uops), strict=True)] if hit else [None]
         if None not in reused:
             pm, pu = reused
         else:
-            pm = _plan_ops(graph, mops, sub_cost, hardware, memory_budget, budget_each)
+            # the stage's own budget: its update state once, its activations once per microbatch in flight
             pu = _plan_ops(graph, uops, sub_cost, hardware, memory_budget, budget_each)
+            rest = None if memory_budget is None else memory_budget - pu.memory
+            pm = _Priced(math.inf, math.inf, None, None)
+            if rest is None or rest > 0:
+                pm = _plan_ops(graph, mops, sub_cost, hardware, rest, budget_each, float(inflight[S - 1 - s]))
             done[keys[s]] = (pm, pu)
         if pm.plan is None and mops:
             raise PipelineError(f"stage {s} (layers {st.first_layer}..{st.last_layer}) on {shape} did not plan "
                                 "within the memory budget when planned whole")
-        inflight_s = inflight[S - 1 - s]
         stages.append(StagePlan(
             layers=(st.first_layer, st.last_layer), submesh=shape, origin=placement[s], mesh=sub_cost.mesh,
             micro_time=pm.time + 2 * into[st.first_layer] / slow, update_time=pu.time,
-            memory=pu.memory + inflight_s * pm.memory,
+            memory=pu.memory + pm.memory,
             specs=_remap(pm.plan, pm.sub) if pm.plan else {},
             update_specs=_remap(pu.plan, pu.sub) if pu.plan else {},
         ))
