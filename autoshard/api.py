@@ -236,6 +236,12 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         if compiled is None:
             compiled = self._compile(args)
             self._cache[key] = compiled
+            place = getattr(compiled.step, "place_state", None)
+            if place is not None:
+                # laid out (and copied) as the program wants them: the next call, fed this call's
+                # results, then hits the same compiled program instead of compiling a second one for
+                # arguments that are already on the devices
+                args = place(*args)
         self._last = compiled
         return compiled.step(*args)
 
@@ -273,7 +279,4 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         return self._last.graph
 
     def explain(self) -> str:
-        from autoshard.planner.summary import format_pipeline_plan, format_plan
-
-        p = self.plan
-        return format_plan(p) if isinstance(p, Plan) else format_pipeline_plan(p)
+        return self.plan.explain()

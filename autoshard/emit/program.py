@@ -119,6 +119,18 @@ class EmittedStep:
         leaves = copy(*self.flatten(*args))
         return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, list(leaves)))
 
+    def place_state(self, *args: Any) -> tuple[Any, ...]:
+        """``args`` with only the donated leaves (the train state) copied into their input layouts: the
+        next step, fed this step's results and a fresh batch, then finds the same compiled program."""
+        leaves = self.flatten(*args)
+        donated = list(self.donate_argnums)
+        if donated:
+            shardings = tuple(self.in_shardings[i] for i in donated)
+            copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs), out_shardings=shardings)
+            for i, x in zip(donated, copy(*(leaves[i] for i in donated)), strict=True):
+                leaves[i] = x
+        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, list(leaves)))
+
     def lowered(self, *args: Any) -> jax.stages.Lowered:
         """``jitted.lower`` on the flattened arguments (``lowered(...).as_text()`` is StableHLO)."""
         return self.jitted.lower(*self.flatten(*args))

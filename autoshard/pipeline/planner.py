@@ -205,6 +205,12 @@ class PipelinePlan:
 
         return format_pipeline_plan(self)
 
+    def explain(self) -> str:
+        """The summary plus the step time split into stage work, bubble and the update."""
+        from autoshard.planner.explain import explain_pipeline
+
+        return explain_pipeline(self)
+
 
 # ---- helpers ---------------------------------------------------------------------------------------------
 
