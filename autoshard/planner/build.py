@@ -129,6 +129,7 @@ class _Build:
         self._pair_cache: dict[Any, dict[tuple[ShardingSpec, ShardingSpec], float]] = cost.memo(
             "autoshard.build.pairs")
         self._follow_cache: dict[Any, Strategy] = cost.memo("autoshard.build.follow")
+        self._op_keys: dict[int, tuple[Any, ...]] = {}  # id(op) -> op_key, for this build's graphs
         self._shards: dict[ShardingSpec, int] = cost.memo("autoshard.build.shards")
         self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
 
@@ -147,6 +148,12 @@ class _Build:
 
     def op_key(self, op: Op, ctx: RuleContext) -> tuple[Any, ...]:
         """What an op's priced strategies depend on (ops with equal keys share them)."""
+        hit = self._op_keys.get(id(op))
+        if hit is None:
+            hit = self._op_keys[id(op)] = self._op_key(op, ctx)
+        return hit
+
+    def _op_key(self, op: Op, ctx: RuleContext) -> tuple[Any, ...]:
         g = ctx.graph
         return (
             op.primitive,

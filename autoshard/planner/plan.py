@@ -311,11 +311,19 @@ def _single_axis_seeds(graph: Graph, cost: CostModel, memory_budget: float | Non
     gives no seed. Returns (initial assignment or None, objective per axis)."""
     mesh = cost.mesh
     axes = [i for i, n in enumerate(mesh.shape) if n > 1]
-    if len(axes) < 2 or budget_s < 0.5:  # below half a second, building the extra problems costs more
-        return None, {}
+    if len(axes) < 2 or budget_s < 0.5 or problem.num_nodes > GRID_START_MAX_NODES:
+        return None, {}  # small budgets or big graphs: building the extra problems costs more than it gives
     share = budget_s / len(axes)
+    deadline = time.perf_counter() + budget_s
+    # inputs are all live at the start: an axis over which even the fully split inputs overflow the
+    # budget cannot give a plan (checked before building its problem, which is not free on big graphs)
+    inputs = sum(graph.tensors[t].nbytes for t in graph.inputs)
     best, best_obj, seeds = None, math.inf, {}
     for i in axes:
+        if time.perf_counter() > deadline:
+            break
+        if memory_budget is not None and inputs / mesh.shape[i] > memory_budget:
+            continue
         shape = tuple(n if j == i else 1 for j, n in enumerate(mesh.shape))
         sub = dataclasses.replace(cost, mesh=LogicalMesh(axis_names=mesh.axis_names, shape=shape, links=mesh.links))
         try:
@@ -562,6 +570,12 @@ def _solve_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: I
     return best, costs, share
 
 
+# Above this many nodes (GPT-3 15B and 39B unrolled: ~16k) building one-axis problems and ten greedy
+# passes cost a good part of a 30 s budget and mostly give layouts that do not fit in memory: the budget
+# goes to the final solve instead.
+GRID_START_MAX_NODES = 12_000
+
+
 def _grid_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
                  budget_s: float, refine: int = 2) -> tuple[np.ndarray | None, dict[str, float]]:
     """Completions of the textbook layouts of ``manual.grid`` (data, ZeRO and tensor parallel per mesh
@@ -571,12 +585,15 @@ def _grid_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: In
     reach on its own. Returns (best assignment or None, objective per layout)."""
     from autoshard.planner import manual
 
-    if all(n == 1 for n in cost.mesh.shape):
+    if all(n == 1 for n in cost.mesh.shape) or problem.num_nodes > GRID_START_MAX_NODES:
         return None, {}
     best, best_obj, costs = None, math.inf, {}
     found: list[tuple[float, str, IntraOpProblem, np.ndarray]] = []
     limit = built.problem.memory_limit
+    deadline = time.perf_counter() + budget_s
     for layout in manual.grid(graph, cost.mesh):
+        if time.perf_counter() > deadline - 0.5 * budget_s:  # half the share for the greedy passes
+            break
         try:
             pinned = _pin(graph, built, _fixed_ids(graph, layout.specs, cost.mesh), strict=False)
         except PlanError:
@@ -592,10 +609,11 @@ def _grid_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: In
         if obj < best_obj:
             best, best_obj = choice, obj
     found.sort(key=lambda f: f[0])
-    top = found[:refine] if budget_s >= 1.0 else []
+    left = deadline - time.perf_counter()
+    top = found[:refine] if left >= 1.0 else []
     for _, name, pinned, choice in top:
         try:
-            sol = solve_intra_op(pinned, time_budget_s=budget_s / len(top), initial=choice)
+            sol = solve_intra_op(pinned, time_budget_s=left / len(top), initial=choice)
         except InfeasibleError:
             continue
         obj = problem.cost_of(sol.choice)
