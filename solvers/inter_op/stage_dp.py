@@ -257,6 +257,13 @@ def solve_inter_op(problem: InterOpProblem, *, tolerance: float = 0.0) -> InterO
     return InterOpSolution(stages=best_stages, cost=best, stats=stats, placement=placement)
 
 
+def _brief(values: tuple[int, ...], head: int = 8) -> str:
+    """A long tuple as its first entries and how many more, e.g. ``(1, 2, 3, …, +41 more)``."""
+    if len(values) <= head:
+        return str(tuple(values))
+    return "(" + ", ".join(map(str, values[:head])) + f", … +{len(values) - head} more)"
+
+
 def _diagnose(p: InterOpProblem) -> InterOpInfeasibleError:
     """Name why no plan exists: a layer with no finite stage, a layer that fits no stage in memory, device
     counts that cannot add up to the cluster, or memory once the in-flight microbatches are counted."""
@@ -299,8 +306,9 @@ def _diagnose(p: InterOpProblem) -> InterOpInfeasibleError:
         if loose is not None:
             worst = max(loose.stages, key=lambda s: s.memory)
             return InterOpInfeasibleError(
-                f"no plan fits the memory limit {p.memory_limit:.6g} once the in-flight microbatches "
-                f"({p.inflight[:cap]}) are counted; the fastest plan ignoring memory has {loose.num_stages} "
+                f"no plan fits the memory limit {p.memory_limit:.6g} once the in-flight microbatches are "
+                f"counted (by stages after a stage: {_brief(p.inflight[:cap])}); the fastest plan ignoring "
+                f"memory has {loose.num_stages} "
                 f"stages and stage layers {worst.first_layer}..{worst.last_layer} needs {worst.memory:.6g} "
                 "bytes per device. Try a larger memory limit, rematerialisation, or fewer microbatches in flight",
                 limit=p.memory_limit,
