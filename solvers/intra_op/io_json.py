@@ -14,13 +14,12 @@ Format ``autoshard.intra_op_problem``, version 1 (a ``.gz`` suffix gzips the fil
 
 from __future__ import annotations
 
-import gzip
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from solvers._json import check_header, decode, encode, read, write
 from solvers.intra_op.problem import IntraOpProblem
 
 __all__ = ["FORMAT", "VERSION", "load_problem", "problem_from_dict", "problem_to_dict", "save_problem"]
@@ -29,36 +28,19 @@ FORMAT = "autoshard.intra_op_problem"
 VERSION = 1
 
 
-def _enc(a: np.ndarray) -> list[Any]:
-    return [_enc(x) for x in a] if a.ndim > 1 else ["inf" if x == np.inf else float(x) for x in a.tolist()]
-
-
-def _dec(x: Any) -> np.ndarray:
-    def one(v: Any) -> float:
-        if v == "inf":
-            return np.inf
-        if isinstance(v, str):
-            raise ValueError(f"unexpected string {v!r} in a numeric field (only 'inf' is allowed)")
-        return float(v)
-
-    if x and isinstance(x[0], list):
-        return np.array([[one(v) for v in row] for row in x], dtype=np.float64)
-    return np.array([one(v) for v in x], dtype=np.float64)
-
-
 def problem_to_dict(problem: IntraOpProblem) -> dict[str, Any]:
     names = problem.node_names
     nodes = [
         {
             "name": None if names is None else names[i],
-            "costs": _enc(problem.node_costs[i]),
-            "memory": _enc(problem.node_memory[i]),
+            "costs": encode(problem.node_costs[i]),
+            "memory": encode(problem.node_memory[i]),
             "interval": [int(x) for x in problem.intervals[i]],
         }
         for i in range(problem.num_nodes)
     ]
     edges = [
-        {"u": int(u), "v": int(v), "costs": _enc(m)}
+        {"u": int(u), "v": int(v), "costs": encode(m)}
         for (u, v), m in zip(problem.edges.tolist(), problem.edge_costs, strict=True)
     ]
     return {"format": FORMAT, "version": VERSION, "memory_limit": problem.memory_limit, "nodes": nodes,
@@ -66,18 +48,15 @@ def problem_to_dict(problem: IntraOpProblem) -> dict[str, Any]:
 
 
 def problem_from_dict(data: dict[str, Any]) -> IntraOpProblem:
-    if data.get("format") != FORMAT:
-        raise ValueError(f"not an intra-op problem: format is {data.get('format')!r}, expected {FORMAT!r}")
-    if not isinstance(data.get("version"), int) or data["version"] > VERSION:
-        raise ValueError(f"unsupported version {data.get('version')!r}; this reader knows <= {VERSION}")
+    check_header(data, FORMAT, VERSION, "an intra-op problem")
     nodes = data["nodes"]
     names = [nd.get("name") for nd in nodes]
     problem = IntraOpProblem(
-        node_costs=[_dec(nd["costs"]) for nd in nodes],
-        node_memory=[_dec(nd["memory"]) for nd in nodes],
+        node_costs=[decode(nd["costs"]) for nd in nodes],
+        node_memory=[decode(nd["memory"]) for nd in nodes],
         intervals=np.array([nd["interval"] for nd in nodes], dtype=np.int64).reshape(-1, 2),
         edges=np.array([[e["u"], e["v"]] for e in data["edges"]], dtype=np.int64).reshape(-1, 2),
-        edge_costs=[_dec(e["costs"]).reshape(len(nodes[e["u"]]["costs"]), -1) for e in data["edges"]],
+        edge_costs=[decode(e["costs"]).reshape(len(nodes[e["u"]]["costs"]), -1) for e in data["edges"]],
         memory_limit=data.get("memory_limit"),
         node_names=None if all(x is None for x in names) else [x or "" for x in names],
     )
@@ -87,19 +66,9 @@ def problem_from_dict(data: dict[str, Any]) -> IntraOpProblem:
 
 def save_problem(problem: IntraOpProblem, path: str | Path) -> None:
     """Write ``problem`` to ``path`` as JSON (gzipped when the name ends in ``.gz``)."""
-    text = json.dumps(problem_to_dict(problem), separators=(",", ":"))
-    path = Path(path)
-    if path.suffix == ".gz":
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        path.write_text(text, encoding="utf-8")
+    write(problem_to_dict(problem), path)
 
 
 def load_problem(path: str | Path) -> IntraOpProblem:
     """Read a problem written by ``save_problem`` (or any tool following the format above)."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return problem_from_dict(json.load(f))
-    return problem_from_dict(json.loads(path.read_text(encoding="utf-8")))
+    return problem_from_dict(read(path))
