@@ -96,32 +96,21 @@ def _profile_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_arguments(p: argparse.ArgumentParser) -> None:
-    _add_example_arguments(p)
+def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float, per_plan: bool = False) -> None:
+    """The logical mesh, hardware and budgets, as ``plan`` and ``compare`` take them."""
     p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
     p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
     p.add_argument("--hardware", default="h100",
                    help="hardware preset (h100, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or profile JSON")
     p.add_argument("--memory-budget", default="auto",
                    help="bytes per device ('16e9'), 'auto' (capacity less 10%%) or 'none'")
-    p.add_argument("--time-budget", type=float, default=60.0, help="solver time budget in seconds")
-    p.add_argument("-o", "--output", metavar="PATH", help="write the plan as JSON")
-    p.add_argument("--microbatches", type=int, metavar="B",
-                   help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
-    p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
-                   help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
-    p.add_argument("--layers", type=int, metavar="L", help="layers the pipeline planner cuts the model into")
-    p.add_argument("--max-stages", type=int, metavar="S", help="at most S pipeline stages")
+    p.add_argument("--time-budget", type=float, default=time_budget,
+                   help="solver time budget " + ("per plan, in seconds" if per_plan else "in seconds"))
 
 
-def _plan_run(args: argparse.Namespace) -> int:
-    import time
-
-    from autoshard._examples import load_example
-    from autoshard.api import PlanningError, parse_mesh, plan
-    from autoshard.planner.plan import Plan
-    from autoshard.planner.summary import format_pipeline_plan, format_plan
+def _mesh_and_budget(args: argparse.Namespace) -> tuple[dict[str, int], float | str | None]:
+    """``--mesh``/``--axes`` as {axis name: size}, and ``--memory-budget`` as bytes, "auto" or None."""
+    from autoshard.api import PlanningError, parse_mesh
 
     shape, names = parse_mesh(args.mesh)
     if args.axes:
@@ -136,12 +125,37 @@ def _plan_run(args: argparse.Namespace) -> int:
             budget = float(budget)
         except ValueError:
             raise PlanningError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
-    example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
-    t0 = time.perf_counter()
+    return dict(zip(names, shape, strict=True)), budget
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    _add_example_arguments(p)
+    _add_mesh_arguments(p, time_budget=60.0)
+    p.add_argument("-o", "--output", metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--microbatches", type=int, metavar="B",
+                   help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
+    p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
+                   help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    p.add_argument("--layers", type=int, metavar="L", help="layers the pipeline planner cuts the model into")
+    p.add_argument("--max-stages", type=int, metavar="S", help="at most S pipeline stages")
+
+
+def _plan_run(args: argparse.Namespace) -> int:
+    import time
+
+    from autoshard._examples import load_example
+    from autoshard.api import PlanningError, plan
+    from autoshard.planner.plan import Plan
+    from autoshard.planner.summary import format_pipeline_plan, format_plan
+
+    mesh, budget = _mesh_and_budget(args)
     pipeline = {"auto": None, "yes": True, "no": False}[args.pipeline]
     if pipeline and not args.microbatches:
         raise PlanningError("--pipeline yes needs --microbatches B")
-    the_plan = plan(example.train_step, *example.args, mesh=dict(zip(names, shape, strict=True)),
+    example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
+    t0 = time.perf_counter()
+    the_plan = plan(example.train_step, *example.args, mesh=mesh,
                     hardware=args.hardware, memory_budget=budget, time_budget_s=args.time_budget,
                     microbatches=args.microbatches, schedule=args.schedule, pipeline=pipeline,
                     num_layers=args.layers, max_stages=args.max_stages)
@@ -224,12 +238,7 @@ def _explain_run(args: argparse.Namespace) -> int:
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
     _add_example_arguments(p)
-    p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
-    p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
-    p.add_argument("--hardware", default="h100", help="hardware preset or profile JSON (as for `plan`)")
-    p.add_argument("--memory-budget", default="auto",
-                   help="bytes per device ('16e9'), 'auto' (capacity less 10%%) or 'none'")
-    p.add_argument("--time-budget", type=float, default=30.0, help="solver time budget per plan, in seconds")
+    _add_mesh_arguments(p, time_budget=30.0, per_plan=True)
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
 
 
@@ -237,24 +246,11 @@ def _compare_run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from autoshard.api import PlanningError, parse_mesh
     from autoshard.planner.compare import compare_model
 
-    shape, names = parse_mesh(args.mesh)
-    if args.axes:
-        names = tuple(a.strip() for a in args.axes.split(","))
-        if len(names) != len(shape):
-            raise PlanningError(f"--axes names {len(names)} axes but --mesh {args.mesh} has {len(shape)}")
-    budget: float | str | None = args.memory_budget
-    if budget == "none":
-        budget = None
-    elif budget != "auto":
-        try:
-            budget = float(budget)
-        except ValueError:
-            raise PlanningError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
+    mesh, budget = _mesh_and_budget(args)
     result = compare_model(args.model, preset=args.preset, overrides=args.overrides,
-                           mesh=dict(zip(names, shape, strict=True)), hardware=args.hardware,
+                           mesh=mesh, hardware=args.hardware,
                            memory_budget=budget, time_budget_s=args.time_budget,
                            log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
     print(result.text())
