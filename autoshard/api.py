@@ -117,6 +117,19 @@ def plan(
     predicted step time is returned (a ``PipelinePlan`` or a ``Plan``); ``pipeline=True`` always returns
     the pipeline, ``pipeline=False`` never plans one.
     """
+    return _plan_traced(step_fn, args, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
+                        time_budget_s=time_budget_s, roles=roles, microbatches=microbatches, schedule=schedule,
+                        pipeline=pipeline, num_layers=num_layers, max_stages=max_stages,
+                        stage_shape=stage_shape)[0]
+
+
+def _plan_traced(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], *, mesh: MeshLike,
+                 hardware: str | CostModel, memory_budget: float | str | None, time_budget_s: float,
+                 roles: Mapping[str, str] | None, microbatches: int | None, schedule: str,
+                 pipeline: bool | None, num_layers: int | None, max_stages: int | None,
+                 stage_shape: tuple[int, int] | None) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+    """``plan``, also returning the traces it made: (plan, the step's graph, the microbatch-sized graph
+    or None), so that ``parallelize`` emits from them instead of tracing again."""
     shape, names = parse_mesh(mesh)
     if hardware == "auto":
         hardware = _detect_hardware()
@@ -141,7 +154,7 @@ def plan(
             intra.solver["trace_seconds"] = t_trace
     if not microbatches or pipeline is False:
         assert intra is not None
-        return intra
+        return intra, graph, None
     if isinstance(step_fn, Graph):
         raise PlanningError("a pipelined plan traces the step at microbatch size: pass the step function and "
                             "its arguments, not a Graph")
@@ -155,7 +168,7 @@ def plan(
     except AutoshardError as e:
         if intra is not None and pipeline is None:
             log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
-            return intra
+            return intra, graph, micro
         if intra_error is not None:
             raise PlanningError(f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}") from None
         raise
@@ -165,8 +178,8 @@ def plan(
         piped.solver["intra_op_step_time"] = f"no plan: {str(intra_error).splitlines()[0]}"
     if intra is not None and pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
         intra.solver["pipeline_step_time"] = piped.predicted_step_time
-        return intra
-    return piped
+        return intra, graph, micro
+    return piped, graph, micro
 
 
 def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
@@ -250,20 +263,18 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
 
         shape, names = parse_mesh(self.mesh)
         device_mesh = _device_mesh(shape, names)
-        the_plan = plan(self.fn, *args, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
-                        memory_budget=self.memory_budget, time_budget_s=self.time_budget_s, roles=self.roles,
-                        microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline,
-                        num_layers=self.num_layers, stage_shape=self.stage_shape)
-        if isinstance(the_plan, Plan):
-            graph = trace(self.fn, *args, roles=self.roles)  # tracing runs nothing, concrete args are fine
+        the_plan, graph, micro = _plan_traced(
+            self.fn, args, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
+            memory_budget=self.memory_budget, time_budget_s=self.time_budget_s, roles=self.roles,
+            microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline,
+            num_layers=self.num_layers, max_stages=None, stage_shape=self.stage_shape)
+        if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             specs = {scope: {t: ShardingSpec(dims=s.dims) for t, s in table.items()}
                      for scope, table in the_plan.specs.items()}
             return _Compiled(graph, the_plan, emit(graph, specs, device_mesh))
         from autoshard.pipeline import build_pipelined_step
-        from autoshard.pipeline.planner import microbatch_args
 
-        full = trace(self.fn, *args, roles=self.roles)
-        micro = trace(self.fn, *microbatch_args(args, full, None, the_plan.num_microbatches), roles=self.roles)
+        assert micro is not None
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, list(device_mesh.devices.flat)))
 
     @property
