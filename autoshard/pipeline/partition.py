@@ -266,36 +266,35 @@ class SubGraph:
     ops: tuple[int, ...]  # sub op id -> step op id
     tensors: tuple[int, ...]  # sub tensor id -> step tensor id
 
-    def step_tensor(self, sub_tid: int) -> int:
-        return self.tensors[sub_tid]
 
-
-def subgraph(graph: Graph, op_ids: Sequence[int], *, keep: Iterable[int] = (),
-             roles: dict[int, Role] | None = None) -> SubGraph:
-    """The ops ``op_ids`` (in schedule order) as a Graph: its inputs are the tensors they read that are
-    produced elsewhere (or are step inputs), its outputs those they produce that are read elsewhere, are
-    step outputs, or are in ``keep``. ``roles`` overrides the role of input tensors (step ids)."""
-    op_ids = sorted(op_ids)
+def boundary(graph: Graph, op_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """What a set of ops exchanges with the rest of the step: the tensors they read that are produced
+    elsewhere or are step inputs (constants excluded), in first-read order, and the tensors they produce
+    that something outside reads or the step returns, in schedule order."""
     inside = set(op_ids)
-    keep = set(keep)
-    outputs_set = set(graph.outputs)
-    in_tids: list[int] = []
+    outputs = set(graph.outputs)
+    ins: list[int] = []
     seen: set[int] = set()
-    produced: set[int] = set()
     for i in op_ids:
         for t in graph.ops[i].inputs:
             ten = graph.tensors[t]
-            if t in seen or t in produced:
-                continue
-            if ten.producer is not None and ten.producer in inside:
+            if t in seen or (ten.producer is not None and ten.producer in inside):
                 continue
             if ten.producer is None and ten.role is Role.CONST:
                 continue
             seen.add(t)
-            in_tids.append(t)
-        produced.update(graph.ops[i].outputs)
-    out_tids = [t for i in op_ids for t in graph.ops[i].outputs
-                if t in outputs_set or t in keep or any(c not in inside for c in graph.tensors[t].consumers)]
+            ins.append(t)
+    outs = [t for i in op_ids for t in graph.ops[i].outputs
+            if t in outputs or any(c not in inside for c in graph.tensors[t].consumers)]
+    return ins, outs
+
+
+def subgraph(graph: Graph, op_ids: Sequence[int]) -> SubGraph:
+    """The ops ``op_ids`` (in schedule order) as a Graph whose inputs and outputs are their ``boundary``."""
+    op_ids = sorted(op_ids)
+    inside = set(op_ids)
+    in_tids, out_tids = boundary(graph, op_ids)
+    produced = {t for i in op_ids for t in graph.ops[i].outputs}
     consts = sorted({t for i in op_ids for t in graph.ops[i].inputs
                      if graph.tensors[t].producer is None and graph.tensors[t].role is Role.CONST})
     order = [*in_tids, *consts, *sorted(produced)]
@@ -310,14 +309,13 @@ def subgraph(graph: Graph, op_ids: Sequence[int], *, keep: Iterable[int] = (),
     n_ops = len(op_ids)
     out_set = {tmap[t] for t in out_tids}
     tensors: list[Tensor] = []
-    roles = roles or {}
     for k, t in enumerate(order):
         ten = graph.tensors[t]
         prod = omap.get(ten.producer) if ten.producer is not None and ten.producer in inside else None
         cons = tuple(consumers.get(k, ()))
         start = 0 if prod is None else prod
         end = n_ops if k in out_set else (cons[-1] + 1 if cons else start + 1)
-        role = roles.get(t, ten.role)
+        role = ten.role
         if prod is None and role is Role.ACTIVATION:
             role = Role.STATE  # an activation from another program arrives as an input
         tensors.append(dataclasses.replace(ten, id=k, producer=prod, consumers=cons, live=(start, max(end, start)),
@@ -365,23 +363,9 @@ def segments(graph: Graph, parts: StepParts, stage_of_op: Sequence[int]) -> list
     groups: dict[tuple[int, str, int], list[int]] = defaultdict(list)
     for op in graph.ops:
         groups[(stage_of_op[op.id], parts.kind[op.id], level[op.id])].append(op.id)
-    outputs_set = set(graph.outputs)
     out: list[Segment] = []
     for (stage, kind, lv), ids in groups.items():
-        inside = set(ids)
-        ins: list[int] = []
-        seen: set[int] = set()
-        for i in ids:
-            for t in graph.ops[i].inputs:
-                ten = graph.tensors[t]
-                if t in seen or (ten.producer is not None and ten.producer in inside):
-                    continue
-                if ten.producer is None and ten.role is Role.CONST:
-                    continue
-                seen.add(t)
-                ins.append(t)
-        outs = [t for i in ids for t in graph.ops[i].outputs
-                if t in outputs_set or any(c not in inside for c in graph.tensors[t].consumers)]
+        ins, outs = boundary(graph, ids)
         out.append(Segment(stage=stage, kind=kind, level=lv, ops=tuple(ids), inputs=tuple(ins),
                            outputs=tuple(outs)))
     rank = {FORWARD: 0, BACKWARD: 1, UPDATE: 2}

@@ -357,7 +357,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     # N / n_m stages of L·n_m / N layers each, the first of which keeps the most microbatches in flight.
     # Its activations count that many times (so the intra-op plan picks layouts a full stage can hold);
     # a layer that cannot fit its share is priced again under the whole budget.
-    distinct = len({_signature(graph, micro_ops[ell]) + _signature(graph, update_ops[ell]) for ell in range(L)})
+    signatures = [_signature(graph, micro_ops[ell]) + _signature(graph, update_ops[ell]) for ell in range(L)]
+    distinct = len(set(signatures))
     share = 0.4 * time_budget_s / max(1, 2 * distinct * M)  # solver seconds per layer plan
     limit = max_stages or L
     inflight = inflight_rule(schedule_name, min(limit, L), num_microbatches)
@@ -369,9 +370,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     m_upd = np.zeros((L, M))
     solves = 0
     for ell in range(L):
-        sig = _signature(graph, micro_ops[ell]) + _signature(graph, update_ops[ell])
         for m, shape in enumerate(submeshes):
-            key = (sig, m)
+            key = (signatures[ell], m)
             if key not in cache:
                 sub_cost = sub_costs[shape]
                 stages_m = max(1, n_dev // (shape[0] * shape[1]))
