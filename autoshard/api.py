@@ -17,7 +17,7 @@ from autoshard.errors import AutoshardError
 from autoshard.pipeline.planner import PipelinePlan
 from autoshard.planner.plan import Plan, PlanError, plan_graph
 from autoshard.trace import Graph, trace
-from cost_models import CostModel, ShardingSpec, presets
+from cost_models import CostModel, presets
 
 log = logging.getLogger("autoshard")
 
@@ -269,9 +269,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline,
             num_layers=self.num_layers, max_stages=None, stage_shape=self.stage_shape)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
-            specs = {scope: {t: ShardingSpec(dims=s.dims) for t, s in table.items()}
-                     for scope, table in the_plan.specs.items()}
-            return _Compiled(graph, the_plan, emit(graph, specs, device_mesh))
+            return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh))
         from autoshard.pipeline import build_pipelined_step
 
         assert micro is not None

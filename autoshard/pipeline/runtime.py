@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
-from autoshard.emit.specs import normalize_key, partition_spec
+from autoshard.emit.specs import normalize_key
 from autoshard.pipeline.partition import UPDATE, PipelineError, Segment, StepParts
 from autoshard.pipeline.schedules import Schedule
 from autoshard.trace.graph import Graph
@@ -54,19 +54,14 @@ class Program:
     jitted: Any
 
 
-def _materialised(spec: ShardingSpec | None, rank: int) -> ShardingSpec:
-    return ShardingSpec.replicated(rank) if spec is None else ShardingSpec(dims=spec.dims)
-
-
 def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: SpecMap) -> Program:
-    # pending sums are the planner's bookkeeping; the partitioner only takes materialised layouts
-    specs = {normalize_key(k): {t: ShardingSpec(dims=s.dims) for t, s in v.items()} for k, v in specs.items()}
+    specs = {normalize_key(k): dict(v) for k, v in specs.items()}  # pending sums: emission pins dims only
     top = specs.get((), {})
     interp = Interpreter(mesh, specs)
 
     def sharding(tid: int) -> NamedSharding:
-        t = graph.tensors[tid]
-        return NamedSharding(mesh, partition_spec(_materialised(top.get(tid), len(t.shape))))
+        spec = top.get(tid)
+        return interp.sharding(spec) if spec is not None else NamedSharding(mesh, PartitionSpec())
 
     ins = tuple(sharding(t) for t in seg.inputs)
     outs = tuple(sharding(t) for t in seg.outputs)
