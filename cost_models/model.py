@@ -58,10 +58,8 @@ class CostModel:
     _matmul: dict[str, RateTable] = field(init=False, repr=False, compare=False)
     _collective: dict[tuple[str, int, frozenset[str]], Curve] = field(init=False, repr=False, compare=False)
     _copy_bandwidth: float | None = field(init=False, repr=False, compare=False)
-    # (shape, dtype, src, dst) -> ReshardCost: a pure function of this model, asked again and again by the
-    # problem builder (every edge of every op group); kept per instance so that a model and its copies on
-    # other meshes never share entries
-    _reshards: dict[Any, ReshardCost] = field(init=False, repr=False, compare=False)
+    # per-instance tables of values derived purely from this model (see ``memo``): a model and its copies
+    # on other meshes never share entries
     _memo: dict[str, dict[Any, Any]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,7 +80,6 @@ class CostModel:
             )
             bw = 1.0 / c.b
         object.__setattr__(self, "_copy_bandwidth", bw)
-        object.__setattr__(self, "_reshards", {})
         object.__setattr__(self, "_memo", {})
 
     # ------------------------------------------------------------------------------------ construction
@@ -198,8 +195,10 @@ class CostModel:
     ) -> ReshardCost:
         """Collectives and seconds to take a tensor of global ``shape`` from ``src`` to ``dst``
         (rules in ``cost_models.reshard``; each step priced by ``collective_time``)."""
+        # asked again and again by the problem builder (every edge of every op group)
+        table = self.memo("cost_models.reshard")
         key = (tuple(shape), str(dtype), src, dst)
-        hit = self._reshards.get(key)
+        hit = table.get(key)
         if hit is not None:
             return hit
         steps = tuple(
@@ -207,7 +206,7 @@ class CostModel:
             for s in plan_reshard(shape, dtype_bytes(dtype), src, dst, self.mesh)
         )
         cost = ReshardCost(time=math.fsum(s.time for s in steps), steps=steps, src=src, dst=dst)
-        self._reshards[key] = cost
+        table[key] = cost
         return cost
 
     def reshard_time(
