@@ -11,13 +11,15 @@ and lets the solver complete the rest. ``Plan.explain()`` and ``Plan.diff()`` re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import re
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,7 @@ from autoshard.errors import AutoshardError
 from autoshard.planner.build import BuiltProblem, Scope, build_problem
 from autoshard.trace.graph import Graph
 from cost_models import CostModel, LogicalMesh, ShardingSpec
-from solvers import InfeasibleError, IntraOpProblem, IntraOpSolution, greedy_completion, solve_intra_op
+from solvers import InfeasibleError, IntraOpProblem, IntraOpSolution, equivalence_classes, solve_intra_op
 
 if TYPE_CHECKING:
     from autoshard.planner.compare import PlanDiff
@@ -301,71 +303,6 @@ def _mesh_of(built: BuiltProblem, specs: list[ShardingSpec]) -> str:
     return f" (mesh axes {', '.join(axes)})" if axes else ""
 
 
-def _single_axis_seeds(graph: Graph, cost: CostModel, memory_budget: float | None, built: BuiltProblem,
-                       problem: IntraOpProblem, budget_s: float, fixed: Mapping[int, ShardingSpec] | None,
-                       problems: ProblemCache) -> tuple[np.ndarray | None, dict[str, float]]:
-    """On a mesh with several axes, plan once per axis with the others held at size 1 (a problem with a
-    fraction of the strategies, which the ILP solves well) and return the best answer, mapped onto the
-    full problem's strategies, as the full solve's starting point: the 2-D plan is then never worse
-    than the best plan that uses one axis. With ``fixed`` layouts, an axis whose problem cannot hold them
-    gives no seed. Returns (initial assignment or None, objective per axis)."""
-    mesh = cost.mesh
-    axes = [i for i, n in enumerate(mesh.shape) if n > 1]
-    if len(axes) < 2 or budget_s < 0.5 or problem.num_nodes > GRID_START_MAX_NODES:
-        return None, {}  # small budgets or big graphs: building the extra problems costs more than it gives
-    share = budget_s / len(axes)
-    deadline = time.perf_counter() + budget_s
-    # inputs are all live at the start: an axis over which even the fully split inputs overflow the
-    # budget cannot give a plan (checked before building its problem, which is not free on big graphs)
-    inputs = sum(graph.tensors[t].nbytes for t in graph.inputs)
-    best, best_obj, seeds = None, math.inf, {}
-    for i in axes:
-        if time.perf_counter() > deadline:
-            break
-        if memory_budget is not None and inputs / mesh.shape[i] > memory_budget:
-            continue
-        shape = tuple(n if j == i else 1 for j, n in enumerate(mesh.shape))
-        sub = dataclasses.replace(cost, mesh=LogicalMesh(axis_names=mesh.axis_names, shape=shape, links=mesh.links))
-        try:
-            small = problems.get(sub, memory_budget, built.activation_weight)
-            pinned = _pin(graph, small, fixed, strict=False)
-            if pinned is None:
-                continue
-            sol = solve_intra_op(pinned, time_budget_s=share)
-        except InfeasibleError:
-            continue
-        mapped = _map_choice(small, built, sol.choice)
-        if mapped is None:
-            continue
-        obj = problem.cost_of(mapped)
-        if not math.isfinite(obj):
-            continue
-        seeds[mesh.axis_names[i]] = float(obj)
-        if obj < best_obj:
-            best, best_obj = mapped, obj
-    return best, seeds
-
-
-def _map_choice(small: BuiltProblem, full: BuiltProblem, choice: np.ndarray) -> np.ndarray | None:
-    """``choice`` of ``small`` as strategy indices of ``full`` (same graph, strategies matched by the
-    layouts they read and produce); None when the two problems' nodes do not line up."""
-    if len(small.nodes) != len(full.nodes):
-        return None
-    out = np.empty(len(full.nodes), dtype=np.int64)
-    for i, (a, b) in enumerate(zip(small.nodes, full.nodes, strict=True)):
-        if a.name != b.name or a.ops != b.ops:
-            return None
-        s = int(choice[i])
-        want = (tuple(a.produces[s]), tuple(a.reads[s]))
-        for t in range(b.k):
-            if (tuple(b.produces[t]), tuple(b.reads[t])) == want:
-                out[i] = t
-                break
-        else:
-            return None
-    return out
-
-
 _SCOPE_INDEX = re.compile(r"_\d+(?=[./]|$)")
 
 
@@ -440,10 +377,11 @@ def plan_graph(
     times; a pipeline stage holds several microbatches' at once).
     ``starts``: other starting points for the solve, each a Plan of this graph (its recorded choice) or a
     hand layout (``manual.HandLayout`` or a mapping input name -> layout), which is completed first with
-    the inputs pinned. The budget is shared equally by the hand layouts to complete and the final solve,
-    which starts from the best of them and the single-axis seeds: the plan is then never worse than the
-    best start. Windowed search cannot move a large plan from one global structure to another (say, from
-    data parallel over one axis to data × tensor parallel over two), so textbook starts help there.
+    the inputs pinned.
+
+    On graphs of ``SEED_MIN_NODES`` nodes or more, ``SEED_SHARE`` of the budget goes to seeds (``_seeds``:
+    the best uniform plan over repeated blocks and the completions of the textbook layouts), the rest to
+    the final solve, which starts from the best seed or start: the plan is never worse than any of them.
     """
     t0 = time.perf_counter()
     if problems is None:
@@ -454,18 +392,13 @@ def plan_graph(
     assert problem is not None
     t_build = time.perf_counter() - t0
     try:
-        t_start = time.perf_counter()
-        started, start_costs, budget_s = _solve_starts(graph, cost, built, problem, starts, time_budget_s)
-        initial, seeds = _single_axis_seeds(graph, cost, memory_budget, built, problem, 0.3 * budget_s,
-                                            pins, problems)
-        if started is not None and (initial is None or problem.cost_of(started) < problem.cost_of(initial)):
-            initial = started
-        grid_start, grid_costs = (None, {}) if pins else _grid_starts(graph, cost, built, problem,
-                                                                        0.3 * budget_s)
-        if grid_start is not None and (initial is None or problem.cost_of(grid_start) < problem.cost_of(initial)):
-            initial = grid_start
-        left = time_budget_s - (time.perf_counter() - t_start)
-        sol = solve_intra_op(problem, time_budget_s=max(left, 0.2 * budget_s), initial=initial)
+        with _gc_frozen():
+            t_start = time.perf_counter()
+            seeds = _seeds(graph, cost, built, problem, pins, starts, SEED_SHARE * time_budget_s)
+            best = min(seeds, key=lambda x: x.objective, default=None)
+            left = time_budget_s - (time.perf_counter() - t_start)
+            sol = solve_intra_op(problem, time_budget_s=max(left, (1 - SEED_SHARE) * time_budget_s),
+                                 initial=None if best is None else best.choice)
     except InfeasibleError as e:
         what = ("with the given inputs' layouts held fixed" if pins
                 else "with any layout autoshard can express")
@@ -502,8 +435,7 @@ def plan_graph(
         "objective": float(sol.cost),
         "lower_bound": None if sol.lower_bound is None else float(sol.lower_bound),
         "build_seconds": t_build,
-        "single_axis_seeds": seeds,
-        "grid_seeds": grid_costs,
+        "seeds": {x.name: float(x.objective) for x in seeds if not x.given},
         "solve_seconds": float(sol.solve_seconds),
         "nodes": built.problem.num_nodes,
         "edges": built.problem.num_edges,
@@ -513,8 +445,8 @@ def plan_graph(
     }
     if pins:
         solver["fixed_inputs"] = len(pins)
-    if start_costs:
-        solver["starts"] = start_costs
+    if starts:
+        solver["starts"] = {x.name: float(x.objective) for x in seeds if x.given}
     plan = Plan(
         mesh=cost.mesh,
         hardware=hardware,
@@ -532,97 +464,129 @@ def plan_graph(
     return plan
 
 
-def _solve_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
-                  starts: Sequence[Any], time_budget_s: float) -> tuple[np.ndarray | None, dict[str, float], float]:
-    """The best of ``starts`` (see ``plan_graph``) as an assignment of ``problem``, the objective of each,
-    and the budget left for the final solve (an equal share)."""
-    if not starts:
-        return None, {}, time_budget_s
-    layouts = [s for s in starts if not isinstance(s, Plan)]
-    share = time_budget_s / (len(layouts) + 1)
-    best, best_obj, costs = None, math.inf, {}
-    k = problem.num_strategies
-    for n, start in enumerate(starts):
-        if isinstance(start, Plan):
-            name = f"plan {n}"
-            text = start.solver.get("choice")
-            if not isinstance(text, str):
-                continue
-            choice = decode_choice(text)
-            if len(choice) != len(k) or not bool(np.all(choice < k)):
-                continue
-        else:
-            name = str(getattr(start, "name", f"layout {n}"))
-            fixed = getattr(start, "specs", start)
-            pinned = _pin(graph, built, _fixed_ids(graph, fixed, cost.mesh), strict=False)
-            if pinned is None:
-                continue
-            try:
-                choice = solve_intra_op(pinned, time_budget_s=share).choice
-            except InfeasibleError:
-                continue
-        obj = problem.cost_of(choice)
-        if built.problem.memory_limit is not None and peak_memory_of(built, choice) > built.problem.memory_limit:
-            continue
-        costs[name] = float(obj)
-        if obj < best_obj:
-            best, best_obj = choice, obj
-    return best, costs, share
+# Below this many nodes the final solve alone is as good (small cores are solved exactly): no seeds.
+SEED_MIN_NODES = 500
+SEED_SHARE = 0.6  # of the time budget, for the seeds; the final solve gets the rest
+FIRST_ROUND_SHARE = 0.6  # of the seed budget, for the first round (one short solve per seed)
+SECOND_ROUND = 2  # seeds of the first round solved again, untied from their layouts
 
 
-# Above this many nodes (GPT-3 15B and 39B unrolled: ~16k) building one-axis problems and ten greedy
-# passes cost a good part of a 30 s budget and mostly give layouts that do not fit in memory: the budget
-# goes to the final solve instead.
-GRID_START_MAX_NODES = 12_000
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Seed:
+    name: str
+    choice: np.ndarray
+    objective: float
+    given: bool  # one of the user's starts (recorded as ``solver["starts"]``), else automatic
 
 
-def _grid_starts(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
-                 budget_s: float, refine: int = 2) -> tuple[np.ndarray | None, dict[str, float]]:
-    """Completions of the textbook layouts of ``manual.grid`` (data, ZeRO and tensor parallel per mesh
-    axis): greedy propagation plus ICM sweeps for each (``solvers.greedy_completion``, one pass over the
-    problem), then the ``refine`` best solved with their inputs pinned in ``budget_s`` seconds shared.
-    The best that fits in memory hands the final solve a global structure its windowed search could not
-    reach on its own. Returns (best assignment or None, objective per layout)."""
+def _seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
+           pins: Mapping[int, ShardingSpec], starts: Sequence[Any], budget_s: float) -> list[_Seed]:
+    """Starting points for the final solve, each a memory-feasible assignment of ``problem``.
+
+    Windowed search cannot move a large plan from one global structure to another (say, from data
+    parallel over one axis to data × tensor parallel over two), so the final solve starts from the best
+    of these. Every seed is solved *tied*: the copies of a repeated block (``solvers.equivalence_classes``)
+    take one choice, which makes a transformer's problem 20-50 times smaller (``solve_intra_op(ties=)``).
+
+    First round, ``FIRST_ROUND_SHARE`` of ``budget_s`` shared equally:
+
+    * ``tied``: the tied problem on its own;
+    * with no inputs pinned, one per textbook layout of ``manual.grid`` (data, ZeRO and tensor parallel
+      per mesh axis): the tied problem with the layout's inputs pinned;
+    * the user's ``starts``: a Plan of this graph (its recorded choice) as is, a hand layout (a
+      ``manual.HandLayout`` or a mapping input name -> layout) like the grid's.
+
+    Second round, the rest of ``budget_s``: the tied problem again, with no inputs pinned beyond ``pins``,
+    started from each of the ``SECOND_ROUND`` best of the first round (``tied, from <name>``): a layout's
+    global structure, with every tensor free to leave it (a ZeRO-sharded optimizer state here, a
+    replicated bias there), uniformly over the blocks. Graphs under ``SEED_MIN_NODES`` nodes get only the
+    user's starts, in one round. Measured on GPT-6.7B over 8x8 (30 s budget): the best layout's first-round
+    seed costs 231 ms, its second-round seed 225 ms, the final untied solve from it 222 ms."""
     from autoshard.planner import manual
 
-    if all(n == 1 for n in cost.mesh.shape) or problem.num_nodes > GRID_START_MAX_NODES:
-        return None, {}
-    best, best_obj, costs = None, math.inf, {}
-    found: list[tuple[float, str, IntraOpProblem, np.ndarray]] = []
+    if problem.num_nodes < SEED_MIN_NODES and not starts:
+        return []
+    start = time.perf_counter()
+    classes = equivalence_classes(problem)
     limit = built.problem.memory_limit
-    deadline = time.perf_counter() + budget_s
-    for layout in manual.grid(graph, cost.mesh):
-        if time.perf_counter() > deadline - 0.5 * budget_s:  # half the share for the greedy passes
-            break
+    layouts: list[tuple[str, Mapping[str, ShardingSpec], bool]] = []
+    out: list[_Seed] = []
+    for n, given in enumerate(starts):
+        if not isinstance(given, Plan):
+            layouts.append((str(getattr(given, "name", f"layout {n}")), getattr(given, "specs", given), True))
+            continue
+        text = given.solver.get("choice")
+        if not isinstance(text, str):
+            continue
+        choice = decode_choice(text)
+        if len(choice) == problem.num_nodes and bool(np.all(choice < problem.num_strategies)):
+            out.append(_Seed(f"plan {n}", choice, problem.cost_of(choice), True))
+    automatic = problem.num_nodes >= SEED_MIN_NODES and cost.mesh.num_devices > 1
+    if automatic and not pins:
+        layouts += [(lay.name, lay.specs, False) for lay in manual.grid(graph, cost.mesh)]
+    jobs: list[tuple[str, IntraOpProblem | None, bool]] = [("tied", problem, False)] if automatic else []
+    for name, specs, given in layouts:
         try:
-            pinned = _pin(graph, built, _fixed_ids(graph, layout.specs, cost.mesh), strict=False)
+            pinned = _pin(graph, built, {**_fixed_ids(graph, specs, cost.mesh), **pins}, strict=False)
         except PlanError:
-            continue
-        choice = None if pinned is None else greedy_completion(pinned)
-        if choice is None:
-            continue
-        obj = problem.cost_of(choice)
-        if not math.isfinite(obj) or (limit is not None and peak_memory_of(built, choice) > limit):
-            continue
-        costs[layout.name] = float(obj)
-        found.append((float(obj), layout.name, pinned, choice))
-        if obj < best_obj:
-            best, best_obj = choice, obj
-    found.sort(key=lambda f: f[0])
-    left = deadline - time.perf_counter()
-    top = found[:refine] if left >= 1.0 else []
-    for _, name, pinned, choice in top:
-        try:
-            sol = solve_intra_op(pinned, time_budget_s=left / len(top), initial=choice)
-        except InfeasibleError:
-            continue
-        obj = problem.cost_of(sol.choice)
-        if limit is not None and peak_memory_of(built, sol.choice) > limit:
-            continue
-        costs[name] = min(costs[name], float(obj))
-        if obj < best_obj:
-            best, best_obj = sol.choice, obj
-    return best, costs
+            continue  # a layout that does not fit the tensors (a grid layout over an axis that divides nothing)
+        jobs.append((name, pinned, given))
+    second = automatic and len(jobs) > 1
+    deadline = start + (FIRST_ROUND_SHARE if second else 1.0) * budget_s
+    for n, (name, pinned, given) in enumerate(jobs):
+        # what is left of the round, shared by the jobs left: a job that overran costs them all
+        seconds = (deadline - time.perf_counter()) / (len(jobs) - n)
+        seed = None if pinned is None or seconds <= 0.05 else _tied(name, pinned, classes, seconds, given)
+        if seed is not None:
+            out.append(seed)
+    out = [x for x in out if math.isfinite(x.objective) and _fits(built, x.choice, limit)]
+    if not second:
+        return out
+    top = sorted(out, key=lambda x: x.objective)[:SECOND_ROUND]
+    for n, best in enumerate(top):
+        seconds = (start + budget_s - time.perf_counter()) / (len(top) - n)
+        seed = None if seconds <= 0.05 else _tied(f"tied, from {best.name}", problem, classes, seconds, False,
+                                                  initial=best.choice)
+        if seed is not None and _fits(built, seed.choice, limit):
+            out.append(seed)
+    return out
+
+
+def _tied(name: str, problem: IntraOpProblem, classes: np.ndarray, seconds: float, given: bool,
+          initial: np.ndarray | None = None) -> _Seed | None:
+    """``problem`` solved with ``classes`` tied, as a seed; None if no tied assignment was found."""
+    try:
+        sol = solve_intra_op(problem, time_budget_s=seconds, ties=_split(classes, problem), initial=initial)
+    except InfeasibleError:
+        return None  # tied, or with these inputs pinned, nothing fits
+    return _Seed(name, sol.choice, sol.cost, given) if sol.feasible and math.isfinite(sol.cost) else None
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Exempt the objects alive now (the traced graph, the built problem: millions on a large model) from
+    the garbage collector's full collections while the solver runs. Each full collection walks all of
+    them, about 0.5 s on GPT-6.7B, and the solver allocates enough to set one off every few hundred
+    milliseconds; the objects it makes are still collected as usual."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _split(classes: np.ndarray, problem: IntraOpProblem) -> np.ndarray:
+    """``classes`` refined so that the members of a class have the same costs in ``problem`` (pinned
+    inputs: copies pinned to different layouts are not tied)."""
+    keys = {}
+    out = np.empty_like(classes)
+    for i, c in enumerate(classes.tolist()):
+        out[i] = keys.setdefault((c, problem.node_costs[i].tobytes()), len(keys))
+    return out
+
+
+def _fits(built: BuiltProblem, choice: np.ndarray, limit: float | None) -> bool:
+    return limit is None or peak_memory_of(built, choice) <= limit * (1 + 1e-9)
 
 
 def _fixed_ids(graph: Graph, fixed: Mapping[str, ShardingSpec] | None, mesh: LogicalMesh) -> dict[int, ShardingSpec]:

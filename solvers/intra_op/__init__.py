@@ -17,16 +17,17 @@ Modules, in the order a solve uses them:
 * ``lns``: exact re-solves of windows, for cores too large for one ILP;
 * ``solve``: ``solve_intra_op``, which chains the above under a time budget;
 * ``solution``: ``IntraOpSolution`` (``verify(problem)``) and ``PresolveStats``;
-* ``greedy``: ``greedy_completion``, propagation in node order (a start from pinned inputs);
+* ``symmetry``: ``equivalence_classes``, the copies of repeated blocks (tied to one choice by
+  ``solve_intra_op(ties=)``: the best uniform plan, a start for large problems);
 * ``brute_force``: the exhaustive reference for tiny problems.
 """
 
 from solvers.intra_op.brute_force import brute_force_intra_op
-from solvers.intra_op.greedy import greedy_completion
 from solvers.intra_op.io_json import load_problem, save_problem
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 from solvers.intra_op.solve import solve_intra_op
+from solvers.intra_op.symmetry import equivalence_classes
 
 __all__ = [
     "InfeasibleError",
@@ -34,7 +35,7 @@ __all__ = [
     "IntraOpSolution",
     "PresolveStats",
     "brute_force_intra_op",
-    "greedy_completion",
+    "equivalence_classes",
     "load_problem",
     "save_problem",
     "solve_intra_op",

@@ -118,7 +118,7 @@ class Reduced:
 class _Graph:
     """Mutable working graph, private to one presolve call."""
 
-    def __init__(self, problem: IntraOpProblem) -> None:
+    def __init__(self, problem: IntraOpProblem, ties: np.ndarray | None = None) -> None:
         n = problem.num_nodes
         self.cost = [np.array(c, dtype=np.float64) for c in problem.node_costs]
         self.members: list[list[tuple[int, np.ndarray]]] = [
@@ -128,15 +128,49 @@ class _Graph:
         self.inf_edges: set[tuple[int, int]] = set()
         self.fresh: set[tuple[int, int]] = set()
         self.dom_done = np.zeros(n, dtype=bool)
-        for (u, v), m in zip(problem.edges.tolist(), problem.edge_costs, strict=True):
-            self._add_edge(u, v, np.asarray(m, dtype=np.float64))
         self.alive = np.ones(n, dtype=bool)
         self.log: list[tuple] = []
         self.constant = 0.0
         self.counts = dict(dominated=0, fixed=0, merged=0, eliminated=0, dropped_edges=0)
         self.problem = problem
         self._setup_memory(problem)
+        if ties is None:
+            for (u, v), m in zip(problem.edges.tolist(), problem.edge_costs, strict=True):
+                self._add_edge(u, v, np.asarray(m, dtype=np.float64))
+        else:
+            self._tie(np.asarray(ties, dtype=np.int64))
         self.en = [np.isfinite(c) for c in self.cost]
+
+    def _tie(self, classes: np.ndarray) -> None:
+        """Merge every node into the first node of its class, strategy for strategy (a restriction, see
+        ``presolve``): the root's cost is the members' sum, an edge inside a class adds its diagonal, the
+        edges between two classes add up into one. Each member keeps its own memory rows."""
+        p = self.problem
+        _, first, inverse = np.unique(classes, return_index=True, return_inverse=True)
+        root = first[inverse].tolist()
+        k = p.num_strategies
+        bad = np.flatnonzero(k != k[root])
+        if bad.size:
+            u, v = int(bad[0]), root[int(bad[0])]
+            raise ValueError(f"ties: {p.node_label(v)} and {p.node_label(u)} are in one class but have {k[v]} and "
+                             f"{k[u]} strategies; only nodes with the same strategies can share a choice")
+        for u, v in enumerate(root):
+            if u != v:
+                self.cost[v] = self.cost[v] + self.cost[u]  # (the memory setup may have set some to +inf)
+                self.members[v].extend(self.members[u])
+                self.alive[u] = False
+                self.counts["merged"] += 1
+        between: dict[tuple[int, int], np.ndarray] = {}
+        for (u, v), m in zip(p.edges.tolist(), p.edge_costs, strict=True):
+            a, b = root[u], root[v]
+            if a == b:
+                self.cost[a] = self.cost[a] + np.diagonal(m)  # both ends take one strategy
+            elif a < b:
+                between[a, b] = between[a, b] + m if (a, b) in between else np.asarray(m, dtype=np.float64)
+            else:
+                between[b, a] = between[b, a] + m.T if (b, a) in between else np.asarray(m.T, dtype=np.float64)
+        for (a, b), m in between.items():
+            self._add_edge(a, b, m)
 
     # ------------------------------------------------------------ memory bookkeeping
     def _setup_memory(self, p: IntraOpProblem) -> None:
@@ -509,9 +543,13 @@ def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     return out
 
 
-def presolve(problem: IntraOpProblem) -> Reduced:
-    """Apply the exact reductions above until none applies; raise InfeasibleError if they prove it."""
-    g = _Graph(problem)
+def presolve(problem: IntraOpProblem, ties: np.ndarray | None = None) -> Reduced:
+    """Apply the exact reductions above until none applies; raise InfeasibleError if they prove it.
+
+    ``ties``: a class id per node (``symmetry.equivalence_classes``); the nodes of one class are merged
+    first into one node whose choice they all take (their strategy counts must agree). That is a
+    restriction of the problem, not a reduction: the core's optimum is then the best tied assignment."""
+    g = _Graph(problem, ties)
     g.reparametrise_all()
     g.run(deque(range(problem.num_nodes)))
     return Reduced(

@@ -26,6 +26,13 @@ from solvers.intra_op.tree_dp import block_descent, lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
+# HiGHS spends about 1 s per 40k columns of a core's ILP (presolve, symmetry detection) before its first LP
+# iteration, and does not stop for its time limit meanwhile: a 200k-column core given 4 s took 12 s and
+# never reached the root LP (GPT-6.7B's tied core on 8x8, this 2-core machine). A core whose set-up would
+# take more than ILP_SETUP_SHARE of the time left goes to the windowed search instead.
+ILP_COLUMNS_PER_SECOND = 40_000
+ILP_SETUP_SHARE = 0.25
+
 
 def solve_intra_op(
     problem: IntraOpProblem,
@@ -36,24 +43,31 @@ def solve_intra_op(
     verify: bool = True,
     max_ilp_columns: int = 250_000,
     initial: np.ndarray | None = None,
+    ties: np.ndarray | None = None,
 ) -> IntraOpSolution:
     """Best assignment found within ``time_budget_s`` seconds (proven optimal when ``optimal``).
 
     ``backend`` is ``"highs"`` (highspy, the default; CBC through pulp when highspy is missing) or
-    ``"cbc"``. A core whose ILP would have more than ``max_ilp_columns`` columns is not handed to one
-    ILP (HiGHS would not finish its root LP in time); windows of it are re-solved exactly instead, and
+    ``"cbc"``. A core whose ILP would have more than ``max_ilp_columns`` columns, or more than the time
+    left allows HiGHS to set up (``ILP_COLUMNS_PER_SECOND``), is not handed to one ILP (HiGHS would not
+    finish its root LP in time); windows of it are re-solved exactly instead, and
     ``lower_bound`` is then only the trivial bound (every node and edge at its own minimum). ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
     no finite, memory-feasible assignment exists and that is proven; never raises because time ran out.
 
     ``initial``: a known assignment of every node (e.g. the answer on a restricted strategy set) to start
     from; it competes with the solver's own starts, so the answer is never worse than it when it fits.
+
+    ``ties``: a class id per node (``equivalence_classes``); the members of a class take one strategy
+    (``presolve`` merges them first). The answer is then the best *tied* assignment found: an assignment
+    of ``problem`` (memory counted per member), but ``optimal``, ``lower_bound`` and InfeasibleError speak
+    of the tied problem only, whose optimum may be worse than the untied one. Used as a start.
     """
     start = time.perf_counter()
     deadline = start + time_budget_s
     if verify:
         problem.verify()
     try:
-        reduced = presolve(problem)
+        reduced = presolve(problem, ties)
     except InfeasibleError as err:
         if problem.memory_limit is None or err.time is not None:
             raise
@@ -117,7 +131,8 @@ def solve_intra_op(
     )
 
     columns = sum(c.shape[0] for c in core.costs) + sum(int(np.isfinite(m).sum()) for m in core.edge_costs)
-    if columns > max_ilp_columns and incumbent is not None:
+    too_slow = columns > ILP_COLUMNS_PER_SECOND * ILP_SETUP_SHARE * max(0.0, deadline - time.perf_counter())
+    if (columns > max_ilp_columns or too_slow) and incumbent is not None:
         # too big for one ILP in the budget: exact re-solves of windows (LNS), warm from the incumbent
         # leave time to expand and check the answer (about 1 s per 20k nodes here)
         improve_by_windows(core, ls, deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000)
