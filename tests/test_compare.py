@@ -83,6 +83,17 @@ def test_compare_lists_every_grid_layout_and_auto_is_never_worse() -> None:
         json.dumps(data)
 
 
+def test_on_a_transformer_auto_is_never_worse_than_the_best_grid_layout() -> None:
+    # issue #6's acceptance at CI size: GPT with 4 blocks on 2x4, large enough (1.4k nodes) for the
+    # planner's tied seeds to run; every hand layout is priced by the same solver with the same budget
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "batch=32"], abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
+    c = compare(graph, cost, hardware="h100", time_budget_s=4, seeded=False)
+    assert c.auto.solver["seeds"]["tied"] > 0
+    assert c.best_hand is not None and c.auto_vs_best <= 1 + 1e-6, c.text()
+
+
 def test_compare_under_a_budget_marks_what_does_not_fit(wide) -> None:
     graph, cost, _, auto = wide
     budget = 1.5 * auto.peak_memory
