@@ -40,7 +40,23 @@ import numpy as np
 
 from solvers.intra_op.presolve import Core
 
-__all__ = ["IlpModel", "IlpResult", "build_ilp", "highs_available", "solve_ilp"]
+__all__ = ["IlpModel", "IlpResult", "build_ilp", "highs_available", "ilp_columns", "ilp_fits", "solve_ilp"]
+
+# HiGHS spends about 1 s per 40k columns (presolve, symmetry detection) before its first LP iteration and
+# does not stop for its time limit meanwhile: GPT-6.7B's tied core on 8x8 (200k columns) given 4 s took
+# 12 s without reaching the root LP; a 54k-column window given 1.5 s took 7.6 s (this 2-core machine).
+ILP_COLUMNS_PER_SECOND = 40_000
+ILP_SETUP_SHARE = 0.25  # of the time a solve may take, at most, for HiGHS's set-up
+
+
+def ilp_columns(core: Core) -> int:
+    """Columns of ``core``'s ILP: one per strategy, one per finite edge entry."""
+    return sum(c.shape[0] for c in core.costs) + sum(int(np.isfinite(m).sum()) for m in core.edge_costs)
+
+
+def ilp_fits(columns: int, seconds: float) -> bool:
+    """Whether HiGHS can set up an ILP of ``columns`` columns within ``ILP_SETUP_SHARE`` of ``seconds``."""
+    return columns <= ILP_COLUMNS_PER_SECOND * ILP_SETUP_SHARE * max(0.0, seconds)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)

@@ -5,7 +5,9 @@ of its own: each node's cost gains ``R^e(·, s_b)`` for every edge to a fixed ne
 ``W`` stay; memory rows keep only the window's terms, with slack ``S_r − (usage of the fixed nodes at r)``
 taken as its minimum over each stretch of rows where the window's live set does not change. The window
 ILP (see ``ilp.py``) is solved to optimality, warm-started at the current assignment, so a window never
-makes the answer worse; windows whose optimum is cheaper are applied.
+makes the answer worse; windows whose optimum is cheaper are applied. A window whose ILP HiGHS could not
+set up in time (``ilp.ilp_fits``: with 64 strategies a node, 120 nodes can make 50k columns) halves the
+window size instead.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from collections import deque
 
 import numpy as np
 
-from solvers.intra_op.ilp import solve_ilp
+from solvers.intra_op.ilp import ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core
 
 __all__ = ["improve_by_windows"]
+
+MIN_WINDOW = 8
 
 
 def _sub_core(core: Core, ls: LocalSearch, window: np.ndarray, incident: list[list[int]]) -> Core:
@@ -111,6 +115,9 @@ def improve_by_windows(core: Core, ls: LocalSearch, deadline: float, *, window: 
                 break
             w = np.arange(s, min(n, s + size)) if sweep % 2 == 0 else _bfs_window(s, size, ls.nbrs)
             sub = _sub_core(core, ls, w, incident)
+            if not ilp_fits(ilp_columns(sub), min(left, 5.0)):
+                size = max(MIN_WINDOW, size // 2)  # HiGHS would overrun the budget setting it up: smaller windows
+                continue
             cur = ls.choice[w]
             before = sub.objective(cur)
             res = solve_ilp(sub, time_limit_s=min(left, 5.0), warm_start=cur)

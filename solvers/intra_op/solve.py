@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from solvers.intra_op.ilp import solve_ilp
+from solvers.intra_op.ilp import ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Reduced, presolve
@@ -27,12 +27,6 @@ from solvers.intra_op.tree_dp import block_descent, lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
-# HiGHS spends about 1 s per 40k columns of a core's ILP (presolve, symmetry detection) before its first LP
-# iteration, and does not stop for its time limit meanwhile: a 200k-column core given 4 s took 12 s and
-# never reached the root LP (GPT-6.7B's tied core on 8x8, this 2-core machine). A core whose set-up would
-# take more than ILP_SETUP_SHARE of the time left goes to the windowed search instead.
-ILP_COLUMNS_PER_SECOND = 40_000
-ILP_SETUP_SHARE = 0.25
 # Block descent stops by itself once 8 rounds in a row change nothing; up to this share of the time left
 # is its. From a good start it is what improves a large core: GPT-6.7B on 8x8 from its best seed (224.7
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
@@ -55,7 +49,7 @@ def solve_intra_op(
 
     ``backend`` is ``"highs"`` (highspy, the default; CBC through pulp when highspy is missing) or
     ``"cbc"``. A core whose ILP would have more than ``max_ilp_columns`` columns, or more than the time
-    left allows HiGHS to set up (``ILP_COLUMNS_PER_SECOND``), is not handed to one ILP (HiGHS would not
+    left allows HiGHS to set up (``ilp.ilp_fits``), is not handed to one ILP (HiGHS would not
     finish its root LP in time); windows of it are re-solved exactly instead, and
     ``lower_bound`` is then only the trivial bound (every node and edge at its own minimum). ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
     no finite, memory-feasible assignment exists and that is proven; never raises because time ran out.
@@ -136,9 +130,8 @@ def solve_intra_op(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
     )
 
-    columns = sum(c.shape[0] for c in core.costs) + sum(int(np.isfinite(m).sum()) for m in core.edge_costs)
-    too_slow = columns > ILP_COLUMNS_PER_SECOND * ILP_SETUP_SHARE * max(0.0, deadline - time.perf_counter())
-    if (columns > max_ilp_columns or too_slow) and incumbent is not None:
+    columns = ilp_columns(core)
+    if (columns > max_ilp_columns or not ilp_fits(columns, deadline - time.perf_counter())) and incumbent is not None:
         # too big for one ILP in the budget: exact re-solves of windows (LNS), warm from the incumbent
         # leave time to expand and check the answer (about 1 s per 20k nodes here)
         improve_by_windows(core, ls, deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000)
