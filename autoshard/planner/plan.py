@@ -468,7 +468,7 @@ def plan_graph(
 SEED_MIN_NODES = 500
 SEED_SHARE = 0.6  # of the time budget, for the seeds; the final solve gets the rest
 FIRST_ROUND_SHARE = 0.6  # of the seed budget, for the first round (one short solve per seed)
-SECOND_ROUND = 2  # seeds of the first round solved again, untied from their layouts
+SECOND_ROUND = 2  # best seeds of the first round solved again with their layouts unpinned
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -511,11 +511,11 @@ def _seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpP
     limit = built.problem.memory_limit
     layouts: list[tuple[str, Mapping[str, ShardingSpec], bool]] = []
     out: list[_Seed] = []
-    for n, given in enumerate(starts):
-        if not isinstance(given, Plan):
-            layouts.append((str(getattr(given, "name", f"layout {n}")), getattr(given, "specs", given), True))
+    for n, user in enumerate(starts):
+        if not isinstance(user, Plan):
+            layouts.append((str(getattr(user, "name", f"layout {n}")), getattr(user, "specs", user), True))
             continue
-        text = given.solver.get("choice")
+        text = user.solver.get("choice")
         if not isinstance(text, str):
             continue
         choice = decode_choice(text)
