@@ -23,7 +23,7 @@ with ``with_sharding_constraint``, recursively inside scan/while/cond/remat bodi
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -115,19 +115,21 @@ class EmittedStep:
         array's buffer as one shard of a replicated array, so donating that array would delete the
         caller's original; a jitted ``jnp.copy`` does not.
         """
-        copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs), out_shardings=self.in_shardings)
-        leaves = copy(*self.flatten(*args))
-        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, list(leaves)))
+        return self._copied(args, range(len(self.in_shardings)))
 
     def place_state(self, *args: Any) -> tuple[Any, ...]:
         """``args`` with only the donated leaves (the train state) copied into their input layouts: the
         next step, fed this step's results and a fresh batch, then finds the same compiled program."""
+        return self._copied(args, self.donate_argnums)
+
+    def _copied(self, args: tuple[Any, ...], which: Sequence[int]) -> tuple[Any, ...]:
+        """``args`` with the leaves at ``which`` replaced by fresh copies in their input shardings."""
         leaves = self.flatten(*args)
-        donated = list(self.donate_argnums)
-        if donated:
-            shardings = tuple(self.in_shardings[i] for i in donated)
-            copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs), out_shardings=shardings)
-            for i, x in zip(donated, copy(*(leaves[i] for i in donated)), strict=True):
+        which = list(which)
+        if which:
+            copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs),
+                           out_shardings=tuple(self.in_shardings[i] for i in which))
+            for i, x in zip(which, copy(*(leaves[i] for i in which)), strict=True):
                 leaves[i] = x
         return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, list(leaves)))
 

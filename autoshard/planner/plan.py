@@ -519,8 +519,12 @@ def _seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpP
         if not isinstance(text, str):
             continue
         choice = decode_choice(text)
-        if len(choice) == problem.num_nodes and bool(np.all(choice < problem.num_strategies)):
-            out.append(_Seed(f"plan {n}", choice, problem.cost_of(choice), True))
+        if len(choice) != problem.num_nodes or not bool(np.all(choice < problem.num_strategies)):
+            continue
+        objective = problem.cost_of(choice)  # a plan made under other pins or another budget may not do
+        fits = limit is None or peak_memory_of(built, choice) <= limit * (1 + 1e-9)
+        if math.isfinite(objective) and fits:
+            out.append(_Seed(f"plan {n}", choice, objective, True))
     automatic = problem.num_nodes >= SEED_MIN_NODES and cost.mesh.num_devices > 1
     if automatic and not pins:
         layouts += [(lay.name, lay.specs, False) for lay in manual.grid(graph, cost.mesh)]
@@ -539,7 +543,6 @@ def _seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpP
         seed = None if pinned is None or seconds <= 0.05 else _tied(name, pinned, classes, seconds, given)
         if seed is not None:
             out.append(seed)
-    out = [x for x in out if math.isfinite(x.objective) and _fits(built, x.choice, limit)]
     if not second:
         return out
     top = sorted(out, key=lambda x: x.objective)[:SECOND_ROUND]
@@ -547,14 +550,15 @@ def _seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpP
         seconds = (start + budget_s - time.perf_counter()) / (len(top) - n)
         seed = None if seconds <= 0.05 else _tied(f"tied, from {best.name}", problem, classes, seconds, False,
                                                   initial=best.choice)
-        if seed is not None and _fits(built, seed.choice, limit):
+        if seed is not None:
             out.append(seed)
     return out
 
 
 def _tied(name: str, problem: IntraOpProblem, classes: np.ndarray, seconds: float, given: bool,
           initial: np.ndarray | None = None) -> _Seed | None:
-    """``problem`` solved with ``classes`` tied, as a seed; None if no tied assignment was found."""
+    """``problem`` solved with ``classes`` tied, as a seed; None if no tied assignment was found. The
+    solver's answers are verified within ``problem``'s costs and memory limit: no check needed here."""
     try:
         sol = solve_intra_op(problem, time_budget_s=seconds, ties=_split(classes, problem), initial=initial)
     except InfeasibleError:
@@ -583,10 +587,6 @@ def _split(classes: np.ndarray, problem: IntraOpProblem) -> np.ndarray:
     for i, c in enumerate(classes.tolist()):
         out[i] = keys.setdefault((c, problem.node_costs[i].tobytes()), len(keys))
     return out
-
-
-def _fits(built: BuiltProblem, choice: np.ndarray, limit: float | None) -> bool:
-    return limit is None or peak_memory_of(built, choice) <= limit * (1 + 1e-9)
 
 
 def _fixed_ids(graph: Graph, fixed: Mapping[str, ShardingSpec] | None, mesh: LogicalMesh) -> dict[int, ShardingSpec]:
