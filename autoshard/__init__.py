@@ -1,13 +1,33 @@
 """autoshard: a compiler-style auto-parallelizer for JAX.
 
-The passes, in order: ``trace`` (train step -> Graph), strategies, problem building, planning,
-emission, runtime. The public surface is deliberately small.
+The passes, in order: ``trace`` (train step -> Graph), ``strategies``, ``planner`` (the intra-operator
+problem, its solution, the Plan), ``emit`` (one sharded program), ``pipeline`` (stages, schedules, the
+runtime). ``target`` says what a plan is made for; ``api`` ties the passes together. The public surface
+is deliberately small.
 """
 
-from autoshard.api import parallelize, plan
+from autoshard._version import __version__
+from autoshard.api import explain, parallelize, plan
 from autoshard.pipeline.partition import pipeline_stage
+from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.plan import Plan
+from autoshard.target import PipelineOptions, Target
 from autoshard.trace import Graph, Op, Role, Tensor, TraceError, trace
 
-__all__ = ["Graph", "Op", "Plan", "Role", "Tensor", "TraceError", "parallelize", "pipeline_stage", "plan", "trace"]
-__version__ = "0.1.0"
+__all__ = [
+    "Graph",
+    "Op",
+    "PipelineOptions",
+    "PipelinePlan",
+    "Plan",
+    "Role",
+    "Target",
+    "Tensor",
+    "TraceError",
+    "__version__",
+    "explain",
+    "parallelize",
+    "pipeline_stage",
+    "plan",
+    "trace",
+]

@@ -5,98 +5,45 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from autoshard.emit import emit
 from autoshard.errors import AutoshardError
-from autoshard.pipeline.planner import PipelinePlan
-from autoshard.planner.plan import Plan, PlanError, plan_graph
+from autoshard.pipeline import (
+    PipelinePlan,
+    build_pipelined_step,
+    explain_pipeline,
+    microbatch_args,
+    plan_pipeline,
+)
+from autoshard.planner.explain import explain_plan
+from autoshard.planner.plan import Plan, PlanError
+from autoshard.planner.planning import plan_graph
+from autoshard.target import (
+    BudgetLike,
+    HardwareLike,
+    MeshLike,
+    PipelineOptions,
+    PlanningError,
+    Target,
+    parse_mesh,
+)
 from autoshard.trace import Graph, trace
-from cost_models import CostModel, presets
 
 log = logging.getLogger("autoshard")
-
-DEFAULT_MEMORY_MARGIN = 0.10  # keep 10% of device memory free for XLA's temporaries and fragmentation
-_DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z")}
-MeshLike = Sequence[int] | Mapping[str, int] | str
-
-
-class PlanningError(AutoshardError, ValueError):
-    """Bad planning arguments: a mesh that does not fit the devices, an unknown hardware name."""
-
-
-def parse_mesh(mesh: MeshLike) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``"8x8"``, ``(2, 4)`` or ``{"data": 2, "model": 4}`` -> (shape, axis names)."""
-    if isinstance(mesh, str):
-        try:
-            shape = tuple(int(p) for p in mesh.lower().split("x"))
-        except ValueError:
-            raise PlanningError(f"mesh {mesh!r}: expected sizes joined by 'x', e.g. 8 or 2x4 or 8x8") from None
-        return shape, _names_for(shape)
-    if isinstance(mesh, Mapping):
-        return tuple(int(v) for v in mesh.values()), tuple(str(k) for k in mesh)
-    shape = tuple(int(s) for s in mesh)
-    return shape, _names_for(shape)
-
-
-def _names_for(shape: tuple[int, ...]) -> tuple[str, ...]:
-    if any(s < 1 for s in shape) or not shape:
-        raise PlanningError(f"mesh shape {shape}: every axis needs a size >= 1")
-    return _DEFAULT_AXIS_NAMES.get(len(shape), tuple(f"a{i}" for i in range(len(shape))))
-
-
-def cost_model_for(hardware: str | CostModel, shape: tuple[int, ...], names: tuple[str, ...]) -> CostModel:
-    """A cost model of ``hardware`` (a preset name, a profile file, ``"auto"``, or a CostModel) on a mesh."""
-    if isinstance(hardware, CostModel):
-        if hardware.mesh.shape == shape and hardware.mesh.axis_names == names:
-            return hardware  # keep its links, which may have been set by hand
-        return hardware.with_mesh(shape, names)
-    if hardware == "auto":
-        hardware = _detect_hardware()
-    try:
-        if hardware in presets.names():
-            # a preset describes a kind of machine, not a cluster size: a logical mesh larger than its
-            # default cluster gets as many hosts as it needs (a measured profile stays what was measured)
-            dph = presets.get(hardware).devices_per_host
-            hosts = max(presets.get(hardware).num_hosts, -(-math.prod(shape) // dph))
-            return CostModel.load(hardware, mesh_shape=shape, axis_names=names, num_hosts=hosts)
-        return CostModel.load(hardware, mesh_shape=shape, axis_names=names)
-    except ValueError as e:
-        raise PlanningError(f"hardware {hardware!r}: {e}") from None
-
-
-def _detect_hardware() -> str:
-    kind = jax.devices()[0].device_kind.lower()
-    for name in ("h200", "h100", "a100", "v100"):
-        if name in kind:
-            return name
-    if jax.devices()[0].platform == "cpu":
-        return "cpu-8dev-2026-11-21.json"
-    log.warning("autoshard: no preset for device kind %r; planning with the h100 preset", kind)
-    return "h100"
-
-
-def _budget(memory_budget: float | str | None, cost: CostModel) -> float | None:
-    if memory_budget is None:
-        return None
-    if memory_budget == "auto":
-        return cost.memory_capacity * (1 - DEFAULT_MEMORY_MARGIN)
-    if isinstance(memory_budget, str):
-        raise PlanningError(f"memory_budget {memory_budget!r}: give bytes, 'auto' or None")
-    return float(memory_budget)
 
 
 def plan(
     step_fn: Callable[..., Any] | Graph,
     *args: Any,
     mesh: MeshLike = (8,),
-    hardware: str | CostModel = "h100",
-    memory_budget: float | str | None = "auto",
+    hardware: HardwareLike = "h100",
+    memory_budget: BudgetLike = "auto",
     time_budget_s: float = 60.0,
     roles: Mapping[str, str] | None = None,
     microbatches: int | None = None,
@@ -108,82 +55,87 @@ def plan(
 ) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
-    ``memory_budget``: bytes per device; ``"auto"`` (the default) is the hardware's capacity less 10%;
-    ``None`` plans without a memory limit.
+    ``mesh``, ``hardware`` and ``memory_budget`` make the ``Target`` (``autoshard.target``): a mesh shape
+    (``"8x8"``, ``(2, 4)``, ``{"data": 2, "model": 4}``), a hardware preset, profile file or CostModel,
+    and bytes per device (``"auto"``, the default: the hardware's capacity less 10%; ``None``: no limit).
 
-    Pipelines: with ``microbatches=B`` the step is also planned as a pipeline (stages on submeshes, ``B``
-    microbatches, ``schedule`` "1f1b" or "gpipe", ``num_layers`` layers to cut, at most ``max_stages``
-    stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and the plan with the lower
-    predicted step time is returned (a ``PipelinePlan`` or a ``Plan``); ``pipeline=True`` always returns
-    the pipeline, ``pipeline=False`` never plans one.
+    Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
+    (stages on submeshes, ``B`` microbatches, ``schedule`` "1f1b" or "gpipe", ``num_layers`` layers to
+    cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
+    the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
+    ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one.
     """
-    return _plan_traced(step_fn, args, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
-                        time_budget_s=time_budget_s, roles=roles, microbatches=microbatches, schedule=schedule,
-                        pipeline=pipeline, num_layers=num_layers, max_stages=max_stages,
-                        stage_shape=stage_shape)[0]
+    target = Target.of(mesh, hardware, memory_budget)
+    options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
+                              max_stages=max_stages, stage_shape=stage_shape)
+    return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s, roles=roles)[0]
 
 
-def _plan_traced(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], *, mesh: MeshLike,
-                 hardware: str | CostModel, memory_budget: float | str | None, time_budget_s: float,
-                 roles: Mapping[str, str] | None, microbatches: int | None, schedule: str,
-                 pipeline: bool | None, num_layers: int | None, max_stages: int | None,
-                 stage_shape: tuple[int, int] | None) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
-    """``plan``, also returning the traces it made: (plan, the step's graph, the microbatch-sized graph
-    or None), so that ``parallelize`` emits from them instead of tracing again."""
-    shape, names = parse_mesh(mesh)
-    if hardware == "auto":
-        hardware = _detect_hardware()
-    cost = cost_model_for(hardware, shape, names)
-    budget = _budget(memory_budget, cost)
-    name = hardware if isinstance(hardware, str) else cost.cluster.device.name
+def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
+             *, time_budget_s: float, roles: Mapping[str, str] | None = None
+             ) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+    """``plan`` on a resolved target, also returning the traces it made: (plan, the step's graph, the
+    microbatch-sized graph or None), so that ``parallelize`` emits from them instead of tracing again."""
     t0 = time.perf_counter()
     graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
-    t_trace = time.perf_counter() - t0
-    if pipeline and not microbatches:
-        raise PlanningError("pipeline=True needs microbatches=B (the number of microbatches per step)")
+    t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
+    cost, budget = target.cost, target.memory_budget
     intra: Plan | None = None
     intra_error: Exception | None = None
-    if not pipeline:
+    if not options.pipeline:
         try:
-            intra = plan_graph(graph, cost, hardware=name, memory_budget=budget, time_budget_s=time_budget_s)
+            intra = plan_graph(graph, cost, hardware=target.hardware, memory_budget=budget,
+                               time_budget_s=time_budget_s)
         except PlanError as e:
-            if microbatches is None or pipeline is False:
+            if not options.planned:
                 raise
             intra_error = e
-        if intra is not None and not isinstance(step_fn, Graph):
-            intra.solver["trace_seconds"] = t_trace
-    if not microbatches or pipeline is False:
+        if intra is not None:
+            intra = dataclasses.replace(intra, solver=dataclasses.replace(intra.solver, trace_seconds=t_trace))
+    if not options.planned:
         assert intra is not None
         return intra, graph, None
     if isinstance(step_fn, Graph):
         raise PlanningError("a pipelined plan traces the step at microbatch size: pass the step function and "
                             "its arguments, not a Graph")
-    from autoshard.pipeline.planner import microbatch_args, plan_pipeline
-
-    micro = trace(step_fn, *microbatch_args(args, graph, None, microbatches), roles=roles)
+    micro = trace(step_fn, *microbatch_args(args, graph, None, options.microbatches), roles=roles)
     try:
-        piped = plan_pipeline(micro, cost, hardware=name, memory_budget=budget, num_microbatches=microbatches,
-                              schedule_name=schedule, num_layers=num_layers, time_budget_s=time_budget_s,
-                              max_stages=max_stages, stage_shape=stage_shape)
+        piped = plan_pipeline(micro, cost, hardware=target.hardware, memory_budget=budget,
+                              num_microbatches=options.microbatches, schedule_name=options.schedule,
+                              num_layers=options.num_layers, time_budget_s=time_budget_s,
+                              max_stages=options.max_stages, stage_shape=options.stage_shape)
     except AutoshardError as e:
-        if intra is not None and pipeline is None:
+        if intra is not None and options.pipeline is None:
             log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
             return intra, graph, micro
         if intra_error is not None:
             raise PlanningError(f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}") from None
         raise
+    if intra is not None and options.pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
+        solver = dataclasses.replace(intra.solver, pipeline_step_time=piped.predicted_step_time)
+        return dataclasses.replace(intra, solver=solver), graph, micro
+    other: float | str | None = None
     if intra is not None:
-        piped.solver["intra_op_step_time"] = intra.predicted_step_time
+        other = intra.predicted_step_time
     elif intra_error is not None:
-        piped.solver["intra_op_step_time"] = f"no plan: {str(intra_error).splitlines()[0]}"
-    if intra is not None and pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
-        intra.solver["pipeline_step_time"] = piped.predicted_step_time
-        return intra, graph, micro
-    return piped, graph, micro
+        other = f"no plan: {str(intra_error).splitlines()[0]}"
+    return dataclasses.replace(piped, solver=dataclasses.replace(piped.solver, intra_op_step_time=other)), graph, micro
 
 
-def _device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:
+def explain(plan: Plan | PipelinePlan) -> str:
+    """A plan for a person: for an intra-operator plan the layouts per parameter class and per layer, the
+    step time by category, memory by kind and where the time goes (``planner.explain``); for a pipelined
+    plan its stages, submeshes and the time split into stage work, bubble and update."""
+    if isinstance(plan, PipelinePlan):
+        return explain_pipeline(plan)
+    return explain_plan(plan).text()
+
+
+def _device_mesh(mesh: MeshLike | None) -> jax.sharding.Mesh:
+    """The devices a step runs on: the first devices present in the mesh's shape (all of them on one axis
+    when ``mesh`` is None)."""
     devices = jax.devices()
+    shape, names = parse_mesh(mesh if mesh is not None else (len(devices),))
     n = int(np.prod(shape))
     if n > len(devices):
         raise PlanningError(
@@ -203,7 +155,8 @@ class _Compiled:
 class parallelize:  # lower case: used as a decorator, like jax.jit
     """Decorate a train step: the first call traces, plans and compiles it for the mesh; later calls with
     the same argument shapes reuse the compiled program. ``.plan`` is the latest plan, ``.explain()``
-    prints it.
+    prints it. The arguments are ``autoshard.plan``'s; ``hardware="auto"`` (the default here) prices the
+    devices present, and ``mesh`` defaults to all of them on one axis.
 
         @autoshard.parallelize(mesh=(2, 4))
         def train_step(state, batch): ...
@@ -214,25 +167,25 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         fn: Callable[..., Any] | None = None,
         *,
         mesh: MeshLike | None = None,
-        hardware: str | CostModel = "auto",
-        memory_budget: float | str | None = "auto",
+        hardware: HardwareLike = "auto",
+        memory_budget: BudgetLike = "auto",
         time_budget_s: float = 60.0,
         roles: Mapping[str, str] | None = None,
         microbatches: int | None = None,
         schedule: str = "1f1b",
         pipeline: bool | None = None,
         num_layers: int | None = None,
+        max_stages: int | None = None,
         stage_shape: tuple[int, int] | None = None,
     ) -> None:
         self.fn = fn
-        self.num_layers = num_layers
-        self.stage_shape = stage_shape
-        self.microbatches = microbatches
-        self.schedule = schedule
-        self.pipeline = pipeline
-        self.mesh = mesh if mesh is not None else (len(jax.devices()),)
-        self.hardware = hardware
-        self.memory_budget = memory_budget
+        # resolved at the first call: "auto" hardware and the default mesh look at the devices, which must
+        # wait until the user has set up JAX (jax.distributed.initialize, platform flags)
+        self._target_args = (mesh, hardware, memory_budget)
+        self._devices: jax.sharding.Mesh | None = None
+        self._target: Target | None = None
+        self.options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule,
+                                       num_layers=num_layers, max_stages=max_stages, stage_shape=stage_shape)
         self.time_budget_s = time_budget_s
         self.roles = roles
         self._cache: dict[Any, _Compiled] = {}
@@ -258,20 +211,28 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         self._last = compiled
         return compiled.step(*args)
 
-    def _compile(self, args: tuple[Any, ...]) -> _Compiled:
-        from autoshard.emit import emit
+    @property
+    def device_mesh(self) -> jax.sharding.Mesh:
+        """The devices the step runs on, as a mesh with the plan's axis names."""
+        if self._devices is None:
+            self._devices = _device_mesh(self._target_args[0])
+        return self._devices
 
-        shape, names = parse_mesh(self.mesh)
-        device_mesh = _device_mesh(shape, names)
-        the_plan, graph, micro = _plan_traced(
-            self.fn, args, mesh=dict(zip(names, shape, strict=True)), hardware=self.hardware,
-            memory_budget=self.memory_budget, time_budget_s=self.time_budget_s, roles=self.roles,
-            microbatches=self.microbatches, schedule=self.schedule, pipeline=self.pipeline,
-            num_layers=self.num_layers, max_stages=None, stage_shape=self.stage_shape)
+    @property
+    def target(self) -> Target:
+        """The mesh, hardware and memory budget this step is planned for."""
+        if self._target is None:
+            _, hardware, budget = self._target_args
+            mesh = self.device_mesh
+            self._target = Target.of(dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)), hardware, budget)
+        return self._target
+
+    def _compile(self, args: tuple[Any, ...]) -> _Compiled:
+        device_mesh = self.device_mesh
+        the_plan, graph, micro = plan_for(self.fn, args, self.target, self.options,
+                                          time_budget_s=self.time_budget_s, roles=self.roles)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh))
-        from autoshard.pipeline import build_pipelined_step
-
         assert micro is not None
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, list(device_mesh.devices.flat)))
 
@@ -288,4 +249,4 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         return self._last.graph
 
     def explain(self) -> str:
-        return self.plan.explain()
+        return explain(self.plan)

@@ -11,6 +11,10 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autoshard.target import Target
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +80,11 @@ def _profile_arguments(p: argparse.ArgumentParser) -> None:
 
 def _profile_run(args: argparse.Namespace) -> int:
     from autoshard.profiler import ProfileConfig, ensure_cpu_devices, run_profile
+    from autoshard.target import parse_mesh
 
     ensure_cpu_devices(args.cpu_devices)  # before any JAX operation initialises the backends
-    shape = tuple(int(s) for s in args.mesh.lower().split("x"))
-    names = tuple(args.axis_names.split(",")) if args.axis_names else None
+    shape, axis_names = parse_mesh(args.mesh, args.axis_names.split(",") if args.axis_names else None)
+    names = axis_names if args.axis_names else None
     config = (ProfileConfig.quick if args.quick else ProfileConfig)(
         mesh_shape=shape, axis_names=names, estimator=args.estimator
     )
@@ -108,24 +113,12 @@ def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float, per_p
                    help="solver time budget " + ("per plan, in seconds" if per_plan else "in seconds"))
 
 
-def _mesh_and_budget(args: argparse.Namespace) -> tuple[dict[str, int], float | str | None]:
-    """``--mesh``/``--axes`` as {axis name: size}, and ``--memory-budget`` as bytes, "auto" or None."""
-    from autoshard.api import PlanningError, parse_mesh
+def _target(args: argparse.Namespace) -> Target:
+    """``--mesh``, ``--axes``, ``--hardware`` and ``--memory-budget`` resolved."""
+    from autoshard.target import Target
 
-    shape, names = parse_mesh(args.mesh)
-    if args.axes:
-        names = tuple(a.strip() for a in args.axes.split(","))
-        if len(names) != len(shape):
-            raise PlanningError(f"--axes names {len(names)} axes but --mesh {args.mesh} has {len(shape)}")
-    budget: float | str | None = args.memory_budget
-    if budget == "none":
-        budget = None
-    elif budget != "auto":
-        try:
-            budget = float(budget)
-        except ValueError:
-            raise PlanningError(f"--memory-budget {budget!r}: give bytes (e.g. 16e9), 'auto' or 'none'") from None
-    return dict(zip(names, shape, strict=True)), budget
+    axes = [a.strip() for a in args.axes.split(",")] if args.axes else None
+    return Target.of(args.mesh, args.hardware, args.memory_budget, axis_names=axes)
 
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,30 +138,28 @@ def _plan_run(args: argparse.Namespace) -> int:
     import time
 
     from autoshard._examples import load_example
-    from autoshard.api import PlanningError, plan
+    from autoshard.api import plan_for
+    from autoshard.pipeline import format_pipeline_plan
     from autoshard.planner.plan import Plan
-    from autoshard.planner.summary import format_pipeline_plan, format_plan
+    from autoshard.planner.summary import format_plan
+    from autoshard.target import PipelineOptions
 
-    mesh, budget = _mesh_and_budget(args)
-    pipeline = {"auto": None, "yes": True, "no": False}[args.pipeline]
-    if pipeline and not args.microbatches:
-        raise PlanningError("--pipeline yes needs --microbatches B")
+    target = _target(args)
+    options = PipelineOptions(microbatches=args.microbatches, pipeline={"auto": None, "yes": True, "no": False}[args.pipeline],
+                              schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages)
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
-    the_plan = plan(example.train_step, *example.args, mesh=mesh,
-                    hardware=args.hardware, memory_budget=budget, time_budget_s=args.time_budget,
-                    microbatches=args.microbatches, schedule=args.schedule, pipeline=pipeline,
-                    num_layers=args.layers, max_stages=args.max_stages)
+    the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget)[0]
     elapsed = time.perf_counter() - t0
     print(f"{example.name} preset={example.preset} planned in {elapsed:.1f} s (trace, build, solve)")
     if isinstance(the_plan, Plan):
         print(format_plan(the_plan))
-        other = the_plan.solver.get("pipeline_step_time")
+        other = the_plan.solver.pipeline_step_time
         if other is not None:
             print(f"(the best pipelined plan predicts {other * 1e3:.2f} ms: intra-operator only is faster)")
     else:
         print(format_pipeline_plan(the_plan))
-        other = the_plan.solver.get("intra_op_step_time")
+        other = the_plan.solver.intra_op_step_time
         if isinstance(other, float):
             print(f"(the best intra-operator plan predicts {other * 1e3:.2f} ms)")
         elif other is not None:
@@ -198,7 +189,8 @@ def _explain_run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from autoshard.planner.explain import explain_pipeline, explain_plan, explain_tensor
+    from autoshard.pipeline import PipelinePlan, explain_pipeline
+    from autoshard.planner.explain import explain_plan, explain_tensor
     from autoshard.planner.plan import Plan, PlanError
 
     try:
@@ -208,8 +200,6 @@ def _explain_run(args: argparse.Namespace) -> int:
     if args.why and not args.graph:
         raise PlanError("--why needs --graph MODEL (and the --preset/--set the plan was made with)")
     if isinstance(data, dict) and data.get("kind") == "pipeline":
-        from autoshard.pipeline.planner import PipelinePlan
-
         pplan = PipelinePlan.from_dict(data)
         print(explain_pipeline(pplan))
         if args.why:
@@ -246,13 +236,16 @@ def _compare_run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from autoshard.planner.compare import compare_model
+    from autoshard._examples import load_example
+    from autoshard.planner.compare import compare
+    from autoshard.trace import trace
 
-    mesh, budget = _mesh_and_budget(args)
-    result = compare_model(args.model, preset=args.preset, overrides=args.overrides,
-                           mesh=mesh, hardware=args.hardware,
-                           memory_budget=budget, time_budget_s=args.time_budget,
-                           log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
+    target = _target(args)
+    example = load_example(args.model, args.preset, args.overrides, abstract=True)
+    graph = trace(example.train_step, *example.args)
+    result = compare(graph, target.cost, hardware=target.hardware, memory_budget=target.memory_budget,
+                     time_budget_s=args.time_budget,
+                     log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
     print(result.text())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))

@@ -12,3 +12,7 @@ class ExampleError(AutoshardError, ValueError):
 
 class TraceError(AutoshardError, TypeError):
     """A train step could not be traced into a Graph (not a JAX function, bad example arguments)."""
+
+
+class GraphError(AssertionError):
+    """A Graph broke one of its invariants (raised by ``Graph.verify``): a bug in the tracer or a pass."""

@@ -1,6 +1,6 @@
 """Automatic plan versus the best hand-written layout (issue #6's benchmark): GPT presets on a logical mesh.
 
-For each preset, the automatic plan and every layout of ``autoshard.planner.manual.grid`` (dp x tp over
+For each preset, the automatic plan and every layout of ``autoshard.planner.layouts.grid`` (dp x tp over
 the mesh's axes, with ZeRO-1 and ZeRO-3 over the data-parallel axes) are priced with the same cost model
 and memory budget; each hand layout gets its best completion by the same ILP. Prints one markdown table
 per preset, then a summary of auto / best hand layout, and where auto loses, the diff against the winner.
@@ -27,7 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from autoshard.planner.compare import compare_model
+    from autoshard._examples import load_example
+    from autoshard.planner.compare import compare, diff_plans
+    from autoshard.target import Target
+    from autoshard.trace import trace
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["1.3b", "6.7b"])
@@ -39,23 +42,24 @@ def main() -> None:
     p.add_argument("--json", help="also write the results as JSON here")
     args = p.parse_args()
     overrides = ["batch=16", *args.set]
-    budget = None if args.memory_budget == "none" else args.memory_budget
     print(f"hardware {args.hardware}, {' '.join(overrides)}, solver budget {args.time_budget:.0f} s per plan, "
           f"memory budget {args.memory_budget}")
     results, summary = [], []
     for preset in args.presets:
         for mesh in args.meshes:
             t0 = time.perf_counter()
-            c = compare_model(str(ROOT / "examples" / "gpt.py"), preset=preset, overrides=overrides, mesh=mesh,
-                              hardware=args.hardware, memory_budget=budget, time_budget_s=args.time_budget,
-                              log=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+            target = Target.of(mesh, args.hardware, args.memory_budget)
+            example = load_example(str(ROOT / "examples" / "gpt.py"), preset, overrides, abstract=True)
+            c = compare(trace(example.train_step, *example.args), target.cost, hardware=target.hardware,
+                        memory_budget=target.memory_budget, time_budget_s=args.time_budget,
+                        log=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
             wall = time.perf_counter() - t0
             best = c.best_hand
             print(f"\n### GPT {preset} on {mesh} ({wall:.0f} s)\n")
             print("| layout | step ms | x auto | GiB/dev | fits | solver |")
             print("|---|---:|---:|---:|---|---|")
-            statuses = [c.auto.solver.get("status", "")] + ([c.seeded.solver.get("status", "")] if c.seeded else [])
-            for r, status in zip(c.rows, statuses + [q.plan.solver.get("status", "") for q in c.priced],
+            statuses = [c.auto.solver.status] + ([c.seeded.solver.status] if c.seeded else [])
+            for r, status in zip(c.rows, statuses + [q.plan.solver.status for q in c.priced],
                                  strict=True):
                 mark = " (best hand)" if best is not None and r.name == best.layout.name else ""
                 print(f"| {r.name}{mark} | {r.step_time * 1e3:.2f} | {r.ratio:.3f} | {r.peak_memory / 2**30:.1f} | "
@@ -66,7 +70,7 @@ def main() -> None:
             results.append({"preset": preset, "mesh": mesh, "wall": wall} | c.to_dict())
             if best is not None and ratio is not None and ratio > 1 + 1e-9:
                 print(f"\nauto loses to {best.layout.name}; what differs (auto -> hand):\n")
-                print(c.auto.diff(best.plan).text())
+                print(diff_plans(c.auto, best.plan).text())
     print("\n### auto / best hand layout\n")
     print("| preset | mesh | auto ms | best hand layout | hand ms | auto / best | auto + grid starts ms | "
           "(auto + grid starts) / best |")

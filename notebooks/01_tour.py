@@ -110,7 +110,7 @@ print(f"predicted step time {1e6 * plan.predicted_step_time:.1f} us, peak memory
 print("time breakdown:", {k: f"{1e6 * v:.2f} us" for k, v in plan.time_breakdown.items()})
 for layout in plan.inputs[:6]:
     print(f"  {layout.role:<9} {layout.name:<40} {list(layout.shape)!s:<10} {layout.spec}")
-print("solver:", {k: plan.solver[k] for k in ("status", "nodes", "edges")})
+print("solver:", plan.solver.status, plan.solver.nodes, "nodes", plan.solver.edges, "edges")
 print("JSON keys:", list(plan.to_dict()))
 
 # %% [markdown]

@@ -33,9 +33,9 @@ import numpy as np
 
 import autoshard
 from autoshard._examples import load_example
-from autoshard.api import cost_model_for
-from autoshard.planner import manual
-from autoshard.planner.compare import SEEDED, compare
+from autoshard.planner import layouts
+from autoshard.planner.compare import SEEDED, compare, diff_plans
+from autoshard.target import cost_model_for
 
 # %matplotlib inline
 plt.rcParams.update({"figure.dpi": 90, "axes.spines.top": False, "axes.spines.right": False})
@@ -60,13 +60,13 @@ SHOW = ["state.params.block_0.attn.qkv.kernel", "state.params.block_0.mlp.proj.k
         "state.opt_state[0].mu.block_0.attn.qkv.kernel", "state.params.wte.embedding", "batch.tokens"]
 
 
-def show(layout: manual.HandLayout) -> None:
+def show(layout: layouts.HandLayout) -> None:
     print(f"{layout.name}: {layout.description}")
     for name in SHOW:
         print(f"    {name:<48} {layout.specs[name]}")
 
 
-for layout in [manual.data_parallel(graph, mesh), manual.zero(graph, mesh, 3), manual.megatron(graph, mesh)]:
+for layout in [layouts.data_parallel(graph, mesh), layouts.zero(graph, mesh, 3), layouts.megatron(graph, mesh)]:
     show(layout)
 
 # %% [markdown]
@@ -77,9 +77,9 @@ for layout in [manual.data_parallel(graph, mesh), manual.zero(graph, mesh, 3), m
 # `x`.
 
 # %%
-dp_vocab = manual.from_rules(graph, mesh, [("batch.tokens", ("x",)), ("*wte.embedding", ("x", None))],
+dp_vocab = layouts.from_rules(graph, mesh, [("batch.tokens", ("x",)), ("*wte.embedding", ("x", None))],
                              name="dp + vocab-split wte", description="batch and embedding rows over x")
-logical = manual.from_logical_axes(
+logical = layouts.from_logical_axes(
     graph, mesh,
     annotations=[("batch.tokens", ("batch", None)), ("*mlp.fc.kernel", ("embed", "mlp")),
                  ("*mlp.fc.bias", ("mlp",)), ("*mlp.proj.kernel", ("mlp", "embed"))],
@@ -92,7 +92,7 @@ show(logical)
 # ## The comparison
 #
 # `compare` plans the step automatically and prices every layout of the dp x tp x ZeRO grid
-# (`manual.grid`) plus any we add, all with the same cost model and memory budget. The budget here is
+# (`layouts.grid`) plus any we add, all with the same cost model and memory budget. The budget here is
 # 8 GiB per device: tight enough that plain data parallelism does not fit. `x auto` is a layout's step time over the
 # automatic plan's.
 #
@@ -105,7 +105,7 @@ show(logical)
 # %%
 BUDGET = 8 * GiB
 t0 = time.perf_counter()
-table = compare(graph, cost, layouts=[*manual.grid(graph, mesh), dp_vocab, logical], hardware="h100",
+table = compare(graph, cost, layouts=[*layouts.grid(graph, mesh), dp_vocab, logical], hardware="h100",
                 memory_budget=BUDGET, time_budget_s=SOLVER_S)
 print(f"compared in {time.perf_counter() - t0:.0f} s\n")
 print(table.text())
@@ -146,23 +146,23 @@ plt.show()
 # ## One layout in detail
 #
 # Each priced layout is an ordinary `Plan`, with the same breakdown of time and memory as an automatic
-# plan (`Plan.explain()`). The fastest hand layout that fits:
+# plan (`autoshard.explain(plan)`). The fastest hand layout that fits:
 
 # %%
 best = table.best_hand
-explanation = best.plan.explain().splitlines()
+explanation = autoshard.explain(best.plan).splitlines()
 print(f"{best.layout.name}: {best.layout.description}\n")
 cut = next((i for i, line in enumerate(explanation) if line.startswith("layouts")), 24)
 print("\n".join(explanation[:cut]))
 print(f"... ({len(explanation) - cut} more lines: layouts per class and per layer, the ops where the time goes)")
 
 # %% [markdown]
-# `Plan.diff` lists what changes from one plan to another: the time and memory deltas by category and
+# `diff_plans` lists what changes from one plan to another: the time and memory deltas by category and
 # the inputs whose layout differs.
 
 # %%
 print(f"auto -> {best.layout.name}\n")
-print(table.auto.diff(best.plan).text(max_rows=15))
+print(diff_plans(table.auto, best.plan).text(max_rows=15))
 
 # %% [markdown]
 # ## Two mesh axes
@@ -171,11 +171,11 @@ print(table.auto.diff(best.plan).text(max_rows=15))
 # Megatron tensor parallel within each row of four. Every tensor now has many more layouts to choose
 # from, so the solver's problem is much larger and 5 s is short for it: this is where the plain automatic
 # solve is most likely to come out behind a good hand layout, and where starting it from the hand
-# layouts' completions pays. (`manual.price_layout` prices a single layout the same way `compare` does.)
+# layouts' completions pays. (`price_layout` prices a single layout the same way `compare` does.)
 
 # %%
 cost_2d = cost_model_for("h100", (2, 4), ("x", "y"))
-hand_2d = manual.megatron(graph, cost_2d.mesh, tp="y", dp="x")
+hand_2d = layouts.megatron(graph, cost_2d.mesh, tp="y", dp="x")
 t0 = time.perf_counter()
 table_2d = compare(graph, cost_2d, layouts=[hand_2d], hardware="h100", memory_budget=0.9 * cost_2d.memory_capacity,
                    time_budget_s=SOLVER_S)

@@ -1,4 +1,4 @@
-"""Plan.diff and compare: the automatic plan beside the hand-written grid, as a table and as data."""
+"""diff_plans and compare: the automatic plan beside the hand-written grid, as a table and as data."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 import autoshard
 from autoshard._examples import load_example
 from autoshard.cli import main
-from autoshard.planner import manual
-from autoshard.planner.compare import compare
-from autoshard.planner.plan import Plan, ProblemCache, plan_graph
+from autoshard.planner import layouts
+from autoshard.planner.compare import compare, diff_plans, price_layout
+from autoshard.planner.plan import Plan
+from autoshard.planner.planning import ProblemCache, plan_graph
 from cost_models import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,19 +34,19 @@ def wide():
 
 def test_a_plan_diffed_with_itself_is_empty(wide, tmp_path: Path) -> None:
     _, _, _, plan = wide
-    d = plan.diff(plan)
+    d = diff_plans(plan, plan)
     assert d.empty and d.layouts == () and d.time == () and d.memory == () and d.intermediates_changed == 0
     assert d.intermediates_compared > 0
     assert "the plans are the same" in d.text()
     path = tmp_path / "plan.json"
     plan.save(path)
-    assert plan.diff(Plan.load(path)).empty
+    assert diff_plans(plan, Plan.load(path)).empty
 
 
 def test_diff_names_the_layouts_and_the_categories_that_changed(wide) -> None:
     graph, cost, problems, auto = wide
-    z3 = manual.price_layout(graph, cost, manual.zero(graph, cost.mesh, 3), time_budget_s=5, problems=problems).plan
-    d = auto.diff(z3)
+    z3 = price_layout(graph, cost, layouts.zero(graph, cost.mesh, 3), time_budget_s=5, problems=problems).plan
+    d = diff_plans(auto, z3)
     assert not d.empty
     changed = {name: (a, b) for name, a, b in d.layouts}
     # FSDP splits each kernel on its largest dimension: the one Megatron splits too, so those stay
@@ -58,7 +59,7 @@ def test_diff_names_the_layouts_and_the_categories_that_changed(wide) -> None:
     assert d.intermediates_changed > 0
     text = d.text()
     assert "state.params.dense_*.bias" in text and "all_gather(model)" in text and "->" in text
-    back = z3.diff(auto)
+    back = diff_plans(z3, auto)
     assert back.step_time == d.step_time[::-1] and len(back.layouts) == len(d.layouts)
 
 
@@ -66,7 +67,7 @@ def test_compare_lists_every_grid_layout_and_auto_is_never_worse() -> None:
     for preset in ("big-batch", "wide", "tiny"):
         graph, cost = _mlp(preset, (2, 4), ("x", "y"))
         c = compare(graph, cost, hardware="h100", time_budget_s=5)
-        names = [lay.name for lay in manual.grid(graph, cost.mesh)]
+        names = [lay.name for lay in layouts.grid(graph, cost.mesh)]
         rows = c.rows
         assert [r.name for r in rows] == ["auto", "auto + grid starts", *names]
         text = c.text()
@@ -77,7 +78,7 @@ def test_compare_lists_every_grid_layout_and_auto_is_never_worse() -> None:
         # every hand layout is a restriction of the automatic plan's search space
         assert c.auto_vs_best <= 1 + 1e-6, (preset, c.text())
         assert all(r.ratio >= 1 - 1e-6 for r in rows), (preset, c.text())
-        assert c.seeded_vs_best <= 1 + 1e-6 and c.seeded.solver["starts"]["plan 0"] > 0
+        assert c.seeded_vs_best <= 1 + 1e-6 and c.seeded.solver.starts["plan 0"] > 0
         data = c.to_dict()
         assert data["best_hand"] == best.layout.name and len(data["rows"]) == 12
         json.dumps(data)
@@ -90,7 +91,7 @@ def test_on_a_transformer_auto_is_never_worse_than_the_best_grid_layout() -> Non
     graph = autoshard.trace(ex.train_step, *ex.args)
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
     c = compare(graph, cost, hardware="h100", time_budget_s=4, seeded=False)
-    assert c.auto.solver["seeds"]["tied"] > 0
+    assert c.auto.solver.seeds["tied"] > 0
     assert c.best_hand is not None and c.auto_vs_best <= 1 + 1e-6, c.text()
 
 

@@ -13,15 +13,15 @@ import pytest
 import autoshard
 from autoshard._examples import load_example
 from autoshard.cli import main
-from autoshard.pipeline import PipelinePlan, StagePlan
+from autoshard.pipeline import PipelinePlan, PipelineReport, StagePlan, explain_pipeline
 from autoshard.planner.explain import (
-    explain_pipeline,
     explain_plan,
     explain_tensor,
     layer_layouts,
     memory_breakdown,
 )
-from autoshard.planner.plan import Plan, PlanError, TensorLayout, plan_graph
+from autoshard.planner.plan import Plan, PlanError, TensorLayout
+from autoshard.planner.planning import plan_graph
 from cost_models import CostModel, ShardingSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_explain_names_the_spec_of_each_class_and_the_time_adds_up(wide) -> None
     layers = {g.layers[0]: dict(g.specs) for g in e.layers}
     assert layers["dense_0"] == {"bias": "S(model)", "kernel": "R·S(model)"}
     assert layers["dense_1"] == {"bias": "R", "kernel": "S(model)·R"}
-    text = plan.explain()
+    text = autoshard.explain(plan)
     assert "R·S(model)" in text and "all_reduce(model)" in text and "gradients (estimate)" in text
 
 
@@ -71,7 +71,7 @@ def test_memory_rows_are_exact_for_the_state_and_add_up_to_the_peak(wide) -> Non
 
 def test_top_ops_name_the_op_and_its_source_line_and_survive_json(wide, tmp_path: Path) -> None:
     _, _, plan = wide
-    top = plan.solver["top_ops"]
+    top = plan.solver.top_ops
     assert top and [g["time"] for g in top] == sorted((g["time"] for g in top), reverse=True)
     assert all("examples/mlp.py:" in g["source"] and "(op " in g["op"] for g in top)
     assert math.fsum(g["time"] for g in top) <= plan.predicted_step_time * (1 + 1e-9)
@@ -80,7 +80,7 @@ def test_top_ops_name_the_op_and_its_source_line_and_survive_json(wide, tmp_path
     path = tmp_path / "plan.json"
     plan.save(path)
     again = Plan.load(path)
-    assert again.solver["top_ops"] == top and again.to_dict() == plan.to_dict()
+    assert again.solver.top_ops == top and again.to_dict() == plan.to_dict()
     text = explain_plan(again, top=3).text()
     assert text.count("examples/mlp.py:") >= 3
 
@@ -129,7 +129,7 @@ def test_why_for_an_op_result_and_for_a_plan_without_a_recorded_choice(wide) -> 
     assert why.cheapest is why.chosen
     assert "R·S(model)" in why.chosen.reads and "S(model)·R" in why.chosen.reads
     # older plans carry no choice: the specs are matched back onto strategies, with the same answer
-    bare = dataclasses.replace(plan, solver={k: v for k, v in plan.solver.items() if k != "choice"})
+    bare = dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, choice=""))
     again = explain_tensor(graph, bare, None, name)
     assert [a.spec for a in again.alternatives] == [a.spec for a in why.alternatives]
     assert again.chosen.spec == why.chosen.spec and not again.notes
@@ -150,7 +150,9 @@ def test_pipeline_explain_splits_work_bubble_and_update(tmp_path: Path, capsys: 
                       hardware="h100", num_microbatches=4, schedule="1f1b", num_layers=2, stages=stages,
                       layer_of_op=(), predicted_step_time=pipe + 0.5e-3,
                       bubble_fraction=1 - 3e-3 * 4 / (2 * pipe), peak_memory=1e9, memory_budget=None,
-                      solver={}, graph_digest="")
+                      solver=PipelineReport(dp_cost=0.0, layer_solves=0, distinct_layers=0, dp_seconds=0.0,
+                                            dp_candidates=0, stage_costing_seconds=0.0, planning_seconds=0.0),
+                      graph_digest="")
     text = explain_pipeline(pp)
     assert "pipeline bubble" in text and "3.00 ms" in text  # 9 ms of pipeline, 6 ms of work per stage
     assert "stage work (mean per stage)" in text and "6.00 ms" in text

@@ -112,7 +112,7 @@ def test_heavy_communication_lands_on_the_fast_axis() -> None:
     over whichever axis has the fast link, and moves when the links are swapped."""
     import dataclasses
 
-    from autoshard.planner.plan import plan_graph
+    from autoshard.planner.planning import plan_graph
     from cost_models import CostModel, LogicalMesh
 
     ex = load_example(ROOT / "examples" / "mlp.py", "big-batch", [], abstract=True)

@@ -45,3 +45,95 @@ def test_package_imports_no_jax_or_autoshard(package: str) -> None:
     other = "cost_models" if package == "solvers" else "solvers"
     assert not bad, f"{package} imports {bad}; it must stay free of JAX and autoshard"
     assert not any(m.split(".")[0] == other for m in loaded), f"{package} must not import {other}"
+
+
+# The passes inside autoshard/, lowest first: a module may import its own pass and the ones before it,
+# never a later one, and the imports of the whole package form no cycle (function-local imports
+# included: a cycle hidden in a function body is still a cycle). A module's pass is the longest entry
+# that is a prefix of its name; the package ``__init__`` files come last within their pass.
+PASSES = (
+    "autoshard._version",
+    "autoshard.errors",
+    "autoshard.target",
+    "autoshard.trace",
+    "autoshard.strategies",
+    "autoshard.planner.build",
+    "autoshard.planner.plan",
+    "autoshard.planner.summary",
+    "autoshard.planner.readback",
+    "autoshard.planner.pins",
+    "autoshard.planner.layouts",
+    "autoshard.planner.shares",
+    "autoshard.planner.seeds",
+    "autoshard.planner.planning",
+    "autoshard.planner.explain",
+    "autoshard.planner.compare",
+    "autoshard.planner",
+    "autoshard.emit",
+    "autoshard.pipeline.partition",
+    "autoshard.pipeline.schedules",
+    "autoshard.pipeline.pipeline_plan",
+    "autoshard.pipeline.layer_prices",
+    "autoshard.pipeline.stages",
+    "autoshard.pipeline.report",
+    "autoshard.pipeline.runtime",
+    "autoshard.pipeline.spmd",
+    "autoshard.pipeline",
+    "autoshard.profiler",
+    "autoshard._examples",
+    "autoshard.api",
+    "autoshard.cli",
+    "autoshard",
+)
+
+
+def _imports_of(path: Path, module: str, known: set[str]) -> set[str]:
+    """The autoshard modules ``path`` imports anywhere in its body (``from autoshard.p import m`` names
+    module ``autoshard.p.m`` when there is one); imports under ``if TYPE_CHECKING:`` are for annotations
+    and never run, so they are left out."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n.split(".")[0] == "autoshard" and n != module}
+    return out
+
+
+def _pass_of(module: str) -> int:
+    best = max((p for p in PASSES if module == p or module.startswith(p + ".")), key=len, default=None)
+    assert best is not None, f"{module} is in no pass: add it to PASSES in {__file__}"
+    return PASSES.index(best)
+
+
+def test_autoshard_passes_import_only_earlier_passes_and_form_no_cycle() -> None:
+    import networkx as nx
+
+    modules = {m: ROOT / (m.replace(".", "/") + ".py") for m in _modules_of("autoshard")}
+    for m in list(modules):
+        if not modules[m].exists():
+            modules[m] = ROOT / m.replace(".", "/") / "__init__.py"
+    known = set(modules)
+    graph = nx.DiGraph()
+    upward = []
+    for m, path in modules.items():
+        graph.add_node(m)
+        for target in _imports_of(path, m, known):
+            graph.add_edge(m, target)
+            is_init = path.name == "__init__.py" and target.startswith(m + ".")
+            if not is_init and _pass_of(target) > _pass_of(m):
+                upward.append(f"{m} imports {target}")
+    assert not upward, "a pass imports a later one:\n" + "\n".join(sorted(upward))
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])

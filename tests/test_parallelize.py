@@ -66,5 +66,5 @@ def test_second_call_reuses_the_compiled_program() -> None:
 def test_mesh_larger_than_the_devices_is_a_clear_error() -> None:
     ex = load_example(ROOT / "examples" / "mlp.py", "tiny", abstract=False)
     par = autoshard.parallelize(ex.train_step, mesh=(4, 4))
-    with pytest.raises(autoshard.api.PlanningError, match="needs 16 devices but 8 are present"):
+    with pytest.raises(autoshard.target.PlanningError, match="needs 16 devices but 8 are present"):
         par(*ex.args)

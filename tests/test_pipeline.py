@@ -13,9 +13,14 @@ from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard._examples import load_example
-from autoshard.api import cost_model_for
 from autoshard.emit.program import global_rel_error
-from autoshard.pipeline import PipelineError, PipelinePlan, plan_pipeline
+from autoshard.pipeline import (
+    PipelineError,
+    PipelinePlan,
+    format_pipeline_plan,
+    microbatch_args,
+    plan_pipeline,
+)
 from autoshard.pipeline.partition import (
     BACKWARD,
     FORWARD,
@@ -24,7 +29,7 @@ from autoshard.pipeline.partition import (
     segments,
     split_step,
 )
-from autoshard.pipeline.planner import microbatch_args
+from autoshard.target import cost_model_for
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -143,7 +148,7 @@ def test_pipeline_plan_round_trips_and_explains_itself(gpt_micro, tmp_path: Path
     back = PipelinePlan.load(path)
     assert back.to_dict() == plan.to_dict()
     back.verify(g)
-    text = plan.summary()
+    text = format_pipeline_plan(plan)
     assert "2 stages, 4 microbatches, schedule 1f1b" in text and "bubble" in text
     with pytest.raises(PipelineError, match="stage_shape"):
         plan_pipeline(g, cost, num_microbatches=4, stage_shape=(1, 3))

@@ -9,8 +9,9 @@ import pytest
 
 import autoshard
 from autoshard._examples import load_example
-from autoshard.planner import manual
-from autoshard.planner.plan import Plan, PlanError, plan_graph
+from autoshard.planner import layouts
+from autoshard.planner.plan import Plan, PlanError
+from autoshard.planner.planning import plan_graph
 from cost_models import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def test_plan_reports_layouts_time_and_memory(wide_plan) -> None:
     params = sum(t.size for t in graph.tensors if t.role.value == "param") * 4
     assert plan.peak_memory < 3 * params  # weights and Adam moments split 8 ways, plus activations
     assert by_name["batch.x"].spec.is_replicated()  # Megatron: every device sees the whole batch
-    assert plan.solver["optimal"]
+    assert plan.solver.optimal
 
 
 def test_plan_json_round_trip_and_verify(wide_plan, tmp_path: Path) -> None:
@@ -67,20 +68,20 @@ def test_plan_json_round_trip_and_verify(wide_plan, tmp_path: Path) -> None:
 
 def test_large_plans_start_from_the_best_uniform_plan_and_every_textbook_layout() -> None:
     # GPT-tiny on 2x4 (826 nodes): before the full solve, the planner solves the problem with the copies of
-    # each block tied to one choice ("tied"), and so completes every layout of manual.grid
+    # each block tied to one choice ("tied"), and so completes every layout of layouts.grid
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", abstract=True)
     graph = autoshard.trace(ex.train_step, *ex.args)
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
     plan = plan_graph(graph, cost, hardware="h100", time_budget_s=10)
-    seeds = plan.solver["seeds"]
+    seeds = plan.solver.seeds
     first = {k: v for k, v in seeds.items() if not k.startswith("tied, from ")}
-    assert set(first) == {"tied", *(lay.name for lay in manual.grid(graph, cost.mesh))}
+    assert set(first) == {"tied", *(lay.name for lay in layouts.grid(graph, cost.mesh))}
     # the two best of them are solved again, tied but free of their layouts: never worse than where they began
     best = sorted(first, key=first.get)[:2]
     assert set(seeds) - set(first) == {f"tied, from {name}" for name in best}
     for name in best:
         assert seeds[f"tied, from {name}"] <= first[name] * (1 + 1e-9)
     # the full solve starts from the best of them: never worse
-    assert plan.solver["objective"] <= min(seeds.values()) * (1 + 1e-9)
+    assert plan.solver.objective <= min(seeds.values()) * (1 + 1e-9)
     # each seed is a restriction of the full problem: no cheaper than the full problem's optimum bound
-    assert min(seeds.values()) >= plan.solver["lower_bound"] * (1 - 1e-9)
+    assert min(seeds.values()) >= plan.solver.lower_bound * (1 - 1e-9)

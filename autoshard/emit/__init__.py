@@ -8,7 +8,6 @@ bodies included); ``validate_specs`` is the check ``emit`` runs first.
 from autoshard.emit.program import EmittedStep, emit, global_rel_error
 from autoshard.emit.specs import (
     EmitError,
-    ScopeKey,
     SpecMap,
     iter_scopes,
     named_sharding,
@@ -21,7 +20,6 @@ from autoshard.emit.specs import (
 __all__ = [
     "EmitError",
     "EmittedStep",
-    "ScopeKey",
     "SpecMap",
     "emit",
     "global_rel_error",

@@ -36,8 +36,8 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun
 
-from autoshard.emit.specs import EmitError, ScopeKey, named_sharding, normalize_key
-from autoshard.trace.graph import Graph, Op
+from autoshard.emit.specs import EmitError, named_sharding, normalize_key
+from autoshard.trace.graph import Graph, Op, Scope
 from autoshard.trace.tracer import _INLINE_KEYS, _REMAT
 from cost_models.spec import ShardingSpec
 
@@ -113,15 +113,15 @@ def _eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
 class Interpreter:
     """Re-binds a Graph's ops with the spec map's constraints; one instance per emitted program."""
 
-    def __init__(self, mesh: jax.sharding.Mesh, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]]) -> None:
+    def __init__(self, mesh: jax.sharding.Mesh, specs: Mapping[Scope, Mapping[int, ShardingSpec]]) -> None:
         self.mesh = mesh
         self.specs = {normalize_key(k): dict(v) for k, v in specs.items()}
         self._shardings: dict[ShardingSpec, jax.sharding.NamedSharding] = {}
         self._consts: dict[int, dict[Var, Any]] = {}
         self._warned: set[str] = set()
-        self.constraints: dict[ScopeKey, int] = {}  # constraints placed per scope, in the last trace
-        self.rebuilt: dict[ScopeKey, str] = {}  # scopes whose body was rebuilt, and the op's primitive
-        self.hoisted: dict[ScopeKey, int] = {}  # constants a rebuilt body closed over, made operands
+        self.constraints: dict[Scope, int] = {}  # constraints placed per scope, in the last trace
+        self.rebuilt: dict[Scope, str] = {}  # scopes whose body was rebuilt, and the op's primitive
+        self.hoisted: dict[Scope, int] = {}  # constants a rebuilt body closed over, made operands
 
     def reset(self) -> None:
         """Forget what the previous trace recorded (``constraints``, ``rebuilt``, ``hoisted``)."""
@@ -135,7 +135,7 @@ class Interpreter:
             s = self._shardings[spec] = named_sharding(self.mesh, spec)
         return s
 
-    def _pin(self, x: Any, tid: int, scope: Mapping[int, ShardingSpec], key: ScopeKey) -> Any:
+    def _pin(self, x: Any, tid: int, scope: Mapping[int, ShardingSpec], key: Scope) -> Any:
         spec = scope.get(tid)
         if spec is None:
             return x
@@ -150,7 +150,7 @@ class Interpreter:
 
     # ---- evaluation ----------------------------------------------------------------------------------
 
-    def run(self, graph: Graph, key: ScopeKey, args: Sequence[Any], *, pin_inputs: bool = True) -> list[Any]:
+    def run(self, graph: Graph, key: Scope, args: Sequence[Any], *, pin_inputs: bool = True) -> list[Any]:
         """Evaluate ``graph`` (the scope ``key``) on ``args``; returns its outputs in ``graph.outputs`` order.
 
         ``pin_inputs=False`` skips constraining the inputs (the top level, where ``in_shardings`` do it).
@@ -208,7 +208,7 @@ class Interpreter:
         self._eval(ops, (), env, read)
         return [env[t] for t in outputs]
 
-    def _eval(self, ops: Sequence[Op], key: ScopeKey, env: dict[int, Any], read: Callable[..., Any]) -> None:
+    def _eval(self, ops: Sequence[Op], key: Scope, env: dict[int, Any], read: Callable[..., Any]) -> None:
         scope = self.specs.get(key, {})
         for op in ops:
             invals = [read(t, a, op) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
@@ -218,7 +218,7 @@ class Interpreter:
             for tid, x in zip(op.outputs, outs, strict=True):
                 env[tid] = self._pin(x, tid, scope, key)
 
-    def _bind(self, op: Op, key: ScopeKey, invals: list[Any]) -> list[Any]:
+    def _bind(self, op: Op, key: Scope, invals: list[Any]) -> list[Any]:
         eqn = op.eqn
         name = eqn.primitive.name
         rule = _REBUILD.get(name)
@@ -239,7 +239,7 @@ class Interpreter:
 
     # ---- rebuilding bodies ---------------------------------------------------------------------------
 
-    def rebuild(self, body: Graph, key: ScopeKey, name: str) -> tuple[Jaxpr, list[Any]]:
+    def rebuild(self, body: Graph, key: Scope, name: str) -> tuple[Jaxpr, list[Any]]:
         """Trace ``body`` with its scope's constraints into an open jaxpr whose leading invars are the
         constants it closes over; returns ``(jaxpr, constants)``."""
         self.rebuilt[key] = name
@@ -253,7 +253,7 @@ class Interpreter:
             return closed.jaxpr, []
         return _convert_constvars(closed.jaxpr), list(closed.consts)
 
-    def _scan(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+    def _scan(self, op: Op, key: Scope, invals: list[Any]) -> Any:
         p = dict(op.eqn.params)
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "scan")
         n = len(consts)
@@ -262,7 +262,7 @@ class Interpreter:
             p["linear"] = (False,) * n + tuple(p["linear"])
         return op.eqn.primitive.bind(*consts, *invals, **p)
 
-    def _while(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+    def _while(self, op: Op, key: Scope, invals: list[Any]) -> Any:
         p = dict(op.eqn.params)
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         cj, cc = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "while cond")
@@ -272,7 +272,7 @@ class Interpreter:
         operands = [*cc, *invals[:nc], *bc, *invals[nc : nc + nb], *invals[nc + nb :]]
         return op.eqn.primitive.bind(*operands, **p)
 
-    def _cond(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+    def _cond(self, op: Op, key: Scope, invals: list[Any]) -> Any:
         p = dict(op.eqn.params)
         built = [self.rebuild(b, (*key, (op.id, i)), "cond branch") for i, b in enumerate(op.bodies)]
         all_consts = [c for _, cs in built for c in cs]
@@ -288,7 +288,7 @@ class Interpreter:
         p["branches"] = branches
         return op.eqn.primitive.bind(invals[0], *all_consts, *invals[1:], **p)
 
-    def _remat(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
+    def _remat(self, op: Op, key: Scope, invals: list[Any]) -> Any:
         p = dict(op.eqn.params)
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), op.eqn.primitive.name)
         p["jaxpr"] = jaxpr
@@ -305,7 +305,7 @@ def _select_args(jaxpr: Jaxpr, off: int, n: int, total: int) -> Callable[..., li
     return call
 
 
-_REBUILD: dict[str, Callable[[Interpreter, Op, ScopeKey, list[Any]], Any]] = {
+_REBUILD: dict[str, Callable[[Interpreter, Op, Scope, list[Any]], Any]] = {
     "scan": Interpreter._scan,
     "while": Interpreter._while,
     "cond": Interpreter._cond,

@@ -31,8 +31,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
-from autoshard.emit.specs import EmitError, ScopeKey, normalize_key, validate_specs
-from autoshard.trace.graph import Graph
+from autoshard.emit.specs import EmitError, normalize_key, validate_specs
+from autoshard.trace.graph import Graph, Scope
 from cost_models.spec import ShardingSpec
 
 log = logging.getLogger("autoshard")
@@ -47,7 +47,7 @@ class EmittedStep:
     (which, after a trace, reports constraints placed per scope and the bodies rebuilt).
     """
 
-    def __init__(self, graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]],
+    def __init__(self, graph: Graph, specs: Mapping[Scope, Mapping[int, ShardingSpec]],
                  mesh: jax.sharding.Mesh, *, donate: bool = True) -> None:
         if graph.jaxpr is None or graph.in_tree is None or graph.out_tree is None:
             raise EmitError(
@@ -146,7 +146,7 @@ class EmittedStep:
         return [self.graph.tensors[self.graph.inputs[i]].name for i in self.donate_argnums]
 
 
-def emit(graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]] | None,
+def emit(graph: Graph, specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None,
          mesh: jax.sharding.Mesh, donate: bool = True) -> EmittedStep:
     """Re-emit ``graph`` as one jitted SPMD program that pins ``specs`` on ``mesh``.
 

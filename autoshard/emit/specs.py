@@ -29,18 +29,17 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.errors import AutoshardError
-from autoshard.trace.graph import Graph
+from autoshard.trace.graph import Graph, Scope
 from cost_models.spec import ShardingSpec
 
-ScopeKey: TypeAlias = tuple[tuple[int, int], ...]
-SpecMap: TypeAlias = dict[ScopeKey, dict[int, ShardingSpec]]
+SpecMap: TypeAlias = dict[Scope, dict[int, ShardingSpec]]
 
 
 class EmitError(AutoshardError, ValueError):
     """A spec map does not fit the graph or the mesh, or a graph could not be emitted."""
 
 
-def scope_key(*steps: tuple[int, int] | int) -> ScopeKey:
+def scope_key(*steps: tuple[int, int] | int) -> Scope:
     """The key of a nested scope: ``scope_key()`` is the top level, ``scope_key((7, 0))`` (or ``scope_key(7,
     0)``) is body 0 of op 7, ``scope_key((7, 0), (3, 1))`` is body 1 of op 3 inside it."""
     flat: list[int] = []
@@ -56,7 +55,7 @@ def scope_key(*steps: tuple[int, int] | int) -> ScopeKey:
     return tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
 
 
-def normalize_key(key: Any) -> ScopeKey:
+def normalize_key(key: Any) -> Scope:
     """A scope key as a tuple of ``(op_id, body_index)`` int pairs (keys read from JSON are lists)."""
     try:
         return tuple((int(a), int(b)) for a, b in key)
@@ -76,7 +75,7 @@ def named_sharding(mesh: jax.sharding.Mesh, spec: ShardingSpec) -> NamedSharding
     return NamedSharding(mesh, partition_spec(spec))
 
 
-def describe_scope(graph: Graph, key: ScopeKey) -> str:
+def describe_scope(graph: Graph, key: Scope) -> str:
     """``"the top-level graph"`` or ``"body 0 of scan (op 12) at gpt.py:140 > ..."``."""
     if not key:
         return "the top-level graph"
@@ -89,7 +88,7 @@ def describe_scope(graph: Graph, key: ScopeKey) -> str:
     return " > ".join(parts)
 
 
-def resolve_scope(graph: Graph, key: ScopeKey) -> Graph:
+def resolve_scope(graph: Graph, key: Scope) -> Graph:
     """The Graph a scope key names; ``EmitError`` if the path does not exist."""
     g = graph
     for depth, step in enumerate(key):
@@ -111,7 +110,7 @@ def resolve_scope(graph: Graph, key: ScopeKey) -> Graph:
     return g
 
 
-def iter_scopes(graph: Graph, key: ScopeKey = ()) -> Iterator[tuple[ScopeKey, Graph]]:
+def iter_scopes(graph: Graph, key: Scope = ()) -> Iterator[tuple[Scope, Graph]]:
     """Every scope of a graph, the top level first, depth first."""
     yield key, graph
     for op in graph.ops:
@@ -140,7 +139,7 @@ def _axis_types_ok(mesh: jax.sharding.Mesh) -> list[str]:
 
 
 def spec_problems(
-    graph: Graph, key: ScopeKey, tid: Any, spec: Any, mesh_shape: Mapping[str, int]
+    graph: Graph, key: Scope, tid: Any, spec: Any, mesh_shape: Mapping[str, int]
 ) -> list[str]:
     """What is wrong with one (tensor id, spec) entry of a scope, as sentences (empty if nothing)."""
     scope = resolve_scope(graph, key)
@@ -176,7 +175,7 @@ def spec_problems(
     return out
 
 
-def validate_specs(graph: Graph, specs: Mapping[ScopeKey, Mapping[int, ShardingSpec]],
+def validate_specs(graph: Graph, specs: Mapping[Scope, Mapping[int, ShardingSpec]],
                    mesh: jax.sharding.Mesh, *, limit: int = 10) -> None:
     """Raise ``EmitError`` listing (up to ``limit``) every spec that does not fit the graph or the mesh."""
     non_auto = _axis_types_ok(mesh)

@@ -1,10 +1,15 @@
-"""Pipeline parallelism: schedules (pure data), partitioning the step, the stage planner, the runtime.
+"""Pipeline parallelism, in pass order: ``partition`` (the step cut into per-microbatch and per-step parts,
+layers), ``schedules`` (pure data), ``pipeline_plan`` (the plan as data), ``layer_prices`` (layers and
+stages priced by the intra-op planner), ``stages`` (the stage DP and the stages planned whole), ``report``
+(for a person), ``runtime`` (one program per stage, run in the schedule's order) and ``spmd`` (the SPMD
+pipeline for identical stages).
 
 ``schedules`` imports nothing but the standard library; the rest needs JAX.
 """
 
-from autoshard.pipeline.partition import PipelineError
-from autoshard.pipeline.planner import PipelinePlan, StagePlan, plan_pipeline
+from autoshard.pipeline.partition import PipelineError, microbatch_args
+from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan
+from autoshard.pipeline.report import explain_pipeline, format_pipeline_plan
 from autoshard.pipeline.runtime import PipelinedStep, build_pipelined_step
 from autoshard.pipeline.schedules import (
     SCHEDULE_NAMES,
@@ -18,20 +23,25 @@ from autoshard.pipeline.schedules import (
     schedule,
 )
 from autoshard.pipeline.spmd import spmd_pipeline
+from autoshard.pipeline.stages import plan_pipeline
 
 __all__ = [
     "SCHEDULE_NAMES",
     "Action",
     "PipelineError",
     "PipelinePlan",
+    "PipelineReport",
     "PipelinedStep",
     "Schedule",
     "SimResult",
     "StagePlan",
     "build_pipelined_step",
+    "explain_pipeline",
+    "format_pipeline_plan",
     "gpipe",
     "inflight_rule",
     "interleaved_1f1b",
+    "microbatch_args",
     "one_f_one_b",
     "plan_pipeline",
     "schedule",

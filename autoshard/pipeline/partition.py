@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -371,3 +372,23 @@ def segments(graph: Graph, parts: StepParts, stage_of_op: Sequence[int]) -> list
     rank = {FORWARD: 0, BACKWARD: 1, UPDATE: 2}
     out.sort(key=lambda s: (rank[s.kind], s.level, s.stage if s.kind != BACKWARD else -s.stage))
     return out
+
+
+def microbatch_args(args: Sequence[Any], graph: Graph, parts: StepParts | None = None,
+                    num_microbatches: int = 1) -> tuple[Any, ...]:
+    """``args`` with every batch leaf cut to its first ``1/num_microbatches`` along dimension 0 (abstract
+    leaves become ShapeDtypeStructs of that shape)."""
+    leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+    batch = parts.batch_inputs if parts is not None else tuple(
+        i for i, t in enumerate(graph.inputs) if graph.tensors[t].role.value == "batch")
+    out = list(leaves)
+    for i in batch:
+        x = leaves[i]
+        n = x.shape[0]
+        if n % num_microbatches:
+            raise PipelineError(f"batch input {graph.tensors[graph.inputs[i]].name!r} has {n} rows, not divisible "
+                                f"into {num_microbatches} microbatches; pick a microbatch count dividing {n}")
+        k = n // num_microbatches
+        out[i] = jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) if not hasattr(x, "__array__") or \
+            isinstance(x, jax.ShapeDtypeStruct) else x[:k]
+    return tuple(jax.tree_util.tree_unflatten(tree, out))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +35,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
 from autoshard.emit.specs import normalize_key
-from autoshard.pipeline.partition import UPDATE, PipelineError, Segment, StepParts
-from autoshard.pipeline.schedules import Schedule
-from autoshard.trace.graph import Graph
+from autoshard.pipeline.partition import UPDATE, PipelineError, Segment, StepParts, segments, split_step
+from autoshard.pipeline.pipeline_plan import PipelinePlan
+from autoshard.pipeline.schedules import Schedule, schedule
+from autoshard.trace.graph import Graph, Scope
 from cost_models import ShardingSpec
 
-if TYPE_CHECKING:
-    from autoshard.pipeline.planner import PipelinePlan
-
-SpecMap = Mapping[Any, Mapping[int, ShardingSpec]]
+SpecMap = Mapping[Scope, Mapping[int, ShardingSpec]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -215,9 +213,6 @@ def _mean(x: Any, b: int) -> Any:
 def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax.Device]) -> PipelinedStep:
     """The runnable pipeline of ``plan`` for ``graph`` (the step traced at microbatch size) on ``devices``
     (row-major over the plan's cluster of (hosts, devices per host))."""
-    from autoshard.pipeline.partition import segments, split_step
-    from autoshard.pipeline.schedules import schedule
-
     plan.verify(graph)
     cluster = plan.cluster
     if len(devices) < cluster[0] * cluster[1]:

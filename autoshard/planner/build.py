@@ -44,11 +44,10 @@ from autoshard.strategies import RuleContext, Strategy, strategies_for
 from autoshard.strategies.elementwise import UNARY_FOLLOWERS
 from autoshard.strategies.registry import Candidate, enumerate_specs, price
 from autoshard.trace.costs import ELEMENTWISE
-from autoshard.trace.graph import Graph, Op, Role
+from autoshard.trace.graph import Graph, Op, Role, Scope
 from cost_models import CostModel, ShardingSpec
 from solvers import IntraOpProblem
 
-Scope = tuple[tuple[int, int], ...]  # path of (op id, body index) from the top-level graph
 TensorKey = tuple[Scope, int]
 _FOLLOW = frozenset(ELEMENTWISE) | UNARY_FOLLOWERS
 MEMORY_TIE_BREAK = 0.01

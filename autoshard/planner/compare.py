@@ -1,13 +1,22 @@
-"""How plans differ: ``diff_plans`` (``Plan.diff``) and ``compare``, the automatic plan beside hand layouts.
+"""How plans differ: ``diff_plans`` and ``compare``, the automatic plan beside hand-written layouts.
 
 ``diff_plans(a, b)`` lists the inputs whose layout changed (folded by parameter class), how many of the
 other tensors the solver placed changed layout (when both plans are of the same step), and the time and
 memory deltas by category. A plan's diff with itself is empty.
 
-``compare(graph, cost)`` plans the step automatically and prices every layout of ``manual.grid`` (or the
+``price_layout(graph, cost, layout)`` prices a hand-written layout (``planner.layouts``): it holds those
+inputs at their layouts (every other strategy of their nodes costs +inf) and lets the intra-operator ILP
+place everything else. The result is the *best completion* of the hand layout, a ``Plan`` with the same
+time and memory breakdown as an automatic plan. That favours the hand layout (a person writing it would
+not find a better completion than the solver), so when the automatic plan still wins, the win is the
+layouts' and not the completion's. Against a memory budget a
+hand layout that does not fit is reported infeasible, naming the moment of the step where memory
+overflows and what is live there; its time is then that of the best completion without the budget.
+
+``compare(graph, cost)`` plans the step automatically and prices every layout of ``layouts.grid`` (or the
 ``layouts`` given) with the same cost model and budget, then tabulates step time, memory per device,
 whether it fits, and each layout's time as a multiple of the automatic plan's (``x auto`` > 1: the
-automatic plan is faster). ``compare_model`` does the same from a model file, as ``autoshard compare``.
+automatic plan is faster).
 """
 
 from __future__ import annotations
@@ -19,9 +28,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoshard.planner.explain import memory_breakdown
-from autoshard.planner.manual import HandLayout, PricedLayout, grid, price_layout
-from autoshard.planner.plan import Plan, ProblemCache, plan_graph
-from autoshard.planner.summary import _us, tensor_class
+from autoshard.planner.layouts import HandLayout, grid
+from autoshard.planner.plan import Plan, PlanError, decode_choice
+from autoshard.planner.planning import ProblemCache, plan_graph
+from autoshard.planner.readback import memory_at_peak
+from autoshard.planner.summary import human_time, tensor_class
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
 from cost_models import CostModel
@@ -58,7 +69,7 @@ class PlanDiff:
         if self.empty:
             return "the plans are the same: same layouts, same predicted time and memory"
         a, b = self.step_time
-        lines = [f"step time {_us(a)} -> {_us(b)} ({_signed_us(b - a)}, {_ratio(b, a)})",
+        lines = [f"step time {human_time(a)} -> {human_time(b)} ({_signed_us(b - a)}, {_ratio(b, a)})",
                  f"peak memory per device {human_bytes(self.peak_memory[0])} -> {human_bytes(self.peak_memory[1])}"]
         if self.mesh:
             lines.append(f"mesh {self.mesh[0]} -> {self.mesh[1]}")
@@ -66,7 +77,7 @@ class PlanDiff:
             lines += ["", "time by category"]
             for k, x, y in self.time:
                 label = "(of which resharding)" if k == "resharding" else k
-                lines.append(f"  {label:<28} {_us(x):>11} -> {_us(y):>11}  {_signed_us(y - x):>12}")
+                lines.append(f"  {label:<28} {human_time(x):>11} -> {human_time(y):>11}  {_signed_us(y - x):>12}")
         if self.memory:
             lines += ["", "memory per device"]
             for k, x, y in self.memory:
@@ -89,7 +100,7 @@ class PlanDiff:
 
 
 def _signed_us(dt: float) -> str:
-    return ("+" if dt >= 0 else "-") + _us(abs(dt))
+    return ("+" if dt >= 0 else "-") + human_time(abs(dt))
 
 
 def _ratio(b: float, a: float) -> str:
@@ -125,6 +136,52 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PricedLayout:
+    """A hand layout's best completion. ``plan`` is planned within the budget when ``feasible``, else
+    without it (its time is what the layout would cost given the memory); ``reason`` says what overflows."""
+
+    layout: HandLayout
+    plan: Plan
+    feasible: bool
+    reason: str = ""
+
+    @property
+    def step_time(self) -> float:
+        return self.plan.predicted_step_time
+
+    @property
+    def peak_memory(self) -> float:
+        return self.plan.peak_memory
+
+
+def price_layout(graph: Graph, cost: CostModel, layout: HandLayout, *, hardware: str = "",
+                 memory_budget: float | None = None, time_budget_s: float = 30.0,
+                 problems: ProblemCache | None = None) -> PricedLayout:
+    """The best completion of ``layout`` (see the module docstring), checked against ``memory_budget``."""
+    problems = problems if problems is not None else ProblemCache(graph)
+    kw = dict(hardware=hardware, time_budget_s=time_budget_s, fixed=layout.specs, problems=problems)
+    try:
+        plan = plan_graph(graph, cost, memory_budget=memory_budget, **kw)  # type: ignore[arg-type]
+    except PlanError:
+        if memory_budget is None:
+            raise
+        why = "no completion fits (proven)"
+        plan = plan_graph(graph, cost, memory_budget=None, **kw)  # type: ignore[arg-type]
+    else:
+        if memory_budget is None or plan.peak_memory <= memory_budget * (1 + 1e-9):
+            return PricedLayout(layout=layout, plan=plan, feasible=True)
+        why = "the solver found no completion within the budget in its time"
+    built = problems.get(cost, None)
+    peak, at, live = memory_at_peak(built, decode_choice(plan.solver.choice))
+    where = graph.ops[at].where() if 0 <= at < len(graph.ops) else f"step {at}"
+    largest = "; ".join(f"{n} {human_bytes(b)}" for n, b in live)
+    reason = (f"{why}: the best completion needs {human_bytes(peak)} per device, over the "
+              f"{human_bytes(memory_budget)} budget, at {where}; largest there: {largest}")
+    return PricedLayout(layout=layout, plan=plan, feasible=False, reason=reason)
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CompareRow:
     name: str
     step_time: float
@@ -151,13 +208,13 @@ class Comparison:
     def rows(self) -> tuple[CompareRow, ...]:
         t = self.auto.predicted_step_time
         rows = [CompareRow(name="auto", step_time=t, peak_memory=self.auto.peak_memory, feasible=True, ratio=1.0,
-                           note=self.auto.solver.get("status", ""))]
+                           note=self.auto.solver.status)]
         if self.seeded is not None:
             s = self.seeded
             rows.append(CompareRow(name=SEEDED, step_time=s.predicted_step_time, peak_memory=s.peak_memory,
                                    feasible=True, ratio=s.predicted_step_time / t if t > 0 else math.inf,
                                    note="the automatic plan's solve started from the best of the plans above "
-                                        f"and below ({s.solver.get('status', '')})"))
+                                        f"and below ({s.solver.status})"))
         for p in self.priced:
             rows.append(CompareRow(name=p.layout.name, step_time=p.step_time, peak_memory=p.peak_memory,
                                    feasible=p.feasible, ratio=p.step_time / t if t > 0 else math.inf,
@@ -197,7 +254,7 @@ class Comparison:
         best = self.best_hand
         for r in self.rows:
             mark = " *" if best is not None and r.name == best.layout.name else ""
-            lines.append(f"  {r.name + mark:<24}{_us(r.step_time):>12}{r.ratio:>9.3f}{human_bytes(r.peak_memory):>15}"
+            lines.append(f"  {r.name + mark:<24}{human_time(r.step_time):>12}{r.ratio:>9.3f}{human_bytes(r.peak_memory):>15}"
                          f"  {'yes' if r.feasible else 'NO'}")
         if best is None:
             lines.append("\nno hand layout fits the budget")
@@ -219,7 +276,7 @@ class Comparison:
 def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | None = None, hardware: str = "",
             memory_budget: float | None = None, time_budget_s: float = 30.0, auto: Plan | None = None,
             seeded: bool = True, log: Any = None) -> Comparison:
-    """The automatic plan (``auto``, or planned here) beside each hand layout (``manual.grid`` by default),
+    """The automatic plan (``auto``, or planned here) beside each hand layout (``layouts.grid`` by default),
     all on ``cost`` within ``memory_budget``; each solve gets ``time_budget_s``. With ``seeded``, one more
     automatic solve starts from the best of those plans (the ``auto + grid starts`` row)."""
     problems = ProblemCache(graph)
@@ -227,7 +284,7 @@ def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | No
         auto = plan_graph(graph, cost, hardware=hardware, memory_budget=memory_budget, time_budget_s=time_budget_s,
                           problems=problems)
         if log:
-            log(f"auto: {_us(auto.predicted_step_time)}")
+            log(f"auto: {human_time(auto.predicted_step_time)}")
     layouts = grid(graph, cost.mesh) if layouts is None else layouts
     priced = []
     for lay in layouts:
@@ -235,32 +292,12 @@ def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | No
                          time_budget_s=time_budget_s, problems=problems)
         priced.append(p)
         if log:
-            log(f"{lay.name}: {_us(p.step_time)}{'' if p.feasible else ' (does not fit)'}")
+            log(f"{lay.name}: {human_time(p.step_time)}{'' if p.feasible else ' (does not fit)'}")
     again = None
     if seeded:
         starts = [auto, *(p.plan for p in priced if p.feasible)]
         again = plan_graph(graph, cost, hardware=hardware, memory_budget=memory_budget, time_budget_s=time_budget_s,
                            problems=problems, starts=starts)
         if log:
-            log(f"{SEEDED}: {_us(again.predicted_step_time)}")
+            log(f"{SEEDED}: {human_time(again.predicted_step_time)}")
     return Comparison(auto=auto, priced=tuple(priced), memory_budget=memory_budget, seeded=again)
-
-
-def compare_model(model: str, *, preset: str = "tiny", overrides: Sequence[str] = (), mesh: Any = "8",
-                  hardware: str = "h100", memory_budget: float | str | None = "auto",
-                  time_budget_s: float = 30.0, log: Any = None) -> Comparison:
-    """``compare`` for a model file of the examples/ convention on a logical mesh (``"8x8"``, ``{"x": 8}``)."""
-    from autoshard._examples import load_example
-    from autoshard.api import DEFAULT_MEMORY_MARGIN, cost_model_for, parse_mesh
-    from autoshard.trace import trace
-
-    shape, names = parse_mesh(mesh)
-    cost = cost_model_for(hardware, shape, names)
-    if memory_budget == "auto":
-        memory_budget = cost.memory_capacity * (1 - DEFAULT_MEMORY_MARGIN)
-    elif isinstance(memory_budget, str):
-        memory_budget = float(memory_budget)
-    example = load_example(model, preset, list(overrides), abstract=True)
-    graph = trace(example.train_step, *example.args)
-    return compare(graph, cost, hardware=hardware, memory_budget=memory_budget, time_budget_s=time_budget_s,
-                   log=log)

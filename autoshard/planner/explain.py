@@ -8,19 +8,16 @@
   as a part of the collectives, resharding between ops; the entries add up to the step time;
 - memory per device split into parameters, optimizer state, gradients, batch and other state, and
   activations; see ``memory_breakdown`` for what is measured and what is estimated;
-- the op groups where the time goes (recorded at planning time in ``plan.solver["top_ops"]``), each with
+- the op groups where the time goes (recorded at planning time in ``plan.solver.top_ops``), each with
   its op, source line, phase, and how many layers share it.
 
 ``explain_tensor(graph, plan, cost, name)`` answers "why this layout?" for one tensor: it rebuilds the
 solver problem (deterministic for the same graph, cost model and budget), reads the plan's choice back
-(``plan.solver["choice"]``, or the specs mapped onto strategies for older plans), and for the node that
+(``plan.solver.choice``, or the specs mapped onto strategies for older plans), and for the node that
 produces the tensor prices every strategy it had with its neighbours held at the plan's choice: its own
 time (compute and collectives), the resharding on every edge it touches, and the memory it would need.
 With ``resolve=True`` each alternative is also forced and the rest re-solved: the step time the best plan
 with that choice would have had.
-
-``explain_pipeline(plan)`` is the pipeline plan's summary with its time split into stage work, bubble and
-the update.
 """
 
 from __future__ import annotations
@@ -29,28 +26,21 @@ import dataclasses
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from autoshard.planner.build import MEMORY_TIE_BREAK, BuiltProblem, TensorKey
-from autoshard.planner.plan import (
-    Plan,
-    PlanError,
-    ProblemCache,
-    TensorLayout,
-    decode_choice,
-    peak_memory_of,
-)
-from autoshard.planner.summary import _us, tensor_class
+from autoshard.planner.plan import Plan, PlanError, TensorLayout, decode_choice
+from autoshard.planner.planning import ProblemCache
+from autoshard.planner.readback import peak_memory_of, step_time_of
+from autoshard.planner.summary import human_time, tensor_class
+from autoshard.target import cost_model_for
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
 from cost_models import CostModel, LogicalMesh, dtype_bytes
 from solvers import InfeasibleError, solve_intra_op
-
-if TYPE_CHECKING:
-    from autoshard.pipeline.planner import PipelinePlan
 
 _LAYER = re.compile(r"(?:_\d+|\[\d+\])$")
 _INDEX = re.compile(r"(\d+)\]?$")
@@ -190,13 +180,13 @@ class Explanation:
     def text(self, *, max_classes: int = 60) -> str:
         budget = f" of a {human_bytes(self.memory_budget)} budget" if self.memory_budget else " (no budget)"
         lines = [f"mesh {self.mesh}   hardware {self.hardware or '?'}",
-                 f"predicted step time {_us(self.step_time)}   peak memory per device "
+                 f"predicted step time {human_time(self.step_time)}   peak memory per device "
                  f"{human_bytes(self.peak_memory)}{budget}", "", "time by category (adds up to the step time)"]
         total = self.step_time or 1.0
         for k, v in self.time:
-            lines.append(f"  {k:<28} {_us(v):>12}  {100 * v / total:5.1f}%")
+            lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%")
         if self.resharding:
-            lines.append(f"  of the collectives, resharding between ops: {_us(self.resharding)} "
+            lines.append(f"  of the collectives, resharding between ops: {human_time(self.resharding)} "
                          f"({100 * self.resharding / total:.1f}% of the step)")
         lines += ["", "memory per device"]
         for k, v in self.memory:
@@ -219,15 +209,15 @@ class Explanation:
                       "source line, phase and scope, layers folded)"]
             for n, g in enumerate(self.top_ops, 1):
                 count = f" x{g['count']}" if g["count"] > 1 else ""
-                lines.append(f"  {n:>2}. {_us(g['time']):>10} {100 * g['time'] / total:5.1f}%  "
+                lines.append(f"  {n:>2}. {human_time(g['time']):>10} {100 * g['time'] / total:5.1f}%  "
                              f"{g['primitive']}{count} ({g['phase']}) in {g['scope'] or '(top)'}")
                 m = _OP_ID.search(g["op"])
                 lines.append(f"      at {g['source'] or '?'}" + (f"; e.g. {m.group(0)}" if m else ""))
-                parts = [f"compute {_us(g['compute'])}"]
+                parts = [f"compute {human_time(g['compute'])}"]
                 if g["collectives"]:
-                    parts.append(f"own collectives {_us(g['collectives'])}")
+                    parts.append(f"own collectives {human_time(g['collectives'])}")
                 if g["resharding"]:
-                    parts.append(f"resharding into it {_us(g['resharding'])}")
+                    parts.append(f"resharding into it {human_time(g['resharding'])}")
                 lines.append(f"      {', '.join(parts)}; layout {g['layout']}")
         lines += ["", self.solver]
         return "\n".join(lines)
@@ -238,34 +228,15 @@ def explain_plan(plan: Plan, *, top: int = 10) -> Explanation:
     time = tuple(sorted(((k, v) for k, v in plan.time_breakdown.items() if k != "resharding"),
                         key=lambda kv: -kv[1]))
     s = plan.solver
-    solver = (f"solver: {s.get('status')}{'' if s.get('optimal') else ' (not proven optimal)'}, "
-              f"{s.get('nodes')} nodes, {s.get('edges')} edges"
-              + (f", {s['fixed_inputs']} inputs fixed by hand" if s.get("fixed_inputs") else ""))
+    solver = (f"solver: {s.status}{'' if s.optimal else ' (not proven optimal)'}, {s.nodes} nodes, {s.edges} edges"
+              + (f", {s.fixed_inputs} inputs fixed by hand" if s.fixed_inputs else ""))
     return Explanation(
         mesh=str(plan.mesh), hardware=plan.hardware, step_time=plan.predicted_step_time, time=time,
         resharding=float(plan.time_breakdown.get("resharding", 0.0)), peak_memory=plan.peak_memory,
         memory_budget=plan.memory_budget, memory=tuple(memory_breakdown(plan).items()),
         classes=tuple(class_layouts(plan)), layers=tuple(layer_layouts(plan)),
-        top_ops=tuple(s.get("top_ops", ())[:top]), solver=solver,
+        top_ops=tuple(s.top_ops[:top]), solver=solver,
     )
-
-
-def explain_pipeline(plan: PipelinePlan) -> str:
-    """The pipeline plan's summary, with the step time split into stage work, bubble and update."""
-    from autoshard.planner.summary import format_pipeline_plan
-
-    times = [st.micro_time for st in plan.stages]
-    B, S = plan.num_microbatches, len(plan.stages)
-    pipe = sum(times) + (B - 1) * max(times) if times else 0.0
-    work = sum(times) * B / S if S else 0.0
-    update = max((st.update_time for st in plan.stages), default=0.0)
-    total = plan.predicted_step_time or 1.0
-    rows = [("stage work (mean per stage)", work), ("pipeline bubble", pipe - work),
-            ("update (slowest stage)", update)]
-    lines = [format_pipeline_plan(plan), "", "time by category (adds up to the step time)"]
-    for k, v in rows:
-        lines.append(f"  {k:<28} {_us(v):>12}  {100 * v / total:5.1f}%")
-    return "\n".join(lines)
 
 
 # ---- why this layout? ---------------------------------------------------------------------------------
@@ -323,11 +294,11 @@ class TensorWhy:
                      a.step_time is not None for a in self.alternatives) else "")]
         for a in self.alternatives[:max_rows]:
             mark = "->" if a.chosen else "  "
-            row = (f"  {mark}{a.spec:<26}{_us(a.time):>11}{_us(a.compute):>11}{_us(a.collectives):>11}"
-                   f"{_us(a.resharding):>11}{human_bytes(a.memory):>11}{human_bytes(a.peak):>11}  "
+            row = (f"  {mark}{a.spec:<26}{human_time(a.time):>11}{human_time(a.compute):>11}{human_time(a.collectives):>11}"
+                   f"{human_time(a.resharding):>11}{human_bytes(a.memory):>11}{human_bytes(a.peak):>11}  "
                    f"{'yes' if a.fits else 'NO'}")
             if a.step_time is not None:
-                row += f"  {_us(a.step_time) if math.isfinite(a.step_time) else 'infeasible'}"
+                row += f"  {human_time(a.step_time) if math.isfinite(a.step_time) else 'infeasible'}"
             lines.append(row)
             if a.reads:
                 lines.append(f"      reads {a.reads}")
@@ -337,21 +308,19 @@ class TensorWhy:
         if best.chosen:
             lines.append("  the chosen strategy is the cheapest one given its neighbours.")
         else:
-            lines.append(f"  {best.spec} would be {_us(c.time - best.time)} cheaper here alone; the plan "
+            lines.append(f"  {best.spec} would be {human_time(c.time - best.time)} cheaper here alone; the plan "
                          "keeps its choice because " + ("it does not fit otherwise." if not best.fits else
                                                          "the solver's answer is not proven optimal."))
         if self.neighbours:
             lines.append("  its edges under the plan (neighbour, tensor, resharding):")
             for name, tensor, t in self.neighbours[:max_rows]:
-                lines.append(f"      {_us(t):>10}  {tensor}  with {name}")
+                lines.append(f"      {human_time(t):>10}  {tensor}  with {name}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def cost_model_of(plan: Plan) -> CostModel:
     """The cost model a plan was made with: its hardware preset or profile, on its exact mesh."""
-    from autoshard.api import cost_model_for
-
     if not plan.hardware:
         raise PlanError("this plan does not name its hardware: pass the CostModel it was planned with")
     cost = cost_model_for(plan.hardware, plan.mesh.shape, plan.mesh.axis_names)
@@ -362,9 +331,8 @@ def plan_choice(graph: Graph, built: BuiltProblem, plan: Plan) -> np.ndarray:
     """The plan's strategy per node of ``built``: the recorded choice when it fits this problem, else the
     plan's layouts matched onto each node's strategies."""
     k = built.problem.num_strategies
-    text = plan.solver.get("choice")
-    if isinstance(text, str):
-        choice = decode_choice(text)
+    if plan.solver.choice:
+        choice = decode_choice(plan.solver.choice)
         if len(choice) == len(k) and bool(np.all(choice < k)) and _agrees(graph, built, plan, choice):
             return choice
     return _match_specs(graph, built, plan)
@@ -456,11 +424,10 @@ def explain_tensor(
     hold = MEMORY_TIE_BREAK / cost.memory_bandwidth
     budget = plan.memory_budget
     notes = []
-    total = sum(float(n.cost[c]) for n, c in zip(built.nodes, choice, strict=True)) + sum(
-        float(m[choice[a], choice[b]]) for (a, b), m in zip(p.edges.tolist(), p.edge_costs, strict=True))
+    total = step_time_of(built, choice)
     if not math.isclose(total, plan.predicted_step_time, rel_tol=1e-6, abs_tol=1e-12):
-        notes.append(f"the rebuilt problem prices this plan at {_us(total)}, the plan says "
-                     f"{_us(plan.predicted_step_time)}: the graph or cost model differ from the ones it was "
+        notes.append(f"the rebuilt problem prices this plan at {human_time(total)}, the plan says "
+                     f"{human_time(plan.predicted_step_time)}: the graph or cost model differ from the ones it was "
                      "planned with")
     forced_times = _resolve(built, u, time_budget_s) if resolve else {}
     alts = []
@@ -508,39 +475,5 @@ def _resolve(built: BuiltProblem, u: int, time_budget_s: float) -> dict[int, flo
         except InfeasibleError:
             out[s] = math.inf
             continue
-        c = sol.choice
-        out[s] = sum(float(n.cost[c[i]]) for i, n in enumerate(built.nodes)) + sum(
-            float(m[c[a], c[b]]) for (a, b), m in zip(p.edges.tolist(), p.edge_costs, strict=True))
+        out[s] = step_time_of(built, sol.choice)
     return out
-
-
-def memory_at_peak(built: BuiltProblem, choice: Sequence[int] | np.ndarray, top: int = 3
-                   ) -> tuple[float, int, list[tuple[str, float]]]:
-    """(peak bytes, time step of the peak, the ``top`` largest nodes live there with their bytes)."""
-    p = built.problem
-    events: dict[int, float] = defaultdict(float)
-    for i in range(len(built.nodes)):
-        m = float(p.node_memory[i][choice[i]])
-        a, b = built.nodes[i].interval
-        if b > a and m:
-            events[a] += m
-            events[b] -= m
-    cur, peak, at = 0.0, 0.0, 0
-    for t in sorted(events):
-        cur += events[t]
-        if cur > peak:
-            peak, at = cur, t
-    live = [(i, float(p.node_memory[i][choice[i]])) for i in range(len(built.nodes))
-            if built.nodes[i].interval[0] <= at < built.nodes[i].interval[1]]
-    live.sort(key=lambda x: -x[1])
-    return peak, at, [(_node_label(built, i, int(choice[i])), b) for i, b in live[:top]]
-
-
-def _node_label(built: BuiltProblem, i: int, s: int) -> str:
-    """An input node by its tensor's name; an op node by the tensor it makes, its layout and the op."""
-    node = built.nodes[i]
-    if node.kind == "input":
-        return f"{node.name} ({node.produces[s][0][1]})"
-    (scope, tid), spec = node.produces[s][-1]
-    t = built.graphs[scope].tensors[tid]
-    return f"{t.name} {list(t.shape)} {spec} from {node.name}"

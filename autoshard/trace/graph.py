@@ -18,7 +18,6 @@ Conventions
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections import defaultdict
 from collections.abc import Mapping
@@ -26,21 +25,12 @@ from typing import Any
 
 import networkx as nx
 
+from autoshard.errors import GraphError
+from autoshard.trace.roles import Role
 
-class Role(enum.Enum):
-    """What a tensor is to the train step. Inputs get theirs from the argument pytrees."""
-
-    PARAM = "param"
-    OPT_STATE = "opt_state"
-    STATE = "state"  # other carried state: step counters, RNG keys, batch statistics
-    BATCH = "batch"
-    CONST = "const"  # literals and values closed over by the traced function
-    ACTIVATION = "activation"
-    OUTPUT = "output"
-
-
-class GraphError(AssertionError):
-    """A Graph broke one of its invariants (raised by ``Graph.verify``)."""
+# Where a tensor lives: the path of (op id, body index) from the top-level graph into nested bodies;
+# () is the step itself. Tensor ids are per graph, so a tensor is named by (scope, id).
+Scope = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

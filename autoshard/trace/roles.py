@@ -14,6 +14,7 @@ Names follow the function's signature and the pytree path: ``state.params.block_
 
 from __future__ import annotations
 
+import enum
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,9 +22,21 @@ from typing import Any
 import jax
 
 from autoshard.errors import TraceError
-from autoshard.trace.graph import Role
 
 _BATCH_ARG_NAMES = frozenset({"batch", "inputs", "data", "x", "y", "examples", "xs"})
+
+
+class Role(enum.Enum):
+    """What a tensor is to the train step. Inputs get theirs from the argument pytrees."""
+
+    PARAM = "param"
+    OPT_STATE = "opt_state"
+    STATE = "state"  # other carried state: step counters, RNG keys, batch statistics
+    BATCH = "batch"
+    CONST = "const"  # literals and values closed over by the traced function
+    ACTIVATION = "activation"
+    OUTPUT = "output"
+
 
 
 def _key_str(key: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autoshard.errors import GraphError
 from autoshard.trace.costs import ELEMENTWISE
 
 if TYPE_CHECKING:
@@ -14,8 +15,6 @@ _ELEMENTWISE = frozenset(ELEMENTWISE)
 
 
 def _fail(op: Op, msg: str) -> None:
-    from autoshard.trace.graph import GraphError
-
     raise GraphError(f"{op.where()}: {msg}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from autoshard.trace.graph import Role
+from autoshard.trace.roles import Role
 
 if TYPE_CHECKING:
     from autoshard.trace.graph import Graph

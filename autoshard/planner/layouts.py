@@ -1,13 +1,6 @@
-"""Hand-written layouts, priced with the planner's own cost model.
-
-A ``HandLayout`` gives the layout of every input of the step (parameters, optimizer state, batch, other
-state) by name. ``price_layout`` holds those inputs at their layouts (every other strategy of their nodes
-costs +inf) and lets the intra-operator ILP place everything else: the result is the *best completion*
-of the hand layout, a ``Plan`` with the same time and memory breakdown as an automatic plan. That favours
-the hand layout (a person writing it would not find a better completion than the solver), so when the
-automatic plan still wins, the win is the layouts' and not the completion's. Against a memory budget a
-hand layout that does not fit is reported infeasible, naming the moment of the step where memory
-overflows and what is live there; its time is then that of the best completion without the budget.
+"""Hand-written layouts: a layout for every input of a step (parameters, optimizer state, batch, other
+state), by input name (``HandLayout``). ``compare.price_layout`` prices one with the planner's own cost
+model (its best completion).
 
 Ways to write a layout:
 
@@ -39,10 +32,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from autoshard.planner.plan import Plan, PlanError, ProblemCache, decode_choice, plan_graph
+from autoshard.planner.plan import PlanError
 from autoshard.trace.graph import Graph, Role, Tensor
-from autoshard.trace.summary import human_bytes
-from cost_models import CostModel, LogicalMesh, ShardingSpec
+from cost_models import LogicalMesh, ShardingSpec
 
 LeafSpec = ShardingSpec | str | Sequence[str | Sequence[str] | None] | None
 Parallel = Literal["column", "row", "vocab", "replicate"]
@@ -68,25 +60,6 @@ class HandLayout:
     name: str
     specs: Mapping[str, ShardingSpec]
     description: str = ""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PricedLayout:
-    """A hand layout's best completion. ``plan`` is planned within the budget when ``feasible``, else
-    without it (its time is what the layout would cost given the memory); ``reason`` says what overflows."""
-
-    layout: HandLayout
-    plan: Plan
-    feasible: bool
-    reason: str = ""
-
-    @property
-    def step_time(self) -> float:
-        return self.plan.predicted_step_time
-
-    @property
-    def peak_memory(self) -> float:
-        return self.plan.peak_memory
 
 
 # ---- specs ---------------------------------------------------------------------------------------------
@@ -361,34 +334,3 @@ def grid(graph: Graph, mesh: LogicalMesh, *, rules: Sequence[tuple[str, Parallel
         for z in ((0, 1, 3) if dp else (0,)):
             out.append(hybrid(graph, mesh, dp=dp, tp=tp, zero=z, rules=rules))
     return out
-
-
-# ---- pricing ----------------------------------------------------------------------------------------------
-
-
-def price_layout(graph: Graph, cost: CostModel, layout: HandLayout, *, hardware: str = "",
-                 memory_budget: float | None = None, time_budget_s: float = 30.0,
-                 problems: ProblemCache | None = None) -> PricedLayout:
-    """The best completion of ``layout`` (see the module docstring), checked against ``memory_budget``."""
-    from autoshard.planner.explain import memory_at_peak
-
-    problems = problems if problems is not None else ProblemCache(graph)
-    kw = dict(hardware=hardware, time_budget_s=time_budget_s, fixed=layout.specs, problems=problems)
-    try:
-        plan = plan_graph(graph, cost, memory_budget=memory_budget, **kw)  # type: ignore[arg-type]
-    except PlanError:
-        if memory_budget is None:
-            raise
-        why = "no completion fits (proven)"
-        plan = plan_graph(graph, cost, memory_budget=None, **kw)  # type: ignore[arg-type]
-    else:
-        if memory_budget is None or plan.peak_memory <= memory_budget * (1 + 1e-9):
-            return PricedLayout(layout=layout, plan=plan, feasible=True)
-        why = "the solver found no completion within the budget in its time"
-    built = problems.get(cost, None)
-    peak, at, live = memory_at_peak(built, decode_choice(plan.solver["choice"]))
-    where = graph.ops[at].where() if 0 <= at < len(graph.ops) else f"step {at}"
-    largest = "; ".join(f"{n} {human_bytes(b)}" for n, b in live)
-    reason = (f"{why}: the best completion needs {human_bytes(peak)} per device, over the "
-              f"{human_bytes(memory_budget)} budget, at {where}; largest there: {largest}")
-    return PricedLayout(layout=layout, plan=plan, feasible=False, reason=reason)

@@ -1,0 +1,197 @@
+"""Pricing parts of a pipelined step with the intra-op planner: one layer or one stage on one submesh.
+
+``plan_part`` plans a stage's (or a layer's) ops the way a pipeline runs them: its update ops (run once
+per step: parameters, gradients, optimizer state) first, then its microbatched ops (forward and backward,
+run once per microbatch) in the memory the update leaves, their activations counted once per microbatch
+in flight. ``price_layers`` gives the stage DP its tables: every layer on every submesh shape, layers
+with the same ops priced once per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from autoshard.pipeline.partition import subgraph
+from autoshard.planner.plan import Plan, PlanError
+from autoshard.planner.planning import plan_graph
+from autoshard.trace.graph import Graph, Scope
+from cost_models import CostModel, LogicalMesh, ShardingSpec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Priced:
+    """Some ops planned: ``time`` (seconds), ``memory`` (bytes per device, activations counted as many
+    times as asked), the plan and the sub-graph it was made on (None when there was nothing to plan)."""
+
+    time: float
+    memory: float
+    plan: Plan | None
+    sub: Any
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.time)
+
+
+NOTHING = Priced(0.0, 0.0, None, None)
+INFEASIBLE = Priced(math.inf, math.inf, None, None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Part:
+    """A part of the step planned as a pipeline runs it (see the module docstring)."""
+
+    micro: Priced
+    update: Priced
+    solves: int
+
+    @property
+    def time(self) -> float:
+        return self.micro.time
+
+    @property
+    def memory(self) -> float:
+        return self.micro.memory + self.update.memory
+
+
+def submesh_cost(cost: CostModel, shape: tuple[int, int]) -> CostModel:
+    """The cost model of a stage's submesh: (1, d) is a 1-D mesh over the mesh's inner axis name, (h, D)
+    keeps both axes. Links are the cluster's (inside a host: fast; across hosts: slow)."""
+    names = cost.mesh.axis_names
+    link_of = dict(zip(names, cost.mesh.links, strict=True))
+    if shape[0] == 1:
+        mesh = LogicalMesh(axis_names=(names[-1],), shape=(shape[1],), links=(link_of[names[-1]],))
+    else:
+        mesh = LogicalMesh(axis_names=names, shape=shape, links=tuple(link_of[n] for n in names))
+    return dataclasses.replace(cost, mesh=mesh)
+
+
+def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, budget: float | None,
+             time_budget_s: float, activation_weight: float = 1.0) -> Priced:
+    """Plan some ops; ``memory`` is the plan's peak with activations counted ``activation_weight`` times."""
+    if not ops:
+        return NOTHING
+    sub = subgraph(graph, ops)
+    try:
+        plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s,
+                          activation_weight=activation_weight)
+    except PlanError:
+        return Priced(math.inf, math.inf, None, sub)
+    return Priced(plan.predicted_step_time, plan.peak_memory, plan, sub)
+
+
+def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int], cost: CostModel, hardware: str,
+              budget: float | None, time_budget_s: float, inflight: float, fallback: float | None = None) -> Part:
+    """The update ops planned under ``budget``, then the microbatched ops under what they leave, with
+    their activations counted ``inflight`` times. With ``fallback`` (a larger budget), a part that does not
+    fit is priced again under it, so that the stage DP sees what it would cost rather than nothing."""
+    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s)
+    solves = 1
+    if not update.feasible and fallback is not None:
+        update = plan_ops(graph, update_ops, cost, hardware, fallback, time_budget_s)
+        solves += 1
+    rest = None if budget is None else budget - update.memory
+    micro = INFEASIBLE
+    if rest is None or rest > 0:
+        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight)
+        solves += 1
+    if not micro.feasible and fallback is not None and math.isfinite(update.memory):
+        micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight)
+        solves += 1
+    return Part(micro, update, solves)
+
+
+def reuse(graph: Graph, priced: Priced, ops: Sequence[int]) -> Priced | None:
+    """The plan of an identical set of ops, carried over to ``ops`` (their sub-graphs number tensors the
+    same way: inputs by first use, then results in schedule order); None if the numbering differs."""
+    if priced.plan is None or not ops:
+        return Priced(priced.time, priced.memory, priced.plan, None)
+    sub = subgraph(graph, ops)
+    same = [(t.shape, t.dtype) for t in sub.graph.tensors] == [(t.shape, t.dtype) for t in priced.sub.graph.tensors]
+    return Priced(priced.time, priced.memory, priced.plan, sub) if same else None
+
+
+def remap(priced: Priced) -> dict[Scope, dict[int, ShardingSpec]]:
+    """A sub-graph plan's specs keyed by the step's op and tensor ids."""
+    if priced.plan is None:
+        return {}
+    sub = priced.sub
+    out: dict[Scope, dict[int, ShardingSpec]] = {}
+    for scope, table in priced.plan.specs.items():
+        if scope == ():
+            out[()] = {sub.tensors[t]: s for t, s in table.items()}
+        else:
+            (op, b), *rest = scope
+            out[((sub.ops[op], b), *rest)] = dict(table)
+    return out
+
+
+def signature(graph: Graph, ops: Sequence[int]) -> str:
+    """A digest of some ops that is equal for identical layers: primitives, params, shapes, and which
+    operands come from inside the set."""
+    h = hashlib.sha1()
+    local: dict[int, int] = {}
+    for i in ops:
+        op = graph.ops[i]
+        h.update(op.primitive.encode())
+        h.update(repr(op.params).encode())
+        for t in op.inputs:
+            ten = graph.tensors[t]
+            h.update(f"{local.get(t, -1)}:{ten.shape}:{ten.dtype}:{ten.role.value if t not in local else ''}".encode())
+        for t in op.outputs:
+            local[t] = len(local)
+            h.update(f"{graph.tensors[t].shape}:{graph.tensors[t].dtype}".encode())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerPrices:
+    """Per layer and submesh shape: seconds per microbatch, bytes of one microbatch's activations, seconds
+    and bytes of the update. ``solves``: intra-op solves spent; ``distinct``: layers with different ops."""
+
+    micro_time: np.ndarray
+    micro_memory: np.ndarray
+    update_time: np.ndarray
+    update_memory: np.ndarray
+    solves: int
+    distinct: int
+
+
+def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
+                 costs: Sequence[CostModel], hardware: str, memory_budget: float | None, time_budget_s: float,
+                 inflight: Sequence[int], num_devices: int) -> LayerPrices:
+    """Every layer on every submesh (``costs``: one cost model per shape), each planned with ``plan_part``.
+
+    A layer is planned under its share of a stage's memory: on a submesh of ``n`` devices the cluster
+    holds about ``num_devices / n`` stages of ``num_layers · n / num_devices`` layers each, the first of
+    which keeps ``inflight[stages - 1]`` microbatches in flight; its activations count that many times (so
+    that the layer picks layouts a full stage can hold). A layer that cannot fit its share is priced again
+    under the whole budget. ``time_budget_s`` is shared by the distinct layers' plans, two per shape."""
+    num_layers, num_shapes = len(micro_ops), len(costs)
+    signatures = [signature(graph, micro_ops[ell]) + signature(graph, update_ops[ell]) for ell in range(num_layers)]
+    distinct = len(set(signatures))
+    seconds = time_budget_s / max(1, 2 * distinct * num_shapes)  # solver seconds per layer plan
+    out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
+    cache: dict[tuple[str, int], tuple[Part, float]] = {}
+    solves = 0
+    for ell in range(num_layers):
+        for m, cost in enumerate(costs):
+            key = (signatures[ell], m)
+            if key not in cache:
+                stages = max(1, num_devices // cost.mesh.num_devices)
+                weight = float(inflight[min(stages, len(inflight)) - 1])
+                share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
+                part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share, seconds, weight,
+                                 fallback=memory_budget)
+                solves += part.solves
+                cache[key] = (part, weight)
+            part, weight = cache[key]
+            out[0][ell, m], out[1][ell, m] = part.micro.time, part.micro.memory / weight
+            out[2][ell, m], out[3][ell, m] = part.update.time, part.update.memory
+    return LayerPrices(*out, solves=solves, distinct=distinct)

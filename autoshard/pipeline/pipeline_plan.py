@@ -1,0 +1,188 @@
+"""A pipelined plan as plain data: ``StagePlan`` per stage, ``PipelinePlan`` for the step (JSON round-trip,
+``verify()``), and ``PipelineReport``, how the stage planner got there."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from autoshard.pipeline.partition import PipelineError
+from autoshard.planner.plan import PlanError, specs_from_json, specs_to_json
+from autoshard.trace.graph import Graph, Scope
+from cost_models import LogicalMesh, ShardingSpec
+
+PIPELINE_PLAN_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineReport:
+    """How a pipelined plan was found. ``dp_cost``: the stage DP's objective (seconds); ``layer_solves``:
+    intra-op solves spent pricing layers; ``distinct_layers``: layers with different ops; times in
+    seconds; ``intra_op_step_time``: the best intra-operator plan's time when one was also planned (a
+    string saying why there is none when it did not fit)."""
+
+    dp_cost: float
+    layer_solves: int
+    distinct_layers: int
+    dp_seconds: float
+    dp_candidates: int
+    stage_costing_seconds: float
+    planning_seconds: float
+    intra_op_step_time: float | str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PipelineReport:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """One pipeline stage: its layers, where it runs, what it costs, and its layouts (step tensor ids)."""
+
+    layers: tuple[int, int]  # first, last (inclusive)
+    submesh: tuple[int, int]  # (hosts, devices per host)
+    origin: tuple[int, int]  # (first host, first device) of the submesh in the cluster
+    mesh: LogicalMesh  # the logical mesh the stage was planned on
+    micro_time: float  # seconds of forward + backward per microbatch, receiving its inputs included
+    update_time: float  # seconds of the once-per-step update
+    memory: float  # bytes per device: update state + in-flight microbatches' activations
+    specs: Mapping[Scope, Mapping[int, ShardingSpec]]  # forward / backward programs
+    update_specs: Mapping[Scope, Mapping[int, ShardingSpec]]
+
+    @property
+    def num_devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+    def devices(self, cluster: tuple[int, int]) -> list[int]:
+        """Device indices (row-major over the cluster's (hosts, devices per host)) of this stage."""
+        h0, d0 = self.origin
+        return [h * cluster[1] + d for h in range(h0, h0 + self.submesh[0])
+                for d in range(d0, d0 + self.submesh[1])]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PipelinePlan:
+    """A pipelined plan as plain data: stages on submeshes, microbatches, schedule, predicted time."""
+
+    mesh: LogicalMesh
+    hardware: str
+    num_microbatches: int
+    schedule: str
+    num_layers: int
+    stages: tuple[StagePlan, ...]
+    layer_of_op: tuple[int, ...]  # per op of the microbatch-sized trace
+    predicted_step_time: float
+    bubble_fraction: float
+    peak_memory: float
+    memory_budget: float | None
+    solver: PipelineReport
+    graph_digest: str  # of the microbatch-sized trace the op ids refer to
+
+    @property
+    def cluster(self) -> tuple[int, int]:
+        return cluster_of(self.mesh)
+
+    def stage_of_op(self) -> tuple[int, ...]:
+        stage_of_layer = {}
+        for s, st in enumerate(self.stages):
+            for layer in range(st.layers[0], st.layers[1] + 1):
+                stage_of_layer[layer] = s
+        return tuple(stage_of_layer[layer] for layer in self.layer_of_op)
+
+    def verify(self, graph: Graph | None = None) -> None:
+        expect = 0
+        for s, st in enumerate(self.stages):
+            if st.layers[0] != expect or st.layers[1] < st.layers[0]:
+                raise PlanError(f"stage {s} covers layers {st.layers}; expected to start at layer {expect}")
+            expect = st.layers[1] + 1
+        if expect != self.num_layers:
+            raise PlanError(f"the stages cover layers 0..{expect - 1} of {self.num_layers}")
+        used = sum(st.num_devices for st in self.stages)
+        if used > math.prod(self.mesh.shape):
+            raise PlanError(f"the stages use {used} devices; the mesh has {math.prod(self.mesh.shape)}")
+        if not math.isfinite(self.predicted_step_time) or self.predicted_step_time < 0:
+            raise PlanError(f"predicted step time {self.predicted_step_time} is not finite and non-negative")
+        if graph is not None and (len(graph.ops) != len(self.layer_of_op)
+                                  or graph_digest(graph) != self.graph_digest):
+            raise PlanError("this pipeline plan was made for another trace of the step (different ops); "
+                                "plan again")
+
+    # ---- serialisation -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "pipeline",
+            "version": PIPELINE_PLAN_VERSION,
+            "mesh": self.mesh.to_dict(),
+            "hardware": self.hardware,
+            "num_microbatches": self.num_microbatches,
+            "schedule": self.schedule,
+            "num_layers": self.num_layers,
+            "stages": [{
+                "layers": list(st.layers), "submesh": list(st.submesh), "origin": list(st.origin),
+                "mesh": st.mesh.to_dict(), "micro_time": st.micro_time, "update_time": st.update_time,
+                "memory": st.memory, "specs": specs_to_json(st.specs),
+                "update_specs": specs_to_json(st.update_specs),
+            } for st in self.stages],
+            "layer_of_op": list(self.layer_of_op),
+            "predicted_step_time": self.predicted_step_time,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory": self.peak_memory,
+            "memory_budget": self.memory_budget,
+            "solver": self.solver.to_dict(),
+            "graph_digest": self.graph_digest,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PipelinePlan:
+        if d.get("kind") != "pipeline" or d.get("version") != PIPELINE_PLAN_VERSION:
+            raise PlanError(f"not a version-{PIPELINE_PLAN_VERSION} pipeline plan (kind={d.get('kind')!r}, "
+                            f"version={d.get('version')!r})")
+        stages = tuple(StagePlan(
+            layers=tuple(s["layers"]), submesh=tuple(s["submesh"]), origin=tuple(s["origin"]),
+            mesh=LogicalMesh.from_dict(s["mesh"]), micro_time=float(s["micro_time"]),
+            update_time=float(s["update_time"]), memory=float(s["memory"]),
+            specs=specs_from_json(s["specs"]), update_specs=specs_from_json(s["update_specs"]),
+        ) for s in d["stages"])
+        plan = cls(mesh=LogicalMesh.from_dict(d["mesh"]), hardware=d["hardware"],
+                   num_microbatches=int(d["num_microbatches"]), schedule=d["schedule"],
+                   num_layers=int(d["num_layers"]), stages=stages, layer_of_op=tuple(d["layer_of_op"]),
+                   predicted_step_time=float(d["predicted_step_time"]),
+                   bubble_fraction=float(d["bubble_fraction"]), peak_memory=float(d["peak_memory"]),
+                   memory_budget=d["memory_budget"], solver=PipelineReport.from_dict(d["solver"]), graph_digest=d["graph_digest"])
+        plan.verify()
+        return plan
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> PipelinePlan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def graph_digest(graph: Graph) -> str:
+    h = hashlib.sha1()
+    for op in graph.ops:
+        h.update(op.primitive.encode())
+        for t in (*op.inputs, *op.outputs):
+            h.update(str(graph.tensors[t].shape).encode())
+    return h.hexdigest()[:16]
+
+
+def cluster_of(mesh: LogicalMesh) -> tuple[int, int]:
+    if len(mesh.shape) == 1:
+        return (1, mesh.shape[0])
+    if len(mesh.shape) == 2:
+        return (mesh.shape[0], mesh.shape[1])
+    raise PipelineError(f"pipelines run on 1-D (devices) or 2-D (hosts x devices) meshes; got {mesh}")

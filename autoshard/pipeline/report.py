@@ -1,0 +1,51 @@
+"""A pipelined plan for a person: ``format_pipeline_plan`` (stages, submeshes, time and memory per stage,
+the bubble) and ``explain_pipeline`` (that, with the step time split into stage work, bubble and update)."""
+
+from __future__ import annotations
+
+from autoshard.pipeline.pipeline_plan import PipelinePlan
+from autoshard.planner.summary import human_time
+from autoshard.trace.summary import human_bytes
+
+
+def format_pipeline_plan(plan: PipelinePlan) -> str:
+    """Stages, their submeshes, per-stage time and memory, and the bubble."""
+    S = len(plan.stages)
+    lines = [
+        f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
+        f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
+        f"{plan.schedule}, {plan.num_layers} layers",
+        f"predicted step time {human_time(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
+        f"peak memory per device {human_bytes(plan.peak_memory)}"
+        + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
+        "",
+        f"  {'stage':<6}{'layers':<10}{'submesh':<10}{'devices':<16}{'fwd+bwd/microbatch':>20}{'update':>12}"
+        f"{'memory/device':>16}",
+    ]
+    cluster = plan.cluster
+    for s, st in enumerate(plan.stages):
+        devs = st.devices(cluster)
+        dev = f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0])
+        lines.append(f"  {s:<6}{f'{st.layers[0]}..{st.layers[1]}':<10}{f'{st.submesh[0]}x{st.submesh[1]}':<10}"
+                     f"{dev:<16}{human_time(st.micro_time):>20}{human_time(st.update_time):>12}{human_bytes(st.memory):>16}")
+    sv = plan.solver
+    lines += ["", f"planner: {sv.distinct_layers} distinct layers priced on each submesh shape "
+              f"({sv.layer_solves} intra-op solves), stage DP {sv.dp_seconds:.2f} s, "
+              f"total {sv.planning_seconds:.1f} s"]
+    return "\n".join(lines)
+
+
+def explain_pipeline(plan: PipelinePlan) -> str:
+    """The pipeline plan's summary, with the step time split into stage work, bubble and update."""
+    times = [st.micro_time for st in plan.stages]
+    B, S = plan.num_microbatches, len(plan.stages)
+    pipe = sum(times) + (B - 1) * max(times) if times else 0.0
+    work = sum(times) * B / S if S else 0.0
+    update = max((st.update_time for st in plan.stages), default=0.0)
+    total = plan.predicted_step_time or 1.0
+    rows = [("stage work (mean per stage)", work), ("pipeline bubble", pipe - work),
+            ("update (slowest stage)", update)]
+    lines = [format_pipeline_plan(plan), "", "time by category (adds up to the step time)"]
+    for k, v in rows:
+        lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%")
+    return "\n".join(lines)

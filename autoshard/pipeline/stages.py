@@ -1,0 +1,201 @@
+"""Plan a pipelined step: layers, stage costs from the intra-op planner, the stage DP, per-stage plans.
+
+Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh ``(n,)`` is one host of
+``n`` devices; a 2-D mesh ``(H, D)`` is ``H`` hosts of ``D``), ``B`` microbatches and a schedule.
+
+1. ``partition.split_step`` and ``assign_layers`` give every op a layer ``ℓ ∈ [0, L)``.
+2. For every layer ``ℓ`` and Alpa submesh shape ``m`` (``(1, 2^k)`` and ``(h, D)``), the intra-op planner
+   plans the layer's microbatched ops and, separately, its update ops on a mesh of that shape. Layers
+   with the same op signature (a stack of identical blocks) are planned once per shape. The stage tables
+   of ``solvers.inter_op`` are then additive over layers:
+
+       t[i, j, m] = Σ_{ℓ=i..j} T_micro(ℓ, m) + 2·X(i) / β            (forward activations in, cotangents out)
+       σ[i, j, m] = Σ_{ℓ=i..j} M_update(ℓ, m)                        (parameters, gradients, optimizer state)
+       α[i, j, m] = Σ_{ℓ=i..j} M_micro(ℓ, m)                         (one microbatch in flight)
+
+   where ``X(i)`` is the bytes live across the cut before layer ``i`` and ``β`` the bandwidth of the
+   mesh's slowest link (``layer_prices.price_layers``). Each layer is planned under its share of a
+   stage's memory (``budget · N / (n_m · L)``: on shape ``m`` about ``N / n_m`` stages of ``L·n_m / N``
+   layers) with its activations counted ``inflight`` times (the first stage's), so that it picks layouts
+   a whole stage can hold; a layer that cannot fit its share is priced under the whole budget. Summing per-layer plans ignores
+   resharding between layers inside a stage; the chosen stages are re-planned whole in step 4 (update
+   ops first, then the microbatched ops in what memory is left, activations counted ``inflight(s)``
+   times), and those plans give the reported times. Identical stages are planned once.
+3. ``solvers.solve_inter_op`` picks stage boundaries and submeshes minimising
+   ``Σ_s t_s + (B − 1)·max_s t_s`` under ``σ + inflight(r)·α <= budget``.
+4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh. The predicted
+   step time is ``Σ_s t_s + (B − 1)·max_s t_s + max_s T_update(s)``.
+
+Known limits: gradients are reduced per microbatch (a stage sharded data-parallel over a slow axis pays
+that reduction ``B`` times, where accumulating partial sums would pay once); a ``scan`` over layers is
+one forward op, so a scanned stack is one layer (trace with the layers unrolled to pipeline them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from autoshard.pipeline.layer_prices import (
+    Part,
+    plan_part,
+    price_layers,
+    remap,
+    reuse,
+    signature,
+    submesh_cost,
+)
+from autoshard.pipeline.partition import (
+    UPDATE,
+    PipelineError,
+    assign_layers,
+    forward_sequence,
+    split_step,
+)
+from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
+from autoshard.pipeline.schedules import SCHEDULE_NAMES, inflight_rule
+from autoshard.planner.shares import SHARES
+from autoshard.trace.graph import Graph
+from cost_models import CostModel
+from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
+
+
+def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_budget: float | None = None,
+                  num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
+                  time_budget_s: float = 60.0, max_stages: int | None = None,
+                  forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None) -> PipelinePlan:
+    """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
+    docstring. ``num_layers`` defaults to one per block the scopes name, plus one
+    (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
+    (hosts, devices) makes every stage that submesh (so ``devices / size`` stages)."""
+    t_start = time.perf_counter()
+    if schedule_name not in SCHEDULE_NAMES or schedule_name == "interleaved-1f1b":
+        raise PipelineError(f"schedule {schedule_name!r}: the pipeline runtime runs 'gpipe' and '1f1b'")
+    if num_microbatches < 1:
+        raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    cluster = cluster_of(cost.mesh)
+    parts = split_step(graph)
+    layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
+    layers = max(layer_of_op) + 1
+    submeshes = _submeshes(cluster, stage_shape)
+    costs = [submesh_cost(cost, shape) for shape in submeshes]  # one per shape: they cache prices
+    micro_ops: list[list[int]] = [[] for _ in range(layers)]
+    update_ops: list[list[int]] = [[] for _ in range(layers)]
+    for op in graph.ops:
+        (update_ops if parts.kind[op.id] == UPDATE else micro_ops)[layer_of_op[op.id]].append(op.id)
+    into = _bytes_into_layers(graph, parts, layer_of_op, layers)
+    slow = min(link.bandwidth for link in cost.mesh.links)
+    limit = min(max_stages or layers, layers)
+    inflight = inflight_rule(schedule_name, limit, num_microbatches)
+    n_devices = cluster[0] * cluster[1]
+
+    # ---- the stage problem ----
+    prices = price_layers(graph, micro_ops, update_ops, costs, hardware, memory_budget,
+                          SHARES.layer_pricing * time_budget_s, inflight, n_devices)
+    problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=_stage_times(prices.micro_time, into, slow),
+                             num_microbatches=num_microbatches, submeshes=submeshes,
+                             static_memory=_range_sums(prices.update_memory),
+                             activation_memory=_range_sums(prices.micro_memory), memory_limit=memory_budget,
+                             inflight=inflight, max_stages=limit)
+    try:
+        sol = solve_inter_op(problem)
+    except InterOpInfeasibleError as e:
+        raise PipelineError(f"no pipeline of {layers} layers fits: {e}") from None
+    t_dp = time.perf_counter() - t_start
+    placement = sol.placement
+    if placement is None:
+        raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the cluster {cluster}")
+
+    # ---- the chosen stages re-planned whole ----
+    num_stages = len(sol.stages)
+    stage_ops = [([i for ell in range(st.first_layer, st.last_layer + 1) for i in micro_ops[ell]],
+                  [i for ell in range(st.first_layer, st.last_layer + 1) for i in update_ops[ell]])
+                 for st in sol.stages]
+    # identical stages (same ops on the same submesh shape, as many microbatches in flight) are planned once
+    keys = [(signature(graph, m) + signature(graph, u), st.submesh, inflight[num_stages - 1 - s])
+            for s, ((m, u), st) in enumerate(zip(stage_ops, sol.stages, strict=True))]
+    seconds = max(SHARES.min_stage_seconds, SHARES.stage_plans * time_budget_s / (2 * len(set(keys))))
+    done: dict[Any, Part] = {}
+    stages: list[StagePlan] = []
+    for s, st in enumerate(sol.stages):
+        shape = submeshes[st.submesh]
+        mops, uops = stage_ops[s]
+        part = _reused(graph, done.get(keys[s]), mops, uops)
+        if part is None:
+            # the stage's own budget: its update state once, its activations once per microbatch in flight
+            part = done[keys[s]] = plan_part(graph, mops, uops, costs[st.submesh], hardware, memory_budget,
+                                             seconds, float(inflight[num_stages - 1 - s]))
+        if part.micro.plan is None and mops:
+            raise PipelineError(f"stage {s} (layers {st.first_layer}..{st.last_layer}) on {shape} did not plan "
+                                "within the memory budget when planned whole")
+        stages.append(StagePlan(
+            layers=(st.first_layer, st.last_layer), submesh=shape, origin=placement[s],
+            mesh=costs[st.submesh].mesh, micro_time=part.time + 2 * into[st.first_layer] / slow,
+            update_time=part.update.time, memory=part.memory, specs=remap(part.micro),
+            update_specs=remap(part.update),
+        ))
+    times = [st.micro_time for st in stages]
+    pipe = sum(times) + (num_microbatches - 1) * max(times)
+    step_time = pipe + max(st.update_time for st in stages)
+    bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
+    report = PipelineReport(dp_cost=sol.cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
+                            dp_seconds=sol.stats.seconds, dp_candidates=sol.stats.candidates,
+                            stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start)
+    return PipelinePlan(
+        mesh=cost.mesh, hardware=hardware, num_microbatches=num_microbatches, schedule=schedule_name,
+        num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
+        bubble_fraction=bubble, peak_memory=max(st.memory for st in stages), memory_budget=memory_budget,
+        solver=report, graph_digest=graph_digest(graph),
+    )
+
+
+def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None) -> tuple[tuple[int, int], ...]:
+    """Alpa's submesh shapes of the cluster, or only ``stage_shape`` when it is one of them and tiles it."""
+    submeshes = alpa_submeshes(cluster)
+    if stage_shape is None:
+        return submeshes
+    stage_shape = (int(stage_shape[0]), int(stage_shape[1]))
+    if stage_shape not in submeshes or (cluster[0] * cluster[1]) % (stage_shape[0] * stage_shape[1]):
+        raise PipelineError(f"stage_shape {stage_shape} is not one of the submesh shapes of the "
+                            f"{cluster[0]}x{cluster[1]} cluster that tile it: {list(submeshes)}")
+    return (stage_shape,)
+
+
+def _bytes_into_layers(graph: Graph, parts: Any, layer_of_op: Sequence[int], layers: int) -> np.ndarray:
+    """``X(i)``: bytes of forward activations crossing into layer ``i`` from earlier layers."""
+    fwd, _, cut = forward_sequence(graph, parts)
+    into = np.zeros(layers)
+    for k in range(1, len(fwd)):
+        a, b = layer_of_op[fwd[k - 1]], layer_of_op[fwd[k]]
+        if b != a:
+            into[b] = cut[k - 1]
+    return into
+
+
+def _range_sums(per_layer: np.ndarray) -> np.ndarray:
+    """``out[i, j, m] = Σ_{ℓ=i..j} per_layer[ℓ, m]`` (0 where ``j < i``; inf where a layer in range is)."""
+    layers, shapes = per_layer.shape
+    out = np.zeros((layers, layers, shapes))
+    for i in range(layers):
+        out[i, i:] = np.cumsum(per_layer[i:], axis=0)
+    return out
+
+
+def _stage_times(micro_time: np.ndarray, into: np.ndarray, slow: float) -> np.ndarray:
+    """``t[i, j, m]``: the layers' time per microbatch plus receiving activations and sending cotangents."""
+    t = _range_sums(micro_time) + (2 * into / slow)[:, None, None]
+    layers = micro_time.shape[0]
+    t[np.tril_indices(layers, -1)] = np.inf  # j < i is no stage
+    t[~np.isfinite(t)] = np.inf
+    return t
+
+
+def _reused(graph: Graph, part: Part | None, micro_ops: Sequence[int], update_ops: Sequence[int]) -> Part | None:
+    """An identical stage's plans carried over to these ops, or None."""
+    if part is None:
+        return None
+    micro, update = reuse(graph, part.micro, micro_ops), reuse(graph, part.update, update_ops)
+    return None if micro is None or update is None else Part(micro, update, 0)

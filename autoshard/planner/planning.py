@@ -1,0 +1,144 @@
+"""``plan_graph``: build the intra-operator problem of a graph, solve it, read the solution back as a Plan.
+
+The problem (``planner.build``) is solved by ``solvers.solve_intra_op``, started from the best of the
+seed portfolio (``planner.seeds``) on large graphs; the solution is read back into layouts per tensor, a
+step time by category and a peak memory (``planner.readback``). ``fixed=`` pins some inputs' layouts (a
+hand-written layout, ``planner.layouts``; ``planner.pins``) and lets the solver complete the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from autoshard.planner import readback
+from autoshard.planner.build import BuiltProblem, build_problem
+from autoshard.planner.pins import fixed_ids, pin
+from autoshard.planner.plan import Plan, PlanError, SolverReport, encode_choice, versions
+from autoshard.planner.seeds import seeds as seed_portfolio
+from autoshard.planner.shares import SHARES
+from autoshard.trace.graph import Graph
+from cost_models import CostModel, ShardingSpec
+from solvers import InfeasibleError, solve_intra_op
+
+
+@dataclasses.dataclass(slots=True)
+class ProblemCache:
+    """The problems built for one graph, kept across several ``plan_graph`` calls on it (pricing hand-written
+    layouts, ``compare``). Building is deterministic: a problem depends on the graph and the cost model's
+    mesh and prices only; the memory budget is set per call."""
+
+    graph: Graph
+    _built: dict[Any, tuple[Any, BuiltProblem]] = dataclasses.field(default_factory=dict)
+
+    def get(self, cost: CostModel, memory_budget: float | None, activation_weight: float = 1.0) -> BuiltProblem:
+        key = (id(cost.profile), cost.mesh, activation_weight)
+        hit = self._built.get(key)
+        if hit is None or hit[0] is not cost.profile:
+            hit = (cost.profile, build_problem(self.graph, cost, None, activation_weight=activation_weight))
+            self._built[key] = hit
+        built = hit[1]
+        return dataclasses.replace(built, problem=dataclasses.replace(built.problem, memory_limit=memory_budget))
+
+
+def plan_graph(
+    graph: Graph,
+    cost: CostModel,
+    *,
+    hardware: str = "",
+    memory_budget: float | None = None,
+    time_budget_s: float = 60.0,
+    fixed: Mapping[str, ShardingSpec] | None = None,
+    problems: ProblemCache | None = None,
+    activation_weight: float = 1.0,
+    starts: Sequence[Any] = (),
+) -> Plan:
+    """Plan ``graph`` on ``cost.mesh``: build the problem, solve it, read the layouts back.
+
+    ``fixed``: input tensor name -> layout, held as given while the solver places everything else (the
+    best completion of a hand-written layout). ``problems``: reuse problems already built for ``graph``.
+    ``activation_weight``: see ``build_problem`` (the peak memory reported counts activations that many
+    times; a pipeline stage holds several microbatches' at once).
+    ``starts``: other starting points for the solve, each a Plan of this graph (its recorded choice) or a
+    hand layout (``layouts.HandLayout`` or a mapping input name -> layout), which is completed first with
+    the inputs pinned.
+
+    On graphs of ``SHARES.seed_min_nodes`` nodes or more, ``SHARES.seeds`` of the budget goes to seeds
+    (the best uniform plan over repeated blocks and the completions of the textbook layouts), the rest to
+    the final solve, which starts from the best seed or start: the plan is never worse than any of them.
+    """
+    t0 = time.perf_counter()
+    if problems is None:
+        problems = ProblemCache(graph)
+    pins = fixed_ids(graph, fixed, cost.mesh)
+    built = problems.get(cost, memory_budget, activation_weight)
+    problem = pin(graph, built, pins)
+    assert problem is not None
+    t_build = time.perf_counter() - t0
+    try:
+        with _gc_frozen():
+            t_start = time.perf_counter()
+            found = seed_portfolio(graph, cost, built, problem, pins, starts, SHARES.seeds * time_budget_s)
+            best = min(found, key=lambda x: x.objective, default=None)
+            left = time_budget_s - (time.perf_counter() - t_start)
+            sol = solve_intra_op(problem, time_budget_s=max(left, (1 - SHARES.seeds) * time_budget_s),
+                                 initial=None if best is None else best.choice)
+    except InfeasibleError as e:
+        what = ("with the given inputs' layouts held fixed" if pins
+                else "with any layout autoshard can express")
+        raise PlanError(
+            f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} {what}: "
+            "use more devices, a smaller batch, recomputation (remat), or plan without a memory limit "
+            "(memory_budget=None, --memory-budget none) to see what it would need."
+        ) from None
+    specs, inputs, outputs = readback.layouts(graph, built, sol.choice, pins)
+    breakdown = readback.breakdown(built, sol.choice, cost)
+    report = SolverReport(
+        status=sol.status,
+        optimal=bool(sol.optimal),
+        objective=float(sol.cost),
+        lower_bound=None if sol.lower_bound is None else float(sol.lower_bound),
+        build_seconds=t_build,
+        solve_seconds=float(sol.solve_seconds),
+        nodes=built.problem.num_nodes,
+        edges=built.problem.num_edges,
+        strategies=int(built.problem.num_strategies.sum()),
+        choice=encode_choice(sol.choice),
+        top_ops=tuple(readback.top_ops(built, sol.choice)),
+        seeds={x.name: float(x.objective) for x in found if not x.given},
+        starts={x.name: float(x.objective) for x in found if x.given} if starts else None,
+        fixed_inputs=len(pins) if pins else None,
+    )
+    plan = Plan(
+        mesh=cost.mesh,
+        hardware=hardware,
+        memory_budget=memory_budget,
+        inputs=inputs,
+        outputs=outputs,
+        specs=specs,
+        time_breakdown=breakdown,
+        predicted_step_time=math.fsum(v for k, v in breakdown.items() if k != "resharding"),
+        peak_memory=readback.peak_memory_of(built, sol.choice),
+        solver=report,
+        versions=versions(),
+    )
+    plan.verify(graph)
+    return plan
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Exempt the objects alive now (the traced graph, the built problem: millions on a large model) from
+    the garbage collector's full collections while the solver runs. Each full collection walks all of
+    them, about 0.5 s on GPT-6.7B, and the solver allocates enough to set one off every few hundred
+    milliseconds; the objects it makes are still collected as usual."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,174 @@
+"""A solution read back: the layouts per tensor, the step time by category, memory, where the time goes.
+
+Everything here is a function of a built problem (``planner.build.BuiltProblem``) and one strategy index
+per node (``choice``); the objective sums and memory sweeps are the solver problem's own
+(``IntraOpProblem.cost_of``, ``IntraOpProblem.memory_usage``), so that a plan reports what was solved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from autoshard.planner.build import BuiltProblem
+from autoshard.planner.plan import TensorLayout
+from autoshard.trace.graph import Graph, Scope
+from cost_models import CostModel, ShardingSpec
+
+TOP_OPS = 30  # op groups recorded per plan, costliest first
+_SCOPE_INDEX = re.compile(r"_\d+(?=[./]|$)")
+
+
+def layouts(graph: Graph, built: BuiltProblem, choice: np.ndarray, pins: Mapping[int, ShardingSpec]
+            ) -> tuple[dict[Scope, dict[int, ShardingSpec]], tuple[TensorLayout, ...], tuple[TensorLayout, ...]]:
+    """(layouts per scope and tensor id, the step's input layouts, its output layouts) under ``choice``.
+
+    Inputs and outputs are materialised (no pending sums); returned train state goes back in the layout
+    it came in (the tie edge's price is in the objective), and is recorded so in the scope table too.
+    An input no node reads keeps its pinned layout, else it is replicated."""
+    specs: dict[Scope, dict[int, ShardingSpec]] = defaultdict(dict)
+    for i, node in enumerate(built.nodes):
+        for (scope, tid), spec in node.produces[int(choice[i])]:
+            specs[scope][tid] = spec
+    top = specs.get((), {})
+
+    def layout(tid: int, name: str) -> TensorLayout:
+        t = graph.tensors[tid]
+        spec = top.get(tid, pins.get(tid, ShardingSpec.replicated(len(t.shape))))
+        return TensorLayout(name=name, shape=t.shape, dtype=t.dtype, role=t.role.value,
+                            spec=ShardingSpec(dims=spec.dims))
+
+    inputs = tuple(layout(tid, graph.tensors[tid].name) for tid in graph.inputs)
+    outputs = []
+    for o, tid in enumerate(graph.outputs):
+        i = graph.output_aliases.get(o)
+        lay = layout(tid, graph.output_names[o])
+        if i is not None:
+            lay = dataclasses.replace(lay, spec=inputs[i].spec)
+            specs[()][tid] = inputs[i].spec
+        outputs.append(lay)
+    return {k: dict(v) for k, v in specs.items()}, inputs, tuple(outputs)
+
+
+def breakdown(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[str, float]:
+    """Seconds by category: ``compute``, one entry per collective kind and mesh axes (``all_reduce(x)``:
+    the ops' own collectives, resharding on edges and the reduction of pending sums the step returns),
+    and ``resharding``, the part of those spent on edges (not to be added again)."""
+    out: dict[str, float] = defaultdict(float)
+    for i, node in enumerate(built.nodes):
+        s = int(choice[i])
+        out["compute"] += float(node.compute[s])
+        st = node.strategies[s]
+        if st is not None:
+            for c in st.comm:
+                out[f"{c.kind}({','.join(c.axes)})"] += c.time * node.weight
+    p = built.problem
+    for (u, v), mat, e in zip(p.edges, p.edge_costs, built.edges, strict=True):
+        t = float(mat[choice[u], choice[v]])
+        if t <= 0:
+            continue
+        out["resharding"] += t
+        g = built.graphs[e.tensor[0]]
+        tensor = g.tensors[e.tensor[1]]
+        src = built.nodes[u].produced(e.tensor, int(choice[u]))
+        s_v = int(choice[v])
+        dst = built.nodes[v].needed(e.target, s_v) if e.kind == "data" else built.nodes[v].produced(e.target, s_v)
+        if src is not None and dst is not None:
+            for step in cost.reshard(tensor.shape, tensor.dtype, src, dst).steps:
+                out[f"{step.kind}({','.join(step.axes)})"] += step.time * e.weight
+    g = built.graphs[()]
+    results = {((), t) for t in g.outputs}
+    for i, node in enumerate(built.nodes):  # pending sums reduced as the step returns them
+        for key, spec in node.produces[int(choice[i])]:
+            if key in results and spec.partial:
+                results.discard(key)
+                t = g.tensors[key[1]]
+                for step in cost.reshard(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims)).steps:
+                    out[f"{step.kind}({','.join(step.axes)})"] += step.time
+    return dict(out)
+
+
+def peak_memory_of(built: BuiltProblem, choice: Sequence[int] | np.ndarray) -> float:
+    """Peak over the schedule of the summed bytes per device of the live nodes under ``choice``."""
+    _, usage = built.problem.memory_usage(choice)
+    return float(usage.max()) if usage.size else 0.0
+
+
+def memory_at_peak(built: BuiltProblem, choice: Sequence[int] | np.ndarray, top: int = 3
+                   ) -> tuple[float, int, list[tuple[str, float]]]:
+    """(peak bytes, time step of the peak, the ``top`` largest nodes live there with their bytes)."""
+    p = built.problem
+    points, usage = p.memory_usage(choice)
+    if not usage.size:
+        return 0.0, 0, []
+    k = int(np.argmax(usage))
+    at = int(points[k])
+    live = [(i, float(p.node_memory[i][choice[i]])) for i in range(len(built.nodes))
+            if built.nodes[i].interval[0] <= at < built.nodes[i].interval[1]]
+    live.sort(key=lambda x: -x[1])
+    return float(usage[k]), at, [(node_label(built, i, int(choice[i])), b) for i, b in live[:top]]
+
+
+def node_label(built: BuiltProblem, i: int, s: int) -> str:
+    """An input node by its tensor's name; an op node by the tensor it makes, its layout and the op."""
+    node = built.nodes[i]
+    if node.kind == "input":
+        return f"{node.name} ({node.produces[s][0][1]})"
+    (scope, tid), spec = node.produces[s][-1]
+    t = built.graphs[scope].tensors[tid]
+    return f"{t.name} {list(t.shape)} {spec} from {node.name}"
+
+
+def step_time_of(built: BuiltProblem, choice: Sequence[int] | np.ndarray) -> float:
+    """The step time under ``choice``: node costs without the memory tie-break, plus resharding."""
+    p = built.problem
+    return float(sum(float(n.cost[c]) for n, c in zip(built.nodes, np.asarray(choice).tolist(), strict=True))
+                 + sum(float(m[choice[a], choice[b]]) for (a, b), m in zip(p.edges.tolist(), p.edge_costs,
+                                                                          strict=True)))
+
+
+def top_ops(built: BuiltProblem, choice: np.ndarray, n: int = TOP_OPS) -> list[dict[str, Any]]:
+    """The op groups where the step's time goes under ``choice``, costliest first, as JSON-ready dicts.
+
+    A node's time is its own cost (compute and collectives, times its trip count) plus the resharding on
+    the edges into it (on an edge into an input node, the tie of returned state: charged to its producer).
+    Nodes are folded by (primitive, name scope with layer indices as ``_*``, source line, phase), so the 24
+    copies of one matmul in a 24-layer model are one entry with ``count`` 24."""
+    p = built.problem
+    res = np.zeros(len(built.nodes))
+    for (u, v), mat in zip(p.edges.tolist(), p.edge_costs, strict=True):
+        t = float(mat[choice[u], choice[v]])
+        if t > 0:
+            res[v if built.nodes[v].ops else u] += t
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    for i, node in enumerate(built.nodes):
+        if not node.ops:
+            continue
+        s = int(choice[i])
+        t = float(node.cost[s]) + float(res[i])
+        if t <= 0:
+            continue
+        scope, op_id = node.ops[0]
+        op = built.graphs[scope].ops[op_id]
+        folded = _SCOPE_INDEX.sub("_*", op.scope)
+        key = (op.primitive, folded, op.source, op.phase, node.kind)
+        g = groups.get(key)
+        if g is None:
+            reads = ", ".join(str(spec) for _, spec in node.reads[s][:3])
+            outs = ", ".join(str(spec) for _, spec in node.produces[s][:1])
+            g = groups[key] = {
+                "op": op.where(), "primitive": op.primitive, "scope": folded, "source": op.source,
+                "phase": op.phase, "layout": f"{reads} -> {outs}", "count": 0, "time": 0.0, "compute": 0.0,
+                "collectives": 0.0, "resharding": 0.0,
+            }
+        g["count"] += 1
+        g["time"] += t
+        g["compute"] += float(node.compute[s])
+        g["collectives"] += float(node.comm[s])
+        g["resharding"] += float(res[i])
+    return sorted(groups.values(), key=lambda g: -g["time"])[:n]

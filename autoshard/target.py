@@ -1,0 +1,176 @@
+"""What a plan is made for, as frozen data: ``Target`` (mesh, hardware, memory budget) and
+``PipelineOptions`` (microbatches, schedule, stages).
+
+Every entry point (``autoshard.plan``, ``@autoshard.parallelize``, the CLI's ``plan`` and ``compare``) builds
+these once, from whatever the user wrote (``"8x8"``, ``(2, 4)``, ``{"data": 2, "model": 4}``; a preset
+name, a profile file, ``"auto"`` or a ``CostModel``; bytes, ``"auto"`` or ``None``), and the passes below
+take them as they are. Nothing here depends on a pass: every module below ``autoshard.api`` may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+from autoshard.errors import AutoshardError
+from cost_models import CostModel, presets
+
+log = logging.getLogger("autoshard")
+
+DEFAULT_MEMORY_MARGIN = 0.10  # keep 10% of device memory free for XLA's temporaries and fragmentation
+DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z")}
+SCHEDULES = ("1f1b", "gpipe")  # the schedules the pipeline runtime runs
+MeshLike = Sequence[int] | Mapping[str, int] | str
+HardwareLike = str | CostModel
+BudgetLike = float | int | str | None
+
+
+class PlanningError(AutoshardError, ValueError):
+    """Bad planning arguments: a mesh that does not fit the devices, an unknown hardware name."""
+
+
+def parse_mesh(mesh: MeshLike, axis_names: Sequence[str] | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``"8x8"``, ``(2, 4)`` or ``{"data": 2, "model": 4}`` -> (shape, axis names); ``axis_names``
+    renames the axes of a shape given without names."""
+    if isinstance(mesh, str):
+        try:
+            shape = tuple(int(p) for p in mesh.lower().split("x"))
+        except ValueError:
+            raise PlanningError(f"mesh {mesh!r}: expected sizes joined by 'x', e.g. 8 or 2x4 or 8x8") from None
+    elif isinstance(mesh, Mapping):
+        shape, names = tuple(int(v) for v in mesh.values()), tuple(str(k) for k in mesh)
+        _check_shape(shape)
+        if axis_names is not None:
+            raise PlanningError("axis names given twice: by the mesh mapping and by axis_names")
+        return shape, names
+    else:
+        shape = tuple(int(s) for s in mesh)
+    _check_shape(shape)
+    if axis_names is None:
+        return shape, DEFAULT_AXIS_NAMES.get(len(shape), tuple(f"a{i}" for i in range(len(shape))))
+    names = tuple(str(a).strip() for a in axis_names)
+    if len(names) != len(shape):
+        raise PlanningError(f"{len(names)} axis names {list(names)} for a mesh of {len(shape)} axes {list(shape)}")
+    return shape, names
+
+
+def _check_shape(shape: tuple[int, ...]) -> None:
+    if any(s < 1 for s in shape) or not shape:
+        raise PlanningError(f"mesh shape {shape}: every axis needs a size >= 1")
+
+
+def detect_hardware() -> str:
+    """The preset of the devices JAX sees (the CPU profile shipped with cost_models on CPU)."""
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower()
+    for name in ("h200", "h100", "a100", "v100"):
+        if name in kind:
+            return name
+    if jax.devices()[0].platform == "cpu":
+        return "cpu-8dev-2026-11-21.json"
+    log.warning("autoshard: no preset for device kind %r; planning with the h100 preset", kind)
+    return "h100"
+
+
+def cost_model_for(hardware: HardwareLike, shape: tuple[int, ...], names: tuple[str, ...]) -> CostModel:
+    """A cost model of ``hardware`` (a preset name, a profile file, ``"auto"``, or a CostModel) on a mesh."""
+    if isinstance(hardware, CostModel):
+        if hardware.mesh.shape == shape and hardware.mesh.axis_names == names:
+            return hardware  # keep its links, which may have been set by hand
+        return hardware.with_mesh(shape, names)
+    if hardware == "auto":
+        hardware = detect_hardware()
+    try:
+        if hardware in presets.names():
+            # a preset describes a kind of machine, not a cluster size: a logical mesh larger than its
+            # default cluster gets as many hosts as it needs (a measured profile stays what was measured)
+            dph = presets.get(hardware).devices_per_host
+            hosts = max(presets.get(hardware).num_hosts, -(-math.prod(shape) // dph))
+            return CostModel.load(hardware, mesh_shape=shape, axis_names=names, num_hosts=hosts)
+        return CostModel.load(hardware, mesh_shape=shape, axis_names=names)
+    except ValueError as e:
+        raise PlanningError(f"hardware {hardware!r}: {e}") from None
+
+
+def memory_budget_of(memory_budget: BudgetLike, capacity: float) -> float | None:
+    """Bytes per device: a number of bytes, ``"auto"`` (``capacity`` less ``DEFAULT_MEMORY_MARGIN``), ``None``
+    or ``"none"`` (no limit), or a string of bytes (``"16e9"``)."""
+    if memory_budget is None or memory_budget == "none":
+        return None
+    if memory_budget == "auto":
+        return capacity * (1 - DEFAULT_MEMORY_MARGIN)
+    if isinstance(memory_budget, str):
+        try:
+            memory_budget = float(memory_budget)
+        except ValueError:
+            raise PlanningError(f"memory budget {memory_budget!r}: give bytes per device (e.g. 16e9), 'auto' or "
+                                "'none'") from None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
+        raise PlanningError(f"memory budget {memory_budget!r}: give bytes per device, 'auto' or None")
+    if not memory_budget > 0:
+        raise PlanningError(f"memory budget {memory_budget!r}: must be a positive number of bytes per device")
+    return float(memory_budget)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Target:
+    """The logical mesh, the hardware priced on it and the memory budget per device, resolved.
+
+    ``hardware`` is the name plans record (a preset, a profile path); ``cost`` is the model on the mesh."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    hardware: str
+    cost: CostModel
+    memory_budget: float | None
+
+    @classmethod
+    def of(cls, mesh: MeshLike, hardware: HardwareLike = "h100", memory_budget: BudgetLike = "auto", *,
+           axis_names: Sequence[str] | None = None) -> Target:
+        """Resolve what a user wrote: see the module docstring."""
+        shape, names = parse_mesh(mesh, axis_names)
+        if hardware == "auto":
+            hardware = detect_hardware()
+        cost = cost_model_for(hardware, shape, names)
+        name = hardware if isinstance(hardware, str) else cost.cluster.device.name
+        return cls(shape=shape, axis_names=names, hardware=name, cost=cost,
+                   memory_budget=memory_budget_of(memory_budget, cost.memory_capacity))
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.shape, strict=True))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineOptions:
+    """How a step may be pipelined.
+
+    ``microbatches``: microbatches per step (None: no pipeline is planned); ``pipeline``: True always
+    returns the pipelined plan, False never plans one, None returns the faster; ``schedule``: "1f1b" or
+    "gpipe"; ``num_layers``: layers to cut the step into (default: one per named block, plus one);
+    ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh."""
+
+    microbatches: int | None = None
+    pipeline: bool | None = None
+    schedule: str = "1f1b"
+    num_layers: int | None = None
+    max_stages: int | None = None
+    stage_shape: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("microbatches", "num_layers", "max_stages"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise PlanningError(f"{name}={v!r}: give a whole number >= 1, or None")
+        if self.schedule not in SCHEDULES:
+            raise PlanningError(f"schedule {self.schedule!r}: the pipeline runtime runs {', '.join(SCHEDULES)}")
+        if self.pipeline and not self.microbatches:
+            raise PlanningError("pipeline=True needs microbatches=B (the number of microbatches per step)")
+
+    @property
+    def planned(self) -> bool:
+        """Whether a pipelined plan is made at all."""
+        return bool(self.microbatches) and self.pipeline is not False
