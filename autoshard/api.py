@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,6 +26,7 @@ from autoshard.pipeline import (
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import plan_graph
+from autoshard.planner.shares import SHARES
 from autoshard.target import (
     BudgetLike,
     HardwareLike,
@@ -31,6 +34,7 @@ from autoshard.target import (
     PipelineOptions,
     PlanningError,
     Target,
+    check_time_budget,
     parse_mesh,
 )
 from autoshard.trace import Graph, trace
@@ -44,7 +48,7 @@ def plan(
     mesh: MeshLike = (8,),
     hardware: HardwareLike = "h100",
     memory_budget: BudgetLike = "auto",
-    time_budget_s: float = 60.0,
+    time_budget_s: float | None = None,
     roles: Mapping[str, str] | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
@@ -57,7 +61,10 @@ def plan(
 
     ``mesh``, ``hardware`` and ``memory_budget`` make the ``Target`` (``autoshard.target``): a mesh shape
     (``"8x8"``, ``(2, 4)``, ``{"data": 2, "model": 4}``), a hardware preset, profile file or CostModel,
-    and bytes per device (``"auto"``, the default: the hardware's capacity less 10%; ``None``: no limit).
+    and bytes per device (``"auto"``, the default: the hardware's capacity less 10%; ``None``: no limit;
+    ``"80GiB"``). ``time_budget_s``: wall-clock seconds for the whole call, tracing included (None: scaled
+    to the step, from a few seconds for a small model to a minute for a large one). Progress is logged
+    to the ``"autoshard"`` logger at INFO.
 
     Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
     (stages on submeshes, ``B`` microbatches, ``schedule`` "1f1b" or "gpipe", ``num_layers`` layers to
@@ -72,20 +79,28 @@ def plan(
 
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
-             *, time_budget_s: float, roles: Mapping[str, str] | None = None
+             *, time_budget_s: float | None, roles: Mapping[str, str] | None = None
              ) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
     """``plan`` on a resolved target, also returning the traces it made: (plan, the step's graph, the
     microbatch-sized graph or None), so that ``parallelize`` emits from them instead of tracing again."""
+    check_time_budget(time_budget_s)
     t0 = time.perf_counter()
     graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
     t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
+    if t_trace is not None:
+        log.info("autoshard: traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
+    if not isinstance(step_fn, Graph):
+        _refuse_lost_updates(args, graph)
+    _warn_undivided_batch(graph, target)
+    left = None if time_budget_s is None else max(time_budget_s - (t_trace or 0.0), SHARES.min_solve * time_budget_s)
+    intra_s = left if left is None or not options.planned else SHARES.intra_with_pipeline * left
     cost, budget = target.cost, target.memory_budget
     intra: Plan | None = None
     intra_error: Exception | None = None
     if not options.pipeline:
         try:
-            intra = plan_graph(graph, cost, hardware=target.hardware, memory_budget=budget,
-                               time_budget_s=time_budget_s)
+            intra = plan_graph(graph, cost, hardware=target.hardware, memory_budget=budget, time_budget_s=intra_s,
+                               includes_build=True)
         except PlanError as e:
             if not options.planned:
                 raise
@@ -99,10 +114,12 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
         raise PlanningError("a pipelined plan traces the step at microbatch size: pass the step function and "
                             "its arguments, not a Graph")
     micro = trace(step_fn, *microbatch_args(args, graph, None, options.microbatches), roles=roles)
+    pipe_s = None if left is None else max(time_budget_s - (time.perf_counter() - t0), SHARES.min_solve * left)
+    log.info("autoshard: planning a pipeline of %d microbatches", options.microbatches)
     try:
         piped = plan_pipeline(micro, cost, hardware=target.hardware, memory_budget=budget,
                               num_microbatches=options.microbatches, schedule_name=options.schedule,
-                              num_layers=options.num_layers, time_budget_s=time_budget_s,
+                              num_layers=options.num_layers, time_budget_s=pipe_s,
                               max_stages=options.max_stages, stage_shape=options.stage_shape)
     except AutoshardError as e:
         if intra is not None and options.pipeline is None:
@@ -122,6 +139,22 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     return dataclasses.replace(piped, solver=dataclasses.replace(piped.solver, intra_op_step_time=other)), graph, micro
 
 
+def _warn_undivided_batch(graph: Graph, target: Target) -> None:
+    """A batch whose rows no mesh axis divides cannot be split: every device would compute all of it."""
+    if len(target.shape) == 1 and target.shape[0] == 1:
+        return
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        if t.role.value != "batch" or not t.shape:
+            continue
+        rows = t.shape[0]
+        if all(rows % n for n in target.shape if n > 1):
+            sizes = sorted({n for n in target.shape if n > 1})
+            log.warning("autoshard: batch input %s has %d rows, which no mesh axis (sizes %s) divides: it cannot "
+                        "be split, so every device computes the whole batch. Use a batch size divisible by %s.",
+                        t.name, rows, ", ".join(map(str, sizes)), " or ".join(map(str, sizes)))
+
+
 def explain(plan: Plan | PipelinePlan) -> str:
     """A plan for a person: for an intra-operator plan the layouts per parameter class and per layer, the
     step time by category, memory by kind and where the time goes (``planner.explain``); for a pipelined
@@ -132,8 +165,14 @@ def explain(plan: Plan | PipelinePlan) -> str:
 
 
 def _device_mesh(mesh: MeshLike | None) -> jax.sharding.Mesh:
-    """The devices a step runs on: the first devices present in the mesh's shape (all of them on one axis
-    when ``mesh`` is None)."""
+    """The devices a step runs on. A ``jax.sharding.Mesh`` keeps its devices and axis names (its axes made
+    Auto, which sharding constraints need); a shape takes the first devices present (all of them on one
+    axis when ``mesh`` is None)."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return jax.sharding.Mesh(mesh.devices, mesh.axis_names)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        raise PlanningError("an AbstractMesh has no devices to run on: plan with autoshard.plan(mesh=...), or "
+                            "pass parallelize a jax.sharding.Mesh (jax.make_mesh) or a shape such as (2, 4)")
     devices = jax.devices()
     shape, names = parse_mesh(mesh if mesh is not None else (len(devices),))
     n = int(np.prod(shape))
@@ -143,6 +182,60 @@ def _device_mesh(mesh: MeshLike | None) -> jax.sharding.Mesh:
             "larger cluster with autoshard.plan (no devices needed), or pick a smaller mesh"
         )
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+def load_plan(path: str | Path) -> Plan | PipelinePlan:
+    """A plan saved with ``plan.save(path)`` (or ``autoshard plan -o``), intra-operator or pipelined."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"{path}: cannot read a plan ({e})") from None
+    if isinstance(data, dict) and data.get("kind") == "pipeline":
+        return PipelinePlan.from_dict(data)
+    return Plan.load(path)
+
+
+def _check_mesh(plan: Plan | PipelinePlan, mesh: jax.sharding.Mesh) -> None:
+    have = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    want = dict(zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
+    if have != want:
+        raise PlanningError(f"the given plan was made for the mesh {want}, but this step runs on {have}: pass "
+                            f"mesh={want} (or a jax Mesh of that shape), or plan again for this mesh")
+
+
+def _cache_key(args: tuple[Any, ...]) -> Any:
+    """Arguments that compile to the same program get the same key: the pytree structure and each leaf's
+    shape and dtype as JAX sees it (a Python ``0`` and the int32 array a step returns for it are alike)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
+
+
+def _refuse_lost_updates(args: tuple[Any, ...], graph: Graph) -> None:
+    """A flax nnx step that updates its Model or Optimizer in place (``optimizer.update(model, grads)``)
+    and returns only metrics trains nothing once compiled: the program is a pure function (as under
+    ``jax.jit``), so an argument whose new value the step does not return keeps its old value."""
+    try:
+        from flax import nnx
+    except ImportError:
+        return
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+    if base is None:
+        return
+    returned = set(graph.output_aliases.values())
+    start = 0
+    for i, arg in enumerate(args):
+        n = len(jax.tree_util.tree_leaves(arg))
+        modules = [x for x in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: isinstance(x, base))
+                   if isinstance(x, base)]
+        if modules and n and not any(start <= j < start + n for j in returned):
+            kinds = ", ".join(sorted({type(m).__name__ for m in modules}))
+            raise PlanningError(
+                f"argument {i} holds flax nnx objects ({kinds}) and the step returns no new value for them: an "
+                "nnx step that updates its model or optimizer in place trains nothing once compiled, because "
+                "autoshard (like jax.jit) runs a pure function. Return the new state: "
+                "`graphdef, state = nnx.split((model, optimizer))` outside, and inside the step "
+                "`model, optimizer = nnx.merge(graphdef, state); ...; return nnx.state((model, optimizer)), metrics`")
+        start += n
 
 
 @dataclasses.dataclass(slots=True)
@@ -156,7 +249,10 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     """Decorate a train step: the first call traces, plans and compiles it for the mesh; later calls with
     the same argument shapes reuse the compiled program. ``.plan`` is the latest plan, ``.explain()``
     prints it. The arguments are ``autoshard.plan``'s; ``hardware="auto"`` (the default here) prices the
-    devices present, and ``mesh`` defaults to all of them on one axis.
+    devices present, and ``mesh`` defaults to all of them on one axis; a ``jax.sharding.Mesh`` (e.g. from
+    ``jax.make_mesh``, or over a subset of the devices) runs on its own devices with its axis names.
+    ``plan=`` (a Plan, a PipelinePlan or the path of a saved one) runs that plan instead of planning; it
+    must have been made for this step and this mesh's shape.
 
         @autoshard.parallelize(mesh=(2, 4))
         def train_step(state, batch): ...
@@ -169,7 +265,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         mesh: MeshLike | None = None,
         hardware: HardwareLike = "auto",
         memory_budget: BudgetLike = "auto",
-        time_budget_s: float = 60.0,
+        time_budget_s: float | None = None,
         roles: Mapping[str, str] | None = None,
         microbatches: int | None = None,
         schedule: str = "1f1b",
@@ -177,8 +273,10 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         num_layers: int | None = None,
         max_stages: int | None = None,
         stage_shape: tuple[int, int] | None = None,
+        plan: Plan | PipelinePlan | str | Path | None = None,
     ) -> None:
         self.fn = fn
+        self.given_plan = load_plan(plan) if isinstance(plan, str | Path) else plan
         # resolved at the first call: "auto" hardware and the default mesh look at the devices, which must
         # wait until the user has set up JAX (jax.distributed.initialize, platform flags)
         self._target_args = (mesh, hardware, memory_budget)
@@ -196,8 +294,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             (fn,) = args
             self.fn = fn
             return self
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+        key = _cache_key(args)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._compile(args)
@@ -229,12 +326,28 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
 
     def _compile(self, args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
-        the_plan, graph, micro = plan_for(self.fn, args, self.target, self.options,
-                                          time_budget_s=self.time_budget_s, roles=self.roles)
+        if self.given_plan is not None:
+            the_plan, graph, micro = self._given(args, device_mesh)
+        else:
+            the_plan, graph, micro = plan_for(self.fn, args, self.target, self.options,
+                                              time_budget_s=self.time_budget_s, roles=self.roles)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh))
         assert micro is not None
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, list(device_mesh.devices.flat)))
+
+    def _given(self, args: tuple[Any, ...], mesh: jax.sharding.Mesh) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+        """The user's plan checked against this step's trace and the devices, instead of planning."""
+        the_plan = self.given_plan
+        assert the_plan is not None
+        _check_mesh(the_plan, mesh)
+        graph = trace(self.fn, *args, roles=self.roles)
+        if isinstance(the_plan, Plan):
+            the_plan.verify(graph)
+            return the_plan, graph, None
+        micro = trace(self.fn, *microbatch_args(args, graph, None, the_plan.num_microbatches), roles=self.roles)
+        the_plan.verify(micro)
+        return the_plan, graph, micro
 
     @property
     def plan(self) -> Plan | PipelinePlan:

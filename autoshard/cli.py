@@ -7,6 +7,7 @@ function that runs it. Subcommands import their heavy dependencies (JAX) lazily,
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -101,16 +102,41 @@ def _profile_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float, per_plan: bool = False) -> None:
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: give a positive, finite number of seconds (e.g. 30); the solver "
+                                         "returns its best plan when the time is up")
+    return value
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give a whole number >= 1")
+    return value
+
+
+def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None, per_plan: bool = False) -> None:
     """The logical mesh, hardware and budgets, as ``plan`` and ``compare`` take them."""
     p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
     p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
     p.add_argument("--hardware", default="h100",
                    help="hardware preset (h100, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or profile JSON")
     p.add_argument("--memory-budget", default="auto",
-                   help="bytes per device ('16e9'), 'auto' (capacity less 10%%) or 'none'")
-    p.add_argument("--time-budget", type=float, default=time_budget,
-                   help="solver time budget " + ("per plan, in seconds" if per_plan else "in seconds"))
+                   help="bytes per device ('16e9', '80GiB', '512MB'), 'auto' (capacity less 10%%) or 'none'")
+    p.add_argument("--time-budget", type=_seconds, default=time_budget,
+                   help=("solver seconds per plan" if per_plan else
+                         "wall-clock seconds for tracing, building and solving (default: scaled to the model)"))
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -123,15 +149,15 @@ def _target(args: argparse.Namespace) -> Target:
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     _add_example_arguments(p)
-    _add_mesh_arguments(p, time_budget=60.0)
+    _add_mesh_arguments(p, time_budget=None)
     p.add_argument("-o", "--output", metavar="PATH", help="write the plan as JSON")
-    p.add_argument("--microbatches", type=int, metavar="B",
+    p.add_argument("--microbatches", type=_count, metavar="B",
                    help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
     p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
                    help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
-    p.add_argument("--layers", type=int, metavar="L", help="layers the pipeline planner cuts the model into")
-    p.add_argument("--max-stages", type=int, metavar="S", help="at most S pipeline stages")
+    p.add_argument("--layers", type=_count, metavar="L", help="layers the pipeline planner cuts the model into")
+    p.add_argument("--max-stages", type=_count, metavar="S", help="at most S pipeline stages")
 
 
 def _plan_run(args: argparse.Namespace) -> int:
@@ -293,6 +319,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Progress(logging.Handler):
+    """The planner's progress (the ``autoshard`` logger at INFO) on whatever ``sys.stderr`` is when a
+    message comes, with the seconds since the command started."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("[%(relativeCreated)7.0f ms] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -301,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from autoshard.errors import AutoshardError
 
+    logger = logging.getLogger("autoshard")
+    progress, level = None, logger.level
+    if not getattr(args, "quiet", True):
+        progress = _Progress()
+        logger.addHandler(progress)
+        logger.setLevel(logging.INFO)
     try:
         return _COMMANDS[args.command].run(args)
     except AutoshardError as e:
@@ -309,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed early: not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at interpreter exit
         return 0
+    finally:
+        if progress is not None:
+            logger.removeHandler(progress)
+            logger.setLevel(level)
 
 
 if __name__ == "__main__":

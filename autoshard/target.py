@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from autoshard.errors import AutoshardError
 from cost_models import CostModel, presets
@@ -22,7 +24,7 @@ log = logging.getLogger("autoshard")
 DEFAULT_MEMORY_MARGIN = 0.10  # keep 10% of device memory free for XLA's temporaries and fragmentation
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z")}
 SCHEDULES = ("1f1b", "gpipe")  # the schedules the pipeline runtime runs
-MeshLike = Sequence[int] | Mapping[str, int] | str
+MeshLike = Sequence[int] | Mapping[str, int] | str | Any  # Any: a jax.sharding.Mesh or AbstractMesh
 HardwareLike = str | CostModel
 BudgetLike = float | int | str | None
 
@@ -32,8 +34,14 @@ class PlanningError(AutoshardError, ValueError):
 
 
 def parse_mesh(mesh: MeshLike, axis_names: Sequence[str] | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """``"8x8"``, ``(2, 4)`` or ``{"data": 2, "model": 4}`` -> (shape, axis names); ``axis_names``
-    renames the axes of a shape given without names."""
+    """``"8x8"``, ``(2, 4)``, ``{"data": 2, "model": 4}`` or a ``jax.sharding.Mesh`` / ``AbstractMesh``
+    -> (shape, axis names); ``axis_names`` names the axes of a shape given without names."""
+    if hasattr(mesh, "axis_names") and hasattr(mesh, "axis_sizes"):  # a JAX mesh, concrete or abstract
+        if axis_names is not None:
+            raise PlanningError("axis names given twice: by the JAX mesh and by axis_names")
+        shape, names = tuple(int(s) for s in mesh.axis_sizes), tuple(str(a) for a in mesh.axis_names)
+        _check_shape(shape)
+        return shape, _check_names(names)
     if isinstance(mesh, str):
         try:
             shape = tuple(int(p) for p in mesh.lower().split("x"))
@@ -44,21 +52,38 @@ def parse_mesh(mesh: MeshLike, axis_names: Sequence[str] | None = None) -> tuple
         _check_shape(shape)
         if axis_names is not None:
             raise PlanningError("axis names given twice: by the mesh mapping and by axis_names")
-        return shape, names
+        return shape, _check_names(names)
+    elif isinstance(mesh, Sequence):
+        try:
+            shape = tuple(int(s) for s in mesh)
+        except (TypeError, ValueError):
+            raise PlanningError(f"mesh {mesh!r}: expected sizes such as (2, 4), '2x4', {{'data': 2, 'model': 4}} "
+                                "or a jax.sharding.Mesh") from None
     else:
-        shape = tuple(int(s) for s in mesh)
+        raise PlanningError(f"mesh {mesh!r} ({type(mesh).__name__}): expected sizes such as (2, 4), '2x4', "
+                            "{'data': 2, 'model': 4}, or a jax.sharding.Mesh / AbstractMesh")
     _check_shape(shape)
     if axis_names is None:
         return shape, DEFAULT_AXIS_NAMES.get(len(shape), tuple(f"a{i}" for i in range(len(shape))))
     names = tuple(str(a).strip() for a in axis_names)
     if len(names) != len(shape):
         raise PlanningError(f"{len(names)} axis names {list(names)} for a mesh of {len(shape)} axes {list(shape)}")
-    return shape, names
+    return shape, _check_names(names)
 
 
 def _check_shape(shape: tuple[int, ...]) -> None:
     if any(s < 1 for s in shape) or not shape:
         raise PlanningError(f"mesh shape {shape}: every axis needs a size >= 1")
+
+
+def _check_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise PlanningError(f"mesh axis names {list(names)} repeat {', '.join(map(repr, repeated))}: every axis "
+                            "needs a name of its own (e.g. data,model)")
+    if any(not n for n in names):
+        raise PlanningError(f"mesh axis names {list(names)}: an axis has an empty name")
+    return names
 
 
 def detect_hardware() -> str:
@@ -95,24 +120,46 @@ def cost_model_for(hardware: HardwareLike, shape: tuple[int, ...], names: tuple[
         raise PlanningError(f"hardware {hardware!r}: {e}") from None
 
 
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> float:
+    """``"80GiB"``, ``"16e9"``, ``"512 MB"`` -> bytes (kB/MB/GB/TB are powers of 1000, KiB... of 1024)."""
+    m = _AMOUNT.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise PlanningError(f"memory budget {text!r}: give bytes per device as a number with an optional unit "
+                            "(16e9, 80GiB, 512MB), 'auto' or 'none'")
+    return float(m.group(1)) * _UNITS[unit]
+
+
 def memory_budget_of(memory_budget: BudgetLike, capacity: float) -> float | None:
     """Bytes per device: a number of bytes, ``"auto"`` (``capacity`` less ``DEFAULT_MEMORY_MARGIN``), ``None``
-    or ``"none"`` (no limit), or a string of bytes (``"16e9"``)."""
+    or ``"none"`` (no limit), or a string of bytes with an optional unit (``"16e9"``, ``"80GiB"``)."""
     if memory_budget is None or memory_budget == "none":
         return None
     if memory_budget == "auto":
         return capacity * (1 - DEFAULT_MEMORY_MARGIN)
     if isinstance(memory_budget, str):
-        try:
-            memory_budget = float(memory_budget)
-        except ValueError:
-            raise PlanningError(f"memory budget {memory_budget!r}: give bytes per device (e.g. 16e9), 'auto' or "
-                                "'none'") from None
+        memory_budget = parse_bytes(memory_budget)
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
         raise PlanningError(f"memory budget {memory_budget!r}: give bytes per device, 'auto' or None")
-    if not memory_budget > 0:
-        raise PlanningError(f"memory budget {memory_budget!r}: must be a positive number of bytes per device")
+    if not memory_budget > 0 or not math.isfinite(memory_budget):
+        raise PlanningError(f"memory budget {memory_budget!r}: must be a positive, finite number of bytes per "
+                            "device (or None for no limit)")
     return float(memory_budget)
+
+
+def check_time_budget(seconds: float | None) -> float | None:
+    """A solver time budget in seconds: positive and finite, or None (scaled to the step: ``planner.shares``)."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not (0 < seconds < math.inf):
+        raise PlanningError(f"time budget {seconds!r}: give a positive, finite number of seconds (e.g. 30), or "
+                            "None to scale it to the step; the solver returns its best plan when it runs out")
+    return float(seconds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

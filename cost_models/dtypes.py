@@ -35,6 +35,10 @@ _BYTES: dict[str, float] = {
     "float64": 8,
     "complex64": 8,
     "complex128": 16,
+    # typed PRNG keys (jax.random.key): the key data of each implementation, in uint32 words
+    "key<fry>": 8,  # threefry2x32: 2 words
+    "key<rbg>": 16,  # 4 words
+    "key<unsafe_rbg>": 16,
 }
 
 DtypeLike = str | int

@@ -33,6 +33,7 @@ one forward op, so a scanned stack is one layer (trace with the layers unrolled 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -62,16 +63,21 @@ from autoshard.trace.graph import Graph
 from cost_models import CostModel
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
 
+log = logging.getLogger("autoshard")
+
 
 def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_budget: float | None = None,
                   num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
-                  time_budget_s: float = 60.0, max_stages: int | None = None,
+                  time_budget_s: float | None = None, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
-    (hosts, devices) makes every stage that submesh (so ``devices / size`` stages)."""
+    (hosts, devices) makes every stage that submesh (so ``devices / size`` stages). ``time_budget_s``:
+    solver seconds for the whole pipeline (None: scaled to the step's ops, ``SHARES.auto_seconds``)."""
     t_start = time.perf_counter()
+    if time_budget_s is None:
+        time_budget_s = SHARES.auto_seconds(len(graph.ops))
     if schedule_name not in SCHEDULE_NAMES or schedule_name == "interleaved-1f1b":
         raise PipelineError(f"schedule {schedule_name!r}: the pipeline runtime runs 'gpipe' and '1f1b'")
     if num_microbatches < 1:
@@ -100,6 +106,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                              static_memory=_range_sums(prices.update_memory),
                              activation_memory=_range_sums(prices.micro_memory), memory_limit=memory_budget,
                              inflight=inflight, max_stages=limit)
+    log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
+             len(submeshes), time.perf_counter() - t_start)
     try:
         sol = solve_inter_op(problem)
     except InterOpInfeasibleError as e:
@@ -128,6 +136,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             # the stage's own budget: its update state once, its activations once per microbatch in flight
             part = done[keys[s]] = plan_part(graph, mops, uops, costs[st.submesh], hardware, memory_budget,
                                              seconds, float(inflight[num_stages - 1 - s]))
+        log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned", s, st.first_layer, st.last_layer, *shape)
         if part.micro.plan is None and mops:
             raise PipelineError(f"stage {s} (layers {st.first_layer}..{st.last_layer}) on {shape} did not plan "
                                 "within the memory budget when planned whole")

@@ -268,7 +268,9 @@ class _Build:
             comm.append(m_time)
             memory.append(self.peak_bytes(graph, [p for p in prod if p[0][1] not in internal] or prod[-1:], when))
         starts = [graph.tensors[key[1]].live for key, _ in produces[0]]
-        interval = when(min(s for s, _ in starts), max(e for _, e in starts))
+        # an op with no results (jax.debug.print, a debug callback) holds nothing: live only while it runs
+        interval = (when(min(s for s, _ in starts), max(e for _, e in starts)) if starts
+                    else when(leader.id, leader.id + 1))
         name = leader.where() + (f" (+{len(members) - 1} followers)" if len(members) > 1 else "")
         compute_a, comm_a = np.array(compute) * weight, np.array(comm) * weight
         self.add_node(NodeInfo(

@@ -35,7 +35,7 @@ class PlanError(AutoshardError, ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SolverReport:
-    """How a plan was found. Times in seconds; ``objective`` is what the solver minimised (the step time
+    """How a plan was found. Times in seconds (building the problem, the seed portfolio, the final solve); ``objective`` is what the solver minimised (the step time
     plus the memory tie-break), ``lower_bound`` a proven bound on it when the solver has one.
 
     ``seeds``: the objective of every automatic starting point (``planner.seeds``); ``starts``: of the
@@ -49,6 +49,7 @@ class SolverReport:
     objective: float
     lower_bound: float | None
     build_seconds: float
+    seed_seconds: float = 0.0
     solve_seconds: float
     nodes: int
     edges: int

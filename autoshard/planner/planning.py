@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,9 +23,12 @@ from autoshard.planner.pins import fixed_ids, pin
 from autoshard.planner.plan import Plan, PlanError, SolverReport, encode_choice, versions
 from autoshard.planner.seeds import seeds as seed_portfolio
 from autoshard.planner.shares import SHARES
+from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from cost_models import CostModel, ShardingSpec
 from solvers import InfeasibleError, solve_intra_op
+
+log = logging.getLogger("autoshard")
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,11 +56,12 @@ def plan_graph(
     *,
     hardware: str = "",
     memory_budget: float | None = None,
-    time_budget_s: float = 60.0,
+    time_budget_s: float | None = None,
     fixed: Mapping[str, ShardingSpec] | None = None,
     problems: ProblemCache | None = None,
     activation_weight: float = 1.0,
     starts: Sequence[Any] = (),
+    includes_build: bool = False,
 ) -> Plan:
     """Plan ``graph`` on ``cost.mesh``: build the problem, solve it, read the layouts back.
 
@@ -68,9 +73,9 @@ def plan_graph(
     hand layout (``layouts.HandLayout`` or a mapping input name -> layout), which is completed first with
     the inputs pinned.
 
-    On graphs of ``SHARES.seed_min_nodes`` nodes or more, ``SHARES.seeds`` of the budget goes to seeds
-    (the best uniform plan over repeated blocks and the completions of the textbook layouts), the rest to
-    the final solve, which starts from the best seed or start: the plan is never worse than any of them.
+    ``time_budget_s``: seconds for solving, or for building and solving with ``includes_build`` (None:
+    scaled to the problem, building included); how they are spent, seeds included, is in
+    ``planner.shares``: the plan is never worse than any seed or start.
     """
     t0 = time.perf_counter()
     if problems is None:
@@ -80,13 +85,23 @@ def plan_graph(
     problem = pin(graph, built, pins)
     assert problem is not None
     t_build = time.perf_counter() - t0
+    if time_budget_s is None:
+        time_budget_s, includes_build = SHARES.auto_seconds(problem.num_nodes), True
+    solve_s = time_budget_s
+    if includes_build:
+        solve_s = max(time_budget_s - t_build, SHARES.min_solve * time_budget_s)
+    log.info("autoshard: built the problem on %s: %d nodes, %d edges in %.1f s; solving for %.1f s",
+             cost.mesh, problem.num_nodes, problem.num_edges, t_build, solve_s)
     try:
         with _gc_frozen():
             t_start = time.perf_counter()
-            found = seed_portfolio(graph, cost, built, problem, pins, starts, SHARES.seeds * time_budget_s)
+            found = seed_portfolio(graph, cost, built, problem, pins, starts, SHARES.seeds * solve_s)
             best = min(found, key=lambda x: x.objective, default=None)
-            left = time_budget_s - (time.perf_counter() - t_start)
-            sol = solve_intra_op(problem, time_budget_s=max(left, (1 - SHARES.seeds) * time_budget_s),
+            t_seeds = time.perf_counter() - t_start
+            if best is not None:
+                log.info("autoshard: %d seeds in %.1f s, the best (%s) at %s", len(found), t_seeds, best.name,
+                         human_time(best.objective))
+            sol = solve_intra_op(problem, time_budget_s=max(solve_s - t_seeds, (1 - SHARES.seeds) * solve_s),
                                  initial=None if best is None else best.choice)
     except InfeasibleError as e:
         what = ("with the given inputs' layouts held fixed" if pins
@@ -104,6 +119,7 @@ def plan_graph(
         objective=float(sol.cost),
         lower_bound=None if sol.lower_bound is None else float(sol.lower_bound),
         build_seconds=t_build,
+        seed_seconds=t_seeds,
         solve_seconds=float(sol.solve_seconds),
         nodes=built.problem.num_nodes,
         edges=built.problem.num_edges,
@@ -128,6 +144,8 @@ def plan_graph(
         versions=versions(),
     )
     plan.verify(graph)
+    log.info("autoshard: planned %s: %s per step predicted, %s (%.1f s in all)", cost.mesh,
+             human_time(plan.predicted_step_time), sol.status, time.perf_counter() - t0)
     return plan
 
 

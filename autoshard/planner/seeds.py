@@ -8,6 +8,7 @@ of these. How the seed budget is split is in ``planner.shares``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -21,9 +22,12 @@ from autoshard.planner.pins import fixed_ids, pin
 from autoshard.planner.plan import Plan, PlanError, decode_choice
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.shares import SHARES
+from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from cost_models import CostModel, ShardingSpec
 from solvers import InfeasibleError, IntraOpProblem, equivalence_classes, solve_intra_op
+
+log = logging.getLogger("autoshard")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,6 +95,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         seed = _tied(name, pinned, classes, seconds, given)
         if seed is not None:
             out.append(seed)
+            log.info("autoshard: seed %r: %s", name, human_time(seed.objective))
     if not second:
         return out
     top = sorted(out, key=lambda x: x.objective)[:SHARES.second_round]
@@ -101,6 +106,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         seed = _tied(f"tied, from {best.name}", problem, classes, seconds, False, initial=best.choice)
         if seed is not None:
             out.append(seed)
+            log.info("autoshard: seed %r: %s", seed.name, human_time(seed.objective))
     return out
 
 

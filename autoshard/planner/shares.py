@@ -1,8 +1,12 @@
 """How the planner spends a time budget: every fraction in one place.
 
-``plan_graph(time_budget_s=T)`` on a graph of at least ``seed_min_nodes`` solver nodes gives
-``seeds · T`` to the seed portfolio (``planner.seeds``) and the rest to the final solve, which starts from
-the best seed. Of the seed budget, ``first_round`` goes to one short tied solve per starting layout and
+``plan_graph(time_budget_s=T)`` gives the solver ``T`` seconds; with ``includes_build`` (as
+``autoshard.plan`` calls it) ``T`` is wall time for building and solving, and what building took is taken
+from it (the solver keeps at least ``min_solve`` of it). Of the solver's time, on a graph of at least ``seed_min_nodes`` solver nodes, ``seeds`` goes to the seed portfolio
+(``planner.seeds``) and the remainder to the final solve, which starts from the best seed. With no
+``T`` (None), ``T = auto_seconds(nodes)``: a few seconds for a small model, a minute for a large one.
+``autoshard.plan`` takes tracing from the user's budget too, and when it plans both an intra-operator
+plan and a pipeline, gives the intra-operator plan ``intra_with_pipeline`` of what is left. Of the seed budget, ``first_round`` goes to one short tied solve per starting layout and
 the rest to re-solving the ``second_round`` best of them with their layouts unpinned.
 
 The pipeline planner (``pipeline.stages``) gives ``layer_pricing · T`` to pricing every distinct layer on
@@ -30,6 +34,15 @@ class Shares:
     layer_pricing: float = 0.4  # pipeline: of the budget, for the per-layer prices
     stage_plans: float = 0.6  # pipeline: for the chosen stages planned whole
     min_stage_seconds: float = 1.0  # pipeline: at least this per whole-stage solve
+    min_solve: float = 0.25  # of the budget, the least the solver gets however long building took
+    intra_with_pipeline: float = 0.3  # of what is left after tracing, when a pipeline is planned too
+    seconds_per_node: float = 1 / 200  # auto budget: a 1.3B GPT's ~8k nodes get 40 s
+    auto_min: float = 3.0  # auto budget bounds, seconds
+    auto_max: float = 60.0
+
+    def auto_seconds(self, nodes: int) -> float:
+        """The time budget for a problem of ``nodes`` solver nodes when the user gives none."""
+        return min(self.auto_max, max(self.auto_min, nodes * self.seconds_per_node))
 
 
 SHARES = Shares()

@@ -1,10 +1,10 @@
 """Pass 2: candidate shardings per op, from a registry of rules keyed by primitive.
 
-Importing this package registers every rule module (elementwise, dot, reduce, layout, indexing).
+Importing this package registers every rule module (elementwise, dot, reduce, layout, indexing, special).
 Control flow (scan, while, cond, remat) is not a rule: the problem builder plans the bodies.
 """
 
-from autoshard.strategies import dot, elementwise, indexing, layout, reduce  # noqa: F401 - registers rules
+from autoshard.strategies import dot, elementwise, indexing, layout, reduce, special  # noqa: F401 - registers rules
 from autoshard.strategies.registry import (
     RULES,
     Candidate,

@@ -90,6 +90,20 @@ def _scatter(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, A
     return float(_size(ins[2])) if len(ins) > 2 else 0.0  # one combine per update element
 
 
+def _fft(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any]) -> float:
+    """Cooley-Tukey: about 5·n·log2(n) real flops per complex transform of length n, over the transformed
+    dimensions and every batch of them (a real transform does about half)."""
+    lengths = tuple(params.get("fft_lengths", ()))
+    n = math.prod(lengths) if lengths else 1
+    shape = max(ins[0], outs[0], key=_size)
+    batches = _size(shape) / max(1, math.prod(shape[-len(lengths):]) if lengths else 1)
+    real = "R" in str(params.get("fft_type", ""))  # RFFT / IRFFT
+    return (0.5 if real else 1.0) * 5.0 * batches * n * max(math.log2(max(n, 2)), 1.0)
+
+
+# Host callbacks run outside the device program: no device flops (their operands are gathered first).
+CALLBACKS = "debug_callback debug_print io_callback pure_callback".split()
+
 ELEMENTWISE = (
     "add add_any sub mul div rem pow integer_pow neg abs sign max min exp exp2 expm1 log log1p logistic "
     "tanh sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt erf erfc erf_inv "
@@ -125,6 +139,8 @@ FLOP_RULES: dict[str, FlopRule] = {
     "reduce_window": _per_output,
     "select_and_scatter_add": _per_input,
     "top_k": _sort,
+    "fft": _fft,
+    **dict.fromkeys(CALLBACKS, _zero),
     **dict.fromkeys(ELEMENTWISE, _per_output),
     **dict.fromkeys(REDUCTIONS, _per_input),
     **dict.fromkeys(DATA_MOVEMENT, _zero),
