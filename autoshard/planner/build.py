@@ -43,6 +43,7 @@ import numpy as np
 from autoshard.strategies import RuleContext, Strategy, strategies_for
 from autoshard.strategies.elementwise import UNARY_FOLLOWERS
 from autoshard.strategies.registry import Candidate, enumerate_specs, price
+from autoshard.trace.buffers import Buffers, Clock, buffers, steps
 from autoshard.trace.costs import ELEMENTWISE
 from autoshard.trace.graph import Graph, Op, Role
 from cost_models import CostModel, ShardingSpec
@@ -132,6 +133,8 @@ class _Build:
         self._op_keys: dict[int, tuple[Any, ...]] = {}  # id(op) -> op_key, for this build's graphs
         self._shards: dict[ShardingSpec, int] = cost.memo("autoshard.build.shards")
         self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
+        self.bufs: dict[Scope, Buffers] = {}  # which tensors hold a buffer, and when (trace.buffers)
+        self.clocks: dict[Scope, Clock] = {}  # where each scope's ops sit on the problem's time axis
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -181,11 +184,12 @@ class _Build:
         return idx
 
     def port_node(self, name: str, key: TensorKey, shape: tuple[int, ...], nbytes: int, ctx: RuleContext,
-                  interval: tuple[int, int], kind: str = "port") -> int:
-        """A node whose strategies are the layouts of one tensor; what it reads is filled in by its caller."""
+                  interval: tuple[int, int], kind: str = "port", hold: bool = True) -> int:
+        """A node whose strategies are the layouts of one tensor; what it reads is filled in by its caller.
+        ``hold``: False for a view of a buffer charged elsewhere (a body's input reads the outer one)."""
         specs = self.specs(shape, ctx)
         k = len(specs)
-        mem = np.array([self.bytes_on_device(nbytes, s) for s in specs])
+        mem = np.array([self.bytes_on_device(nbytes, s) if hold else 0.0 for s in specs])
         zeros = np.zeros(k)
         return self.add_node(NodeInfo(
             name=name, kind=kind, ops=[], produces=[[(key, s)] for s in specs],
@@ -196,17 +200,23 @@ class _Build:
 
     # ---- graphs ------------------------------------------------------------------------------------
 
-    def build_scope(self, graph: Graph, scope: Scope, weight: float, t0: int | None) -> None:
-        """Add nodes for every op of ``graph``. Top level: ``t0`` None, times are op indices; inside a body
-        every node lives at the enclosing op's time ``t0``."""
+    def enter_scope(self, graph: Graph, scope: Scope, base: int) -> None:
+        """Place ``graph``'s ops on the time axis from ``base`` and find which of its tensors hold buffers."""
+        self.graphs[scope] = graph
+        self.clocks[scope] = Clock.of(graph, base)
+        self.bufs[scope] = buffers(graph)
+
+    def build_scope(self, graph: Graph, scope: Scope, weight: float, base: int) -> None:
+        """Add nodes for every op of ``graph``, placed on the time axis from ``base`` (``Clock``: a body's
+        ops get time steps of their own inside the enclosing op's)."""
+        if scope not in self.clocks:
+            self.enter_scope(graph, scope, base)
         ctx = RuleContext.of(graph, self.mesh)
         followers = self.find_followers(graph, scope)
         groups: dict[int, list[int]] = defaultdict(list)
         for f, lead in followers.items():
             groups[lead].append(f)
-
-        def when(a: int, b: int) -> tuple[int, int]:
-            return (a, max(b, a + 1)) if t0 is None else (t0, t0 + 1)
+        when = self.clocks[scope].span
 
         for op in graph.ops:
             if op.id in followers:
@@ -240,12 +250,7 @@ class _Build:
         leader = graph.ops[group[0]]
         strategies = self.op_strategies(leader, ctx)
         members = [graph.ops[i] for i in sorted(group)]
-        # a value read only inside the group (a dot's result that a convert follows) is a temporary the
-        # fused kernel never keeps: it holds no memory over the group's interval
-        inside, outs = set(group), set(graph.outputs)
-        internal = {t for op in members for t in op.outputs
-                    if t not in outs and graph.tensors[t].consumers
-                    and all(c in inside for c in graph.tensors[t].consumers)}
+        buf = self.bufs[scope]
         produces, reads, compute, comm, memory = [], [], [], [], []
         for st in strategies:
             spec_of = {t: s for t, s in zip(leader.outputs, st.out_specs, strict=True)}
@@ -267,9 +272,12 @@ class _Build:
             reads.append(rd)
             compute.append(c_time)
             comm.append(m_time)
-            memory.append(self.peak_bytes(graph, [p for p in prod if p[0][1] not in internal] or prod[-1:], when))
-        starts = [graph.tensors[key[1]].live for key, _ in produces[0]]
-        interval = when(min(s for s, _ in starts), max(e for _, e in starts))
+            memory.append(self.peak_bytes(graph, [p for p in prod if buf.held[p[0][1]]], when, buf))
+        spans = [buf.live[key[1]] for key, _ in produces[0] if buf.held[key[1]]]
+        if spans:
+            interval = when(min(s for s, _ in spans), max(e for _, e in spans))
+        else:  # everything the group computes is fused into its readers
+            interval = when(leader.id, leader.id + 1)
         name = leader.where() + (f" (+{len(members) - 1} followers)" if len(members) > 1 else "")
         compute_a, comm_a = np.array(compute) * weight, np.array(comm) * weight
         self.add_node(NodeInfo(
@@ -303,11 +311,13 @@ class _Build:
                                      comm_time=st.comm_time + extra)
         return st
 
-    def peak_bytes(self, graph: Graph, prod: Sequence[tuple[TensorKey, ShardingSpec]], when: Any) -> float:
+    def peak_bytes(self, graph: Graph, prod: Sequence[tuple[TensorKey, ShardingSpec]], when: Any,
+                   buf: Buffers) -> float:
+        """Peak bytes per device of the tensors ``prod`` over their buffers' live ranges."""
         events: list[tuple[int, float]] = []
         for (_, tid), spec in prod:
             t = graph.tensors[tid]
-            s, e = when(*t.live)
+            s, e = when(*buf.live[tid])
             b = self.bytes_on_device(t.nbytes, spec)
             events.append((s, b))
             events.append((e, -b))
@@ -322,7 +332,7 @@ class _Build:
 
     def build_control_flow(self, graph: Graph, scope: Scope, op: Op, weight: float, ctx: RuleContext,
                            when: Any) -> None:
-        t_op = when(op.id, op.id + 1)[0]
+        t_op = self.clocks[scope].body_base(op.id)  # where its bodies' time steps begin
         trips = float(op.trip_count or 1)
         p = op.primitive
         if p == "scan":
@@ -362,8 +372,10 @@ class _Build:
 
     def enter_body(self, body: Graph, sub: Scope, outer: Sequence[int], weight: float, t_op: int,
                    stacked_from: int | None = None) -> None:
-        """Port nodes for the body's inputs, fed by the outer operands; then the body's own nodes."""
-        self.graphs[sub] = body
+        """Port nodes for the body's inputs, fed by the outer operands; then the body's own nodes. The body
+        starts at time ``t_op``; its inputs are views of the outer operands' buffers (a loop's slice of a
+        stacked input is fused into its readers, a carry updated in place) and hold nothing of their own."""
+        self.enter_scope(body, sub, t_op)
         bctx = RuleContext.of(body, self.mesh)
         parent = sub[:-1]
         for k, (tid, outer_tid) in enumerate(zip(body.inputs, outer, strict=True)):
@@ -371,7 +383,7 @@ class _Build:
             if t.role is Role.CONST and not t.shape:
                 continue
             port = self.port_node(f"{t.name} (into {self.root_name(sub)})", (sub, tid), t.shape, t.nbytes, bctx,
-                                  (t_op, t_op + 1))
+                                  (t_op, t_op + steps(body)), hold=False)
             is_stacked = stacked_from is not None and k >= stacked_from
             self.feed(parent, outer_tid, port, stacked=is_stacked)
         self.build_scope(body, sub, weight, t_op)
@@ -395,9 +407,10 @@ class _Build:
     def result_ports(self, graph: Graph, scope: Scope, op: Op, sources: list[TensorKey], ctx: RuleContext,
                      when: Any, stacked: Sequence[bool] | None = None,
                      also: Sequence[list[TensorKey]] = ()) -> None:
+        buf = self.bufs[scope]
         for k, (tid, src) in enumerate(zip(op.outputs, sources, strict=True)):
             t = graph.tensors[tid]
-            interval = when(*t.live)
+            interval = when(*buf.live[tid])
             port = self.port_node(f"{t.name} (result {k} of {op.where()})", (scope, tid), t.shape, t.nbytes,
                                   ctx, interval)
             node = self.nodes[port]
@@ -415,13 +428,14 @@ class _Build:
     def build(self) -> BuiltProblem:
         g = self.root
         ctx = RuleContext.of(g, self.mesh)
+        self.enter_scope(g, (), 0)
+        buf, clock = self.bufs[()], self.clocks[()]
         for tid in g.inputs:
             t = g.tensors[tid]
             if not t.consumers and tid not in g.outputs:
                 continue
-            end = t.live[1] if t.consumers else 1
-            self.port_node(t.name, ((), tid), t.shape, t.nbytes, ctx, (0, max(end, 1)), kind="input")
-        self.build_scope(g, (), 1.0, None)
+            self.port_node(t.name, ((), tid), t.shape, t.nbytes, ctx, clock.span(*buf.live[tid]), kind="input")
+        self.build_scope(g, (), 1.0, 0)
         edge_u, edge_v, mats = [], [], []
         for v, node in enumerate(self.nodes):
             keys = [key for key, _ in node.reads[0]] if node.reads else []
