@@ -135,6 +135,7 @@ class _Build:
         self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
         self.bufs: dict[Scope, Buffers] = {}  # which tensors hold a buffer, and when (trace.buffers)
         self.clocks: dict[Scope, Clock] = {}  # where each scope's ops sit on the problem's time axis
+        self._boundary: int | None = -1  # time of the first backward op (None: none; -1: not yet found)
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -469,17 +470,38 @@ class _Build:
         # equal time (slicing an input is free), the one that keeps less per device wins.
         hold = MEMORY_TIE_BREAK / self.cost.memory_bandwidth
         w = self.activation_weight
-        memory = [n.memory if n.kind == "input" or w == 1.0 else n.memory * w for n in self.nodes]
+        memory = [n.memory * w if w != 1.0 and self.stashed(n) else n.memory for n in self.nodes]
         problem = IntraOpProblem(
             node_costs=[n.cost + hold * m for n, m in zip(self.nodes, memory, strict=True)],
             node_memory=memory,
             intervals=np.array([n.interval for n in self.nodes], dtype=np.int64).reshape(-1, 2),
             edges=np.array(list(zip(edge_u, edge_v, strict=True)), dtype=np.int64).reshape(-1, 2),
             edge_costs=mats,
-            node_names=[n.name for n in self.nodes],
+            node_names=[self.label(n) for n in self.nodes],
         )
         return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
                             self.activation_weight)
+
+    def stashed(self, node: NodeInfo) -> bool:
+        """Whether a node holds an activation from the forward pass into the backward pass: what a
+        pipeline stage keeps once per microbatch in flight. Values that live and die within one pass (a
+        remat body's recomputed activations, a backward temporary, a gradient) exist once whatever the
+        number of microbatches in flight. Without a backward pass every computed value counts."""
+        if node.kind == "input":
+            return False
+        if self._boundary == -1:
+            first_bwd = next((op.id for op in self.root.ops if op.phase == "backward"), None)
+            self._boundary = None if first_bwd is None else self.clocks[()].at(first_bwd)
+        return self._boundary is None or node.interval[0] < self._boundary < node.interval[1]
+
+    def label(self, node: NodeInfo) -> str:
+        """How the solver's messages name a node: an input with the op that first reads it (where to look
+        in the user's code when it does not fit), anything else by its name."""
+        if node.kind != "input" or not node.produces or not node.produces[0]:
+            return node.name
+        (_, tid), _spec = node.produces[0][0]
+        readers = self.root.tensors[tid].consumers
+        return f"{node.name}, read by {self.root.ops[readers[0]].where()}" if readers else node.name
 
     def add_tie(self, src: TensorKey, dst: TensorKey, weight: float, kind: str,
                 edge_u: list[int], edge_v: list[int], mats: list[np.ndarray]) -> None:
@@ -528,8 +550,9 @@ def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None, *,
                   activation_weight: float = 1.0) -> BuiltProblem:
     """The solver problem for ``graph`` on ``cost.mesh`` (see the module docstring).
 
-    ``activation_weight``: what is computed inside the graph counts this many times against the memory
-    limit, its inputs once (a pipeline stage holds the activations of several microbatches at once)."""
+    ``activation_weight``: the activations the forward pass keeps for the backward pass count this many
+    times against the memory limit, everything else once (a pipeline stage holds the stashed activations
+    of several microbatches at once, but runs one microbatch's pass at a time; see ``_Build.stashed``)."""
     built = _Build(graph, cost, activation_weight).build()
     problem = dataclasses.replace(built.problem, memory_limit=memory_budget)
     return dataclasses.replace(built, problem=problem)
