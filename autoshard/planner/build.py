@@ -556,3 +556,13 @@ def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None, *,
     built = _Build(graph, cost, activation_weight).build()
     problem = dataclasses.replace(built.problem, memory_limit=memory_budget)
     return dataclasses.replace(built, problem=problem)
+
+
+def seconds_by_op(built: BuiltProblem, choice: Sequence[int] | np.ndarray) -> dict[int, float]:
+    """Top-level op id -> the compute seconds the problem charges it under ``choice`` (a group's on its
+    leader, a body's on its control-flow op): the prices ``trace.recompute.estimate`` needs."""
+    out: dict[int, float] = defaultdict(float)
+    for i, node in enumerate(built.nodes):
+        if node.kind == "op" and node.ops:
+            out[node.ops[0][0][0][0] if node.ops[0][0] else node.ops[0][1]] += float(node.compute[int(choice[i])])
+    return dict(out)
