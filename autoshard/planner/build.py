@@ -12,11 +12,19 @@ Nodes
   nodes of the same problem, their costs multiplied by the trip count; a body input gets a *port* node
   fed by the outer operand, a loop's carried value is tied to itself across iterations by a resharding
   edge weighted by the trip count, and each result of the op gets a port node fed by the body's output.
+  A body's ops get time steps of their own inside the enclosing op's (``trace.buffers.Clock``), so its
+  values are live only while it runs (one loop iteration's; a remat body's recomputation only during
+  the backward op that runs it); a body input is a view of the outer operand and holds no memory.
 
 For strategy s of node i: ``c_i[s]`` = compute time + the op's own collectives (``autoshard.strategies``)
 + ε·m_i[s] with ε = 1% of the time to read a byte from device memory (a tie-break toward layouts that hold
 less: slicing an input is free, so time alone cannot choose between a replicated and a split batch);
-``m_i[s]`` = peak bytes per device of the group's tensors over their live ranges.
+``m_i[s]`` = peak bytes per device of the group's *held* tensors over their buffers' live ranges, and the
+node's interval spans those ranges. Which values hold a buffer, and until when, follows XLA's GPU buffer
+assignment (``trace.buffers``): a value fused into all its readers holds none and keeps its operands
+alive instead, an in-place update shares its operand's buffer, the optimizer update runs as each gradient
+arrives. On the H100 measurements of ``tests/data/h100_fidelity.json`` the predicted peak lands within
+15% of XLA's for every case (it was 1.5-2.2x before these rules).
 
 Edges
 -----
