@@ -13,7 +13,7 @@ import autoshard
 from autoshard._examples import load_example
 from autoshard.planner.build import build_problem, seconds_by_op
 from autoshard.trace import Graph
-from autoshard.trace.recompute import MODES, estimate, stashes
+from autoshard.trace.recompute import MODES, advice, estimate, stashes
 from cost_models import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,3 +50,13 @@ def test_full_recompute_estimate_matches_xla_with_remat() -> None:
     step = sum(secs.values()) + full.extra_seconds
     assert abs(step - case["jit_median_s"]) <= 0.10 * case["jit_median_s"]
     assert estimate(graph, "none").peak_bytes > 2 * full.peak_bytes  # what remat buys here
+
+
+def test_advice_names_the_recompute_setting_that_fits() -> None:
+    graph = _gpt("tiny", layers=4, batch=16, seq_len=64)
+    none, full = estimate(graph, "none"), estimate(graph, "full")
+    needed = 10e9
+    limit = needed * (full.peak_bytes / none.peak_bytes) * 1.01  # only full recompute fits
+    text = advice(graph, needed, limit)
+    assert text.startswith("recompute would fit (full)") and "selective recompute of its 4 blocks" in text
+    assert "would not fit" in advice(graph, needed, 0.5 * limit)

@@ -117,3 +117,24 @@ def _peak(live: list[tuple[int, int]], sizes: list[float]) -> float:
         cur += events[t]
         best = max(best, cur)
     return best
+
+
+def advice(graph: Graph, needed: float, limit: float, seconds: Callable[[Op], float] | None = None) -> str:
+    """A sentence for an error saying a step needs ``needed`` bytes per device of ``limit``: which recompute
+    setting of its blocks would fit. Each setting's need is ``needed`` scaled by its estimated peak over
+    the traced step's (``estimate``; sharding divides both alike), with its extra time when ``seconds``
+    prices ops."""
+    base = estimate(graph, "none")
+    if not base.blocks or base.peak_bytes <= 0:
+        return "the step has no repeated blocks to recompute"
+    parts, fits = [], []
+    for mode in MODES[1:]:
+        e = estimate(graph, mode, seconds=seconds)
+        need = needed * e.peak_bytes / base.peak_bytes
+        more = f", +{e.extra_seconds * 1e3:.3g} ms a step" if seconds is not None else ""
+        parts.append(f"{mode} recompute of its {e.blocks} blocks needs about {need / 1e9:.3g} GB{more}")
+        if need <= limit:
+            fits.append(mode)
+    head = (f"recompute would fit ({' or '.join(fits)})" if fits
+            else "recompute alone would not fit: add devices or microbatches too")
+    return f"{head}: " + "; ".join(parts)
