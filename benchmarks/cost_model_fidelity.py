@@ -14,6 +14,15 @@ Run::
 
 It prints each layout's predicted and measured milliseconds, the collectives XLA compiled, the Spearman rank
 correlation and the median relative error. A benchmark, not a test.
+
+Planner mode (``--planner``): the whole planner against XLA on one device, for the cases of
+``tests/data/h100_fidelity.json`` (an example model at a preset, dtype, batch and remat setting). Each case is
+planned on a 1-device mesh with ``--hardware`` (default ``h100``) and printed beside the recorded XLA peak memory
+(temp + arguments + outputs - aliased) and step time; with ``--measure`` the step is also jitted (train state
+donated) on the local device, its ``memory_analysis()`` read and its time measured, and every row is appended
+as one JSON line to ``--out``. On a GPU machine::
+
+    JAX_PLATFORMS=cuda python benchmarks/cost_model_fidelity.py --planner --measure --out fidelity.jsonl
 """
 
 from __future__ import annotations
@@ -249,8 +258,85 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
+CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "h100_fidelity.json")
+
+
+def planner_rows(hardware: str, measure: bool, repeats: int, only: list[str]) -> list[dict[str, object]]:
+    """One row per case: the plan's predicted peak memory and step time, the recorded (or, with ``measure``,
+    freshly measured) XLA numbers."""
+    import json
+
+    import autoshard
+    from autoshard._examples import load_example
+
+    with open(CASES) as f:
+        cases = json.load(f)["cases"]
+    root = os.path.join(os.path.dirname(CASES), "..", "..")
+    rows: list[dict[str, object]] = []
+    for c in cases:
+        name = f"{c['model']}:{c['preset']}:{c['dtype']}:{c['batch']}:{int(c['remat'])}"
+        if only and not any(o in name for o in only):
+            continue
+        overrides = [f"dtype={c['dtype']}", f"batch={c['batch']}"] + (["remat=true"] if c["remat"] else [])
+        path = os.path.join(root, "examples", f"{c['model']}.py")
+        ex = load_example(path, c["preset"], overrides, abstract=True)
+        plan = autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware=hardware, time_budget_s=10)
+        row: dict[str, object] = {**c, "case": name, f"pred_mem[{hardware}]": plan.peak_memory,
+                                  f"pred_s[{hardware}]": plan.predicted_step_time}
+        if measure:
+            row.update(_measure_step(path, c["preset"], overrides, repeats))
+        rows.append(row)
+    return rows
+
+
+def _measure_step(path: str, preset: str, overrides: list[str], repeats: int) -> dict[str, object]:
+    from autoshard._examples import load_example
+
+    ex = load_example(path, preset, overrides, abstract=False)
+    step = jax.jit(ex.train_step, donate_argnums=0)
+    compiled = step.lower(*ex.args).compile()
+    mem = compiled.memory_analysis()
+    out = {"xla_temp_bytes": mem.temp_size_in_bytes, "xla_arg_bytes": mem.argument_size_in_bytes,
+           "xla_out_bytes": mem.output_size_in_bytes, "xla_alias_bytes": mem.alias_size_in_bytes}
+    out["xla_peak_bytes"] = (out["xla_temp_bytes"] + out["xla_arg_bytes"] + out["xla_out_bytes"]
+                             - out["xla_alias_bytes"])
+    state, batch = ex.args
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    out["jit_median_s"] = statistics.median(times[2:])
+    out["jit_min_s"] = min(times[2:])
+    return out
+
+
+def planner_main(args: argparse.Namespace) -> int:
+    import json
+
+    rows = planner_rows(args.hardware, args.measure, args.repeats, args.cases)
+    h = args.hardware
+    print(f"{'case':<32} {'pred GB':>8} {'XLA GB':>8} {'ratio':>6}   {'pred ms':>8} {'meas ms':>8} {'ratio':>6}")
+    for r in rows:
+        pm, xm = float(r[f"pred_mem[{h}]"]), float(r["xla_peak_bytes"])  # type: ignore[arg-type]
+        ps, xs = float(r[f"pred_s[{h}]"]), float(r["jit_median_s"])  # type: ignore[arg-type]
+        print(f"{r['case']:<32} {pm / 1e9:8.2f} {xm / 1e9:8.2f} {pm / xm:6.2f}   {ps * 1e3:8.1f} {xs * 1e3:8.1f} "
+              f"{ps / xs:6.2f}")
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--planner", action="store_true", help="the planner against XLA on one device (see above)")
+    ap.add_argument("--hardware", default="h100", help="planner mode: hardware preset or profile")
+    ap.add_argument("--measure", action="store_true", help="planner mode: compile and time on the local device")
+    ap.add_argument("--out", help="planner mode: append the rows as JSON lines to this file")
+    ap.add_argument("cases", nargs="*", help="planner mode: only cases whose name contains one of these")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--profile", help="profile JSON (default: the newest shipped cpu-8dev profile)")
     src.add_argument("--quick-profile", action="store_true", help="profile the devices now (quick mode)")
@@ -260,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "--estimator", choices=("median", "min"), default="median", help="how repeats are reduced"
     )
     args = ap.parse_args(argv)
+    if args.planner:
+        return planner_main(args)
 
     if args.quick_profile:
         from autoshard.profiler import ProfileConfig, run_profile

@@ -37,6 +37,8 @@ class Device:
       (Ampere and later GPUs) or ``"bf16"`` (TPUs, one bf16 pass).
     * ``matmul_efficiency``: achievable fraction of the peak matmul rate for large dots;
       ``memory_efficiency``: achievable fraction of the HBM bandwidth.
+    * ``conv_efficiency``: the rate convolutions (cuDNN's kernels on GPUs) reach as a fraction of the
+      matmul rate at equal FLOPs; 1.0 where nothing was measured.
     """
 
     name: str
@@ -48,6 +50,7 @@ class Device:
     flops_int8: float | None = None
     fp32_matmul_as: str = "fp32"
     matmul_efficiency: float = 0.7
+    conv_efficiency: float = 1.0
     memory_bandwidth: float
     memory_efficiency: float = 0.8
     memory_capacity: float
@@ -62,7 +65,7 @@ class Device:
         for f in ("flops_fp32", "flops_bf16", "memory_bandwidth", "memory_capacity"):
             if not getattr(self, f) > 0:
                 raise CostModelError(f"device {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        for f in ("matmul_efficiency", "memory_efficiency"):
+        for f in ("matmul_efficiency", "memory_efficiency", "conv_efficiency"):
             if not 0 < getattr(self, f) <= 1:
                 raise CostModelError(f"device {self.name!r}: {f} must be in (0, 1], got {getattr(self, f)}")
 

@@ -9,6 +9,7 @@ Byte conventions, used throughout:
 Compute roofline (Williams, Waterman & Patterson, CACM 2009)::
 
     compute_time(F, M, dtype) = max(F / (peak(dtype) · matmul_efficiency),  M / (HBM bandwidth · mem_eff))
+    conv_time(F, M, dtype)    = max(F / (peak(dtype) · matmul_efficiency · conv_efficiency),  same)
 
 with ``peak(dtype)`` from ``Device.peak_flops``. A measured profile replaces the rate by the measured one
 (interpolated by shape) for measured dtypes, and the bandwidth by the measured copy bandwidth (see
@@ -147,6 +148,16 @@ class CostModel:
         table = self._matmul.get(str(dtype)) if matmul else None
         rate = table.rate(*mnk) if table is not None else self.device.achievable_flops(dtype, matmul=matmul)
         return max(flops / rate, mem)
+
+    def conv_time(self, flops: float, bytes_accessed: float, dtype: DtypeLike = "float32") -> float:
+        """Roofline seconds of a convolution: ``compute_time`` with the matmul rate scaled by the device's
+        ``conv_efficiency`` (``max(F / (rate(dtype) · conv_efficiency), M / bandwidth)``)."""
+        if flops < 0 or bytes_accessed < 0:
+            raise CostModelError(f"flops and bytes must be >= 0, got {flops} and {bytes_accessed}")
+        side = (flops / 2) ** (1 / 3)
+        table = self._matmul.get(str(dtype))
+        rate = table.rate(side, side, side) if table is not None else self.device.achievable_flops(dtype)
+        return max(flops / (rate * self.device.conv_efficiency), bytes_accessed / self.memory_bandwidth)
 
     def matmul_time(self, m: int, n: int, k: int, dtype: DtypeLike = "float32", *, batch: int = 1) -> float:
         """Seconds for ``batch`` × ``[m,k] @ [k,n]`` on one device: ``2·b·m·n·k`` FLOPs and

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import autoshard
 from autoshard._examples import load_example
@@ -128,3 +129,21 @@ def test_heavy_communication_lands_on_the_fast_axis() -> None:
         on_fast = sum(v for k, v in plan.time_breakdown.items() if k.endswith(f"({fast_axis})"))
         on_slow = sum(v for k, v in plan.time_breakdown.items() if slow_axis in k and k != "resharding")
         assert on_fast > 0 and on_slow == 0, plan.time_breakdown
+
+
+def test_data_parallel_plan_charges_each_gradient_all_reduce_with_its_latency() -> None:
+    """Planning only: the data-parallel plan of a tiny MLP on a huge batch charges one all-reduce per
+    parameter gradient, each with its latency (alpha + bytes / bandwidth), one more for the scalar loss
+    the step returns, and nothing else: no gathers, no other collectives."""
+    from cost_models import CostModel
+
+    ex = load_example(ROOT / "examples" / "mlp.py", "big-batch", [], abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    plan = autoshard.plan(graph, mesh={"data": 8}, hardware="h100", memory_budget=None, time_budget_s=30)
+    cost = CostModel.load("h100", mesh_shape=(8,), axis_names=("data",))
+    collectives = {k: v for k, v in plan.time_breakdown.items() if k not in ("compute", "resharding")}
+    assert set(collectives) == {"all_reduce(data)"}, plan.time_breakdown
+    grads = [cost.collective_time("all_reduce", t.nbytes, ("data",)) for t in graph.input_tensors(Role.PARAM)]
+    loss = cost.collective_time("all_reduce", 4, ("data",))  # a float32 scalar: all latency
+    assert loss >= cost.mesh.link("data").latency
+    assert collectives["all_reduce(data)"] == pytest.approx(sum(grads) + loss, rel=1e-9)

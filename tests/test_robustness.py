@@ -136,7 +136,7 @@ def test_an_nnx_step_that_updates_in_place_is_refused_with_the_fix() -> None:
 def _linear_step(extra):
     def step(state, batch):
         def loss(w):
-            return extra((batch["x"] @ w))
+            return extra(batch["x"] @ w)
 
         value, g = jax.value_and_grad(loss)(state["w"])
         return {"w": state["w"] - 0.1 * g}, {"loss": value}
@@ -181,6 +181,8 @@ def test_a_typed_prng_key_in_the_state_plans_runs_and_explains() -> None:
     new, metrics = par(state, batch)
     ref_new, ref_metrics = jax.jit(step)(state, batch)
     assert global_rel_error(ref_metrics["loss"], metrics["loss"]) <= TOL
+    assert global_rel_error(ref_new["w"], new["w"]) <= TOL
+    assert (jax.random.key_data(new["key"]) == jax.random.key_data(ref_new["key"])).all()
     assert "predicted step time" in par.explain()
 
 

@@ -224,8 +224,11 @@ def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strateg
         t = graph.tensors[tid]
         if t.nbytes and tid not in ctx.fused:
             nbytes += t.nbytes / max(1, spec.num_shards(ctx.mesh))
-    is_matmul = op.primitive in ("dot_general", "conv_general_dilated")
-    compute = cost.compute_time(op.flops / shards, nbytes, _dtype_of(op, graph), matmul=is_matmul)
+    if op.primitive == "conv_general_dilated":
+        compute = cost.conv_time(op.flops / shards, nbytes, _dtype_of(op, graph))
+    else:
+        compute = cost.compute_time(op.flops / shards, nbytes, _dtype_of(op, graph),
+                                    matmul=op.primitive == "dot_general")
     steps = tuple(
         CollectiveStep(kind=k, axes=tuple(ax), nbytes=b, time=cost.collective_time(k, b, ax))
         for k, ax, b in cand.comm
