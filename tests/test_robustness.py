@@ -254,3 +254,11 @@ def test_a_saved_plan_runs_without_planning_again(tmp_path: Path, caplog) -> Non
     wrong = autoshard.parallelize(ex.train_step, mesh=(8,), plan=path)
     with pytest.raises(PlanningError, match="made for the mesh"):
         wrong(*_mlp().args)
+
+
+def test_does_not_fit_says_which_recompute_setting_would() -> None:
+    from autoshard.planner.plan import PlanError
+
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", abstract=True)
+    with pytest.raises(PlanError, match=r"needs at least .*recompute.*blocks needs about .*microbatches"):
+        autoshard.plan(ex.train_step, *ex.args, mesh=(2,), memory_budget=2e5, time_budget_s=3)

@@ -25,6 +25,7 @@ from autoshard.planner.seeds import seeds as seed_portfolio
 from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
+from autoshard.trace.recompute import advice as recompute_advice
 from cost_models import CostModel, ShardingSpec
 from solvers import InfeasibleError, solve_intra_op
 
@@ -106,10 +107,15 @@ def plan_graph(
     except InfeasibleError as e:
         what = ("with the given inputs' layouts held fixed" if pins
                 else "with any layout autoshard can express")
+        _, least = problem.usage_at_points(problem.min_memory())
+        needed = float(least.max()) if least.size else 0.0
+        hint = recompute_advice(graph, needed, memory_budget)
         raise PlanError(
-            f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} {what}: "
-            "use more devices, a smaller batch, recomputation (remat), or plan without a memory limit "
-            "(memory_budget=None, --memory-budget none) to see what it would need."
+            f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} {what} "
+            f"(it needs at least {needed:.3g}). {hint[:1].upper()}{hint[1:]} (wrap each block "
+            "in jax.checkpoint / nn.remat). Or use more devices, a smaller batch or microbatches (microbatches=B, "
+            "--microbatches B), or plan without a memory limit (memory_budget=None, --memory-budget none) to "
+            "see what it would need."
         ) from None
     specs, inputs, outputs = readback.layouts(graph, built, sol.choice, pins)
     breakdown = readback.breakdown(built, sol.choice, cost)
