@@ -37,8 +37,8 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun
 
 from autoshard.emit.specs import EmitError, ScopeKey, named_sharding, normalize_key
+from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.graph import Graph, Op
-from autoshard.trace.tracer import _INLINE_KEYS, _REMAT
 from cost_models.spec import ShardingSpec
 
 log = logging.getLogger("autoshard")
@@ -52,10 +52,6 @@ try:  # name stacks and tracebacks of re-bound equations (readable HLO metadata)
     from jax._src import source_info_util as _siu
 except ImportError:  # pragma: no cover
     _siu = None
-
-
-def _as_closed(j: Any) -> ClosedJaxpr:
-    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
 
 
 def _const_values(closed: ClosedJaxpr) -> dict[Var, Any]:
@@ -72,10 +68,9 @@ def _const_values(closed: ClosedJaxpr) -> dict[Var, Any]:
 
     def walk(jaxpr: Jaxpr) -> None:
         for eqn in jaxpr.eqns:
-            key = _INLINE_KEYS.get(eqn.primitive.name)
-            if key is None or key not in eqn.params:
+            sub = jc.inline_body(eqn)
+            if sub is None:
                 continue
-            sub = _as_closed(eqn.params[key])
             known.update(zip(sub.jaxpr.constvars, sub.consts, strict=True))
             for v, outer in zip(sub.jaxpr.invars, eqn.invars, strict=True):
                 ok, val = value(outer)
@@ -89,14 +84,6 @@ def _const_values(closed: ClosedJaxpr) -> dict[Var, Any]:
 
     walk(closed.jaxpr)
     return known
-
-
-def _bind_params(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
-    """``(subfuns, params)`` to bind ``eqn`` again; jax 0.10 returns params only, older jax a pair."""
-    got = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
-        return list(got[0]), got[1]
-    return [], dict(got)
 
 
 def _eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
@@ -222,7 +209,7 @@ class Interpreter:
         eqn = op.eqn
         name = eqn.primitive.name
         rule = _REBUILD.get(name)
-        if rule is None and name in _REMAT:
+        if rule is None and name in jc.REMAT:
             rule = Interpreter._remat
         with _eqn_context(eqn):
             if op.bodies and rule is not None and _convert_constvars is not None:
@@ -233,7 +220,7 @@ class Interpreter:
                     log.warning(
                         "autoshard.emit: %s has nested jaxprs that emission does not rebuild; it is bound "
                         "as traced and no sharding constraint reaches inside it", op.where())
-                subfuns, params = _bind_params(eqn)
+                subfuns, params = jc.bind_params(eqn)
                 outs = eqn.primitive.bind(*subfuns, *invals, **params)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
@@ -254,45 +241,35 @@ class Interpreter:
         return _convert_constvars(closed.jaxpr), list(closed.consts)
 
     def _scan(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "scan")
-        n = len(consts)
-        p.update(jaxpr=ClosedJaxpr(jaxpr, ()), num_consts=p["num_consts"] + n)
-        if "linear" in p:  # jax < 0.10 keeps one linearity flag per operand
-            p["linear"] = (False,) * n + tuple(p["linear"])
-        return op.eqn.primitive.bind(*consts, *invals, **p)
+        return op.eqn.primitive.bind(*consts, *invals, **jc.scan_params(op.eqn, jaxpr, len(consts)))
 
     def _while(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        w = jc.while_layout(op.eqn)
+        nc, nb = w.cond_nconsts, w.body_nconsts
         cj, cc = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "while cond")
         bj, bc = self.rebuild(op.bodies[1], (*key, (op.id, 1)), "while body")
-        p.update(cond_jaxpr=ClosedJaxpr(cj, ()), body_jaxpr=ClosedJaxpr(bj, ()),
-                 cond_nconsts=nc + len(cc), body_nconsts=nb + len(bc))
+        p = jc.while_params(op.eqn, cj, bj, len(cc), len(bc))
         operands = [*cc, *invals[:nc], *bc, *invals[nc : nc + nb], *invals[nc + nb :]]
         return op.eqn.primitive.bind(*operands, **p)
 
     def _cond(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
         built = [self.rebuild(b, (*key, (op.id, i)), "cond branch") for i, b in enumerate(op.bodies)]
         all_consts = [c for _, cs in built for c in cs]
         if not all_consts:
-            branches = tuple(ClosedJaxpr(j, ()) for j, _ in built)
+            branches = [ClosedJaxpr(j, ()) for j, _ in built]
         else:  # every branch takes every branch's constants, so that the signatures agree
             avals = [jax.typeof(c) for c in all_consts] + list(op.bodies[0].jaxpr.in_avals)
             branches, off = [], 0
             for j, cs in built:
                 branches.append(jax.make_jaxpr(_select_args(j, off, len(cs), len(all_consts)))(*avals))
                 off += len(cs)
-            branches = tuple(branches)
-        p["branches"] = branches
+        p = jc.cond_params(op.eqn, branches)
         return op.eqn.primitive.bind(invals[0], *all_consts, *invals[1:], **p)
 
     def _remat(self, op: Op, key: ScopeKey, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), op.eqn.primitive.name)
-        p["jaxpr"] = jaxpr
-        return op.eqn.primitive.bind(*consts, *invals, **p)
+        return op.eqn.primitive.bind(*consts, *invals, **jc.remat_params(op.eqn, jaxpr))
 
 
 def _select_args(jaxpr: Jaxpr, off: int, n: int, total: int) -> Callable[..., list[Any]]:
