@@ -136,6 +136,7 @@ class _Builder:
         self.t_role: list[Role] = []
         self.t_producer: list[int | None] = []
         self.ops: list[dict[str, Any]] = []
+        self.values: dict[int, Any] = {}  # constant tensors' values (literals, consts of closed jaxprs)
 
     # ---- tensors ---------------------------------------------------------------------------------------
 
@@ -152,12 +153,15 @@ class _Builder:
 
     def read(self, env: dict[Any, int], v: Any) -> int:
         if isinstance(v, Literal):
-            return self.tensor(v.aval, Role.CONST, f"literal {v.val!r}"[:40], None)
+            tid = self.tensor(v.aval, Role.CONST, f"literal {v.val!r}"[:40], None)
+            self.values[tid] = v.val
+            return tid
         return env[v]
 
     def bind_consts(self, closed: ClosedJaxpr, env: dict[Any, int]) -> None:
         for cv, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
             env[cv] = self.tensor(cv.aval, Role.CONST, f"const {np.shape(c)}", None)
+            self.values[env[cv]] = c
 
     # ---- walking -----------------------------------------------------------------------------------------
 
@@ -342,6 +346,7 @@ class _Builder:
             jaxpr=closed,
             in_tree=in_tree,
             out_tree=out_tree,
+            constants=dict(self.values),
         )
 
 
