@@ -13,14 +13,16 @@ What the walk does with each kind of equation:
 - ``checkpoint`` (remat): one op with its body, kept as a unit so the planner can price recomputation.
 - other primitives carrying jaxprs (``shard_map``, ``custom_linear_solve``, ...): one op with those bodies.
 - everything else: one op; flops from ``costs.FLOP_RULES``; a primitive with no rule counts 0 flops and
-  is logged once per trace.
+  is logged once per process (``autoshard.trace.unruled``).
+
+Every param that says where a body is or how a call's operands are laid out is read through
+``autoshard.trace.jaxpr_compat``, which knows jax 0.10's and 0.11's layouts.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import math
 import os
 import re
@@ -34,10 +36,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from autoshard.errors import TraceError
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace import roles as _roles
+from autoshard.trace import unruled
 from autoshard.trace.costs import op_flops
 from autoshard.trace.graph import Graph, Op, Role, Tensor
-
-log = logging.getLogger("autoshard")
 
 _INHERITED_ROLES = frozenset({Role.PARAM, Role.OPT_STATE, Role.BATCH, Role.STATE, Role.CONST})
 _WRAPPER = re.compile(r"[A-Za-z_][\w]*\(([^()]*)\)")
@@ -127,8 +128,7 @@ class _Ctx:
 class _Builder:
     """Accumulates tensors and ops for one Graph (a top-level step or one nested body)."""
 
-    def __init__(self, warned: set[str]) -> None:
-        self.warned = warned
+    def __init__(self) -> None:
         self.t_name: list[str] = []
         self.t_shape: list[tuple[int, ...]] = []
         self.t_dtype: list[str] = []
@@ -199,14 +199,13 @@ class _Builder:
             )
         if flops is None:
             flops = 0.0
-            if name not in self.warned:
-                self.warned.add(name)
-                log.warning(
-                    "autoshard: no cost rule for primitive %r (first seen at %s); it counts 0 flops and "
-                    "its operands will be replicated",
-                    name,
-                    source or "an unknown location",
-                )
+            unruled.warn_once(
+                name,
+                "autoshard: no cost rule for primitive %r (first seen at %s); it counts 0 flops, and unless a "
+                "sharding rule exists its operands and results are replicated",
+                name,
+                source or "an unknown location",
+            )
         outs = []
         for v in eqn.outvars:
             tid = self.tensor(v.aval, Role.ACTIVATION, "", op_id)
@@ -271,7 +270,7 @@ class _Builder:
         return (), None, None
 
     def subgraph(self, closed: ClosedJaxpr, operands: Sequence[int], ctx: _Ctx) -> Graph:
-        b = _Builder(self.warned)
+        b = _Builder()
         env: dict[Any, int] = {}
         b.bind_consts(closed, env)
         inputs = []
@@ -429,7 +428,7 @@ def trace(
     out_names = [_roles.leaf_name("out", p) for p in out_paths]
     aliases = _roles.output_aliases(in_paths, out_paths, closed.in_avals, closed.out_avals, single)
 
-    b = _Builder(set())
+    b = _Builder()
     env: dict[Any, int] = {}
     b.bind_consts(closed, env)
     inputs = []
