@@ -19,11 +19,19 @@ What changed from jax 0.10 to 0.11, and how each accessor reads both:
 - ``cond``: ``branches`` are ``ClosedJaxpr`` in 0.10 and (closed) ``Jaxpr`` in 0.11: the same class
   there. The operand layout (index, then operands) is unchanged.
 - ``while``: unchanged (``cond_jaxpr``, ``body_jaxpr``, ``cond_nconsts``, ``body_nconsts``).
-- remat: the primitive is ``remat2`` with an open ``jaxpr`` in both. jax 0.11 adds ``jax_remat3``
-  (off by default), whose ``jax.checkpoint`` binds no remat primitive while tracing: the body is inlined
-  into the step, so there is nothing to read.
+- remat: the primitive is ``remat2`` with an open ``jaxpr`` and ``prevent_cse``/``differentiated``/
+  ``policy`` in both. jax 0.11 adds ``jax_remat3`` (off by default in 0.11.2): with it on,
+  ``jax.checkpoint`` binds ``call_hi_primitive`` whose ``_prim`` (a ``RematTraced``) holds the body;
+  autoshard does not read that yet (an unknown primitive: replicated, 0 flops, one warning).
 - ``jit`` (``jaxpr``), ``closed_call`` (``call_jaxpr``), ``custom_jvp_call`` (``call_jaxpr``) and
   ``custom_vjp_call`` (``call_jaxpr``): the same names; 0.11's call jaxprs carry their consts.
+
+Other jax 0.11.2 changes the passes met, outside this module: the reductions' params gain
+``out_sharding`` (the rules read ``axes`` only); tanh's derivative binds a new elementwise primitive,
+``one_minus_square`` (``costs.ELEMENTWISE``); a scan body lowers inline in the while loop's region instead
+of as a private ``@closed_call`` function. In both releases a jitted function called twice shares one
+jaxpr (and its variables) between the call sites, which is why the tracer keeps constants per tensor
+(``Graph.constants``).
 """
 
 from __future__ import annotations
