@@ -49,8 +49,9 @@ def test_examples_match_the_unsharded_step(path: str, mesh) -> None:
 
 
 @pytest.mark.slow
-def test_gpt_scan_matches_the_unsharded_step() -> None:
-    _compare("gpt.py", (2, 4), ["scan_layers=true"])
+@pytest.mark.parametrize("overrides", [["scan_layers=true"], ["scan_layers=true", "remat=true"], ["remat=true"]])
+def test_gpt_scan_and_remat_match_the_unsharded_step(overrides: list[str]) -> None:
+    _compare("gpt.py", (2, 4), overrides)
 
 
 def test_second_call_reuses_the_compiled_program() -> None:

@@ -10,18 +10,17 @@ Where values come from
 - graph inputs: the arguments, in ``graph.inputs`` order (1:1 with the jaxpr's invars);
 - op outputs: the bound results, in ``op.outputs`` order (1:1 with ``eqn.outvars``);
 - constants (``Role.CONST``, no producer): the tracer made one tensor per literal occurrence and one per
-  constvar, but kept no values. ``op.inputs[k]`` is 1:1 with ``op.eqn.invars[k]``, so a literal's value is
-  ``eqn.invars[k].val``; a constvar's value is found in ``_const_values``, which walks the graph's
-  ClosedJaxpr (its ``consts``, and those of the jit/custom_jvp/custom_vjp calls the tracer inlined) and
-  follows values through the inlined calls' parameters and results.
+  constvar, and kept their values in ``graph.constants`` (keyed by tensor: jax 0.11 shares one jaxpr
+  between call sites, so a variable of an inlined call can stand for a different value at each site).
 
 Control flow
 ------------
 ``with_sharding_constraint`` reaches only the level it is called at, so scan, while, cond and remat bodies
 are rebuilt: the body Graph is evaluated by this same interpreter (with its own scope's specs) under
 ``jax.make_jaxpr`` on the body's input avals, and the primitive is bound with the new jaxpr. Values the new
-body closes over (constants of the body) become extra leading operands: scan ``num_consts``, while
-``cond_nconsts``/``body_nconsts`` and remat operands grow; a cond's branches all take every branch's
+body closes over (constants of the body) become extra leading operands: a scan's constants, a while's
+condition and body constants and a remat's operands grow (``autoshard.trace.jaxpr_compat`` writes the
+params of each jax release); a cond's branches all take every branch's
 constants so that their signatures agree. Other ops with bodies (``custom_linear_solve``, ``shard_map``, ...)
 are bound unchanged: no constraint reaches inside them, and this is logged once per primitive.
 """
@@ -34,11 +33,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 from autoshard.emit.specs import EmitError, named_sharding, normalize_key
+from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.graph import Graph, Op, Scope
-from autoshard.trace.tracer import _INLINE_KEYS, _REMAT
 from cost_models.spec import ShardingSpec
 
 log = logging.getLogger("autoshard")
@@ -52,51 +51,6 @@ try:  # name stacks and tracebacks of re-bound equations (readable HLO metadata)
     from jax._src import source_info_util as _siu
 except ImportError:  # pragma: no cover
     _siu = None
-
-
-def _as_closed(j: Any) -> ClosedJaxpr:
-    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
-
-
-def _const_values(closed: ClosedJaxpr) -> dict[Var, Any]:
-    """Values of every variable of ``closed`` (and of the calls the tracer inlined into it) that is fixed
-    before the step runs: constvars, and inlined calls' parameters and results that are constants."""
-    known: dict[Var, Any] = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-
-    def value(atom: Any) -> tuple[bool, Any]:
-        if isinstance(atom, Literal):
-            return True, atom.val
-        if atom in known:
-            return True, known[atom]
-        return False, None
-
-    def walk(jaxpr: Jaxpr) -> None:
-        for eqn in jaxpr.eqns:
-            key = _INLINE_KEYS.get(eqn.primitive.name)
-            if key is None or key not in eqn.params:
-                continue
-            sub = _as_closed(eqn.params[key])
-            known.update(zip(sub.jaxpr.constvars, sub.consts, strict=True))
-            for v, outer in zip(sub.jaxpr.invars, eqn.invars, strict=True):
-                ok, val = value(outer)
-                if ok:
-                    known[v] = val
-            walk(sub.jaxpr)
-            for ov, iv in zip(eqn.outvars, sub.jaxpr.outvars, strict=True):
-                ok, val = value(iv)
-                if ok and type(ov).__name__ != "DropVar":
-                    known[ov] = val
-
-    walk(closed.jaxpr)
-    return known
-
-
-def _bind_params(eqn: Any) -> tuple[list[Any], dict[str, Any]]:
-    """``(subfuns, params)`` to bind ``eqn`` again; jax 0.10 returns params only, older jax a pair."""
-    got = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
-        return list(got[0]), got[1]
-    return [], dict(got)
 
 
 def _eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
@@ -117,7 +71,6 @@ class Interpreter:
         self.mesh = mesh
         self.specs = {normalize_key(k): dict(v) for k, v in specs.items()}
         self._shardings: dict[ShardingSpec, jax.sharding.NamedSharding] = {}
-        self._consts: dict[int, dict[Var, Any]] = {}
         self._warned: set[str] = set()
         self.constraints: dict[Scope, int] = {}  # constraints placed per scope, in the last trace
         self.rebuilt: dict[Scope, str] = {}  # scopes whose body was rebuilt, and the op's primitive
@@ -142,12 +95,6 @@ class Interpreter:
         self.constraints[key] = self.constraints.get(key, 0) + 1
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
-    def _known(self, graph: Graph) -> dict[Var, Any]:
-        k = id(graph)
-        if k not in self._consts:
-            self._consts[k] = _const_values(graph.jaxpr)
-        return self._consts[k]
-
     # ---- evaluation ----------------------------------------------------------------------------------
 
     def run(self, graph: Graph, key: Scope, args: Sequence[Any], *, pin_inputs: bool = True) -> list[Any]:
@@ -158,7 +105,7 @@ class Interpreter:
         if len(args) != len(graph.inputs):
             raise EmitError(f"the graph of scope {key!r} takes {len(graph.inputs)} inputs, got {len(args)}")
         scope = self.specs.get(key, {})
-        known = self._known(graph)
+        known = graph.constants
         env: dict[int, Any] = {}
         for tid, x in zip(graph.inputs, args, strict=True):
             env[tid] = self._pin(x, tid, scope, key) if pin_inputs else x
@@ -168,8 +115,8 @@ class Interpreter:
                 return env[tid]
             if isinstance(atom, Literal):
                 val = atom.val
-            elif atom in known:
-                val = known[atom]
+            elif tid in known:
+                val = known[tid]
             else:
                 t = graph.tensors[tid]
                 what = reader.where() if isinstance(reader, Op) else f"output {reader} of scope {key!r}"
@@ -190,7 +137,7 @@ class Interpreter:
         """Evaluate some top-level ops of ``graph`` (a pipeline stage's program): ``inputs`` are the tensor
         ids ``args`` stand for (already laid out by the caller); returns the tensors ``outputs``."""
         scope = self.specs.get((), {})
-        known = self._known(graph)
+        known = graph.constants
         env: dict[int, Any] = dict(zip(inputs, args, strict=True))
 
         def read(tid: int, atom: Any, reader: Op) -> Any:
@@ -198,8 +145,8 @@ class Interpreter:
                 return env[tid]
             if isinstance(atom, Literal):
                 return atom.val
-            if atom in known:
-                env[tid] = val = self._pin(known[atom], tid, scope, ())
+            if tid in known:
+                env[tid] = val = self._pin(known[tid], tid, scope, ())
                 return val
             t = graph.tensors[tid]
             raise EmitError(f"no value for tensor {tid} {t.name!r}, read by {reader.where()}: the program's "
@@ -222,7 +169,7 @@ class Interpreter:
         eqn = op.eqn
         name = eqn.primitive.name
         rule = _REBUILD.get(name)
-        if rule is None and name in _REMAT:
+        if rule is None and name in jc.REMAT:
             rule = Interpreter._remat
         with _eqn_context(eqn):
             if op.bodies and rule is not None and _convert_constvars is not None:
@@ -233,7 +180,7 @@ class Interpreter:
                     log.warning(
                         "autoshard.emit: %s has nested jaxprs that emission does not rebuild; it is bound "
                         "as traced and no sharding constraint reaches inside it", op.where())
-                subfuns, params = _bind_params(eqn)
+                subfuns, params = jc.bind_params(eqn)
                 outs = eqn.primitive.bind(*subfuns, *invals, **params)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
@@ -254,45 +201,35 @@ class Interpreter:
         return _convert_constvars(closed.jaxpr), list(closed.consts)
 
     def _scan(self, op: Op, key: Scope, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "scan")
-        n = len(consts)
-        p.update(jaxpr=ClosedJaxpr(jaxpr, ()), num_consts=p["num_consts"] + n)
-        if "linear" in p:  # jax < 0.10 keeps one linearity flag per operand
-            p["linear"] = (False,) * n + tuple(p["linear"])
-        return op.eqn.primitive.bind(*consts, *invals, **p)
+        return op.eqn.primitive.bind(*consts, *invals, **jc.scan_params(op.eqn, jaxpr, len(consts)))
 
     def _while(self, op: Op, key: Scope, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        w = jc.while_layout(op.eqn)
+        nc, nb = w.cond_nconsts, w.body_nconsts
         cj, cc = self.rebuild(op.bodies[0], (*key, (op.id, 0)), "while cond")
         bj, bc = self.rebuild(op.bodies[1], (*key, (op.id, 1)), "while body")
-        p.update(cond_jaxpr=ClosedJaxpr(cj, ()), body_jaxpr=ClosedJaxpr(bj, ()),
-                 cond_nconsts=nc + len(cc), body_nconsts=nb + len(bc))
+        p = jc.while_params(op.eqn, cj, bj, len(cc), len(bc))
         operands = [*cc, *invals[:nc], *bc, *invals[nc : nc + nb], *invals[nc + nb :]]
         return op.eqn.primitive.bind(*operands, **p)
 
     def _cond(self, op: Op, key: Scope, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
         built = [self.rebuild(b, (*key, (op.id, i)), "cond branch") for i, b in enumerate(op.bodies)]
         all_consts = [c for _, cs in built for c in cs]
         if not all_consts:
-            branches = tuple(ClosedJaxpr(j, ()) for j, _ in built)
+            branches = [ClosedJaxpr(j, ()) for j, _ in built]
         else:  # every branch takes every branch's constants, so that the signatures agree
             avals = [jax.typeof(c) for c in all_consts] + list(op.bodies[0].jaxpr.in_avals)
             branches, off = [], 0
             for j, cs in built:
                 branches.append(jax.make_jaxpr(_select_args(j, off, len(cs), len(all_consts)))(*avals))
                 off += len(cs)
-            branches = tuple(branches)
-        p["branches"] = branches
+        p = jc.cond_params(op.eqn, branches)
         return op.eqn.primitive.bind(invals[0], *all_consts, *invals[1:], **p)
 
     def _remat(self, op: Op, key: Scope, invals: list[Any]) -> Any:
-        p = dict(op.eqn.params)
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), op.eqn.primitive.name)
-        p["jaxpr"] = jaxpr
-        return op.eqn.primitive.bind(*consts, *invals, **p)
+        return op.eqn.primitive.bind(*consts, *invals, **jc.remat_params(op.eqn, jaxpr))
 
 
 def _select_args(jaxpr: Jaxpr, off: int, n: int, total: int) -> Callable[..., list[Any]]:

@@ -51,6 +51,7 @@ import numpy as np
 from autoshard.strategies import RuleContext, Strategy, strategies_for
 from autoshard.strategies.elementwise import UNARY_FOLLOWERS
 from autoshard.strategies.registry import Candidate, enumerate_specs, price
+from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import Buffers, Clock, buffers, steps
 from autoshard.trace.costs import ELEMENTWISE
 from autoshard.trace.graph import Graph, Op, Role, Scope
@@ -60,7 +61,6 @@ from solvers import IntraOpProblem
 TensorKey = tuple[Scope, int]
 _FOLLOW = frozenset(ELEMENTWISE) | UNARY_FOLLOWERS
 MEMORY_TIE_BREAK = 0.01
-_BODY_PRIMS = frozenset({"scan", "while", "cond", "checkpoint", "remat2", "remat"})
 
 
 @dataclasses.dataclass(slots=True)
@@ -229,7 +229,7 @@ class _Build:
         for op in graph.ops:
             if op.id in followers:
                 continue
-            if op.primitive in _BODY_PRIMS and op.bodies:
+            if op.primitive in jc.CONTROL_FLOW and op.bodies:
                 self.build_control_flow(graph, scope, op, weight, ctx, when)
                 continue
             self.group_node(graph, scope, [op.id, *groups[op.id]], weight, ctx, when)
@@ -345,7 +345,8 @@ class _Build:
         p = op.primitive
         if p == "scan":
             body = op.bodies[0]
-            n_consts, n_carry = int(op.eqn.params["num_consts"]), int(op.eqn.params["num_carry"])
+            layout = jc.scan_layout(op.eqn)
+            n_consts, n_carry = layout.num_consts, layout.num_carry
             outer_in = list(op.inputs)
             sub = (*scope, (op.id, 0))
             self.enter_body(body, sub, outer_in, weight * trips, t_op, stacked_from=n_consts + n_carry)
@@ -357,7 +358,8 @@ class _Build:
                               stacked=[k >= n_carry for k in range(len(op.outputs))])
         elif p == "while":
             cond, body = op.bodies
-            nc, nb = int(op.eqn.params["cond_nconsts"]), int(op.eqn.params["body_nconsts"])
+            w = jc.while_layout(op.eqn)
+            nc, nb = w.cond_nconsts, w.body_nconsts
             carry = list(op.inputs[nc + nb:])
             s_cond, s_body = (*scope, (op.id, 0)), (*scope, (op.id, 1))
             self.enter_body(cond, s_cond, list(op.inputs[:nc]) + carry, weight * trips, t_op)

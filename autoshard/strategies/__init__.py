@@ -6,6 +6,7 @@ Control flow (scan, while, cond, remat) is not a rule: the problem builder plans
 
 from autoshard.strategies import dot, elementwise, indexing, layout, reduce, special  # noqa: F401 - registers rules
 from autoshard.strategies.registry import (
+    FALLBACK,
     RULES,
     Candidate,
     RuleContext,
@@ -15,4 +16,4 @@ from autoshard.strategies.registry import (
     strategies_for,
 )
 
-__all__ = ["RULES", "Candidate", "RuleContext", "Strategy", "enumerate_specs", "register", "strategies_for"]
+__all__ = ["FALLBACK", "RULES", "Candidate", "RuleContext", "Strategy", "enumerate_specs", "register", "strategies_for"]

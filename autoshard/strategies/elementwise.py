@@ -80,3 +80,12 @@ def generated(op: Op, ctx: RuleContext) -> list[Candidate]:
         Candidate(tuple(ShardingSpec.replicated(len(s)) for s in ins), (spec,))
         for spec in enumerate_specs(out_shape, ctx)
     ]
+
+
+@register("bitcast_convert_type")
+def bitcast(op: Op, ctx: RuleContext) -> list[Candidate]:
+    """Same bit width: elementwise. A width change adds or drops a minor dimension (PRNG bits): no candidate,
+    so the op is replicated."""
+    if ctx.in_shapes(op) != ctx.out_shapes(op):
+        return []
+    return elementwise(op, ctx)

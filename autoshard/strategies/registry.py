@@ -6,8 +6,10 @@ a ``reduce_max`` over a split dimension), and which mesh axes divide its work. `
 each candidate with the cost model and returns ``Strategy`` objects. Resharding *between* ops is not a
 rule's business: the problem builder prices it on the edges.
 
-Primitives without a rule get one strategy, everything replicated, and a warning naming the primitive
-and its source line (once per primitive per planning run).
+Primitives without a rule get one strategy, everything replicated. For those in ``FALLBACK`` that is
+deliberate (logged at debug level); any other primitive gets a warning naming it and its source line, once
+per process (``autoshard.trace.unruled``). A test checks that every primitive the examples produce, under
+the installed jax, has a rule, is in ``FALLBACK`` or is control flow (planned by the problem builder).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from autoshard.trace.costs import ELEMENTWISE, REDUCTIONS
+from autoshard.trace import unruled
+from autoshard.trace.costs import CALLBACKS, ELEMENTWISE, REDUCTIONS
 from autoshard.trace.graph import Graph, Op
 from cost_models import CollectiveStep, CostModel, LogicalMesh, ShardingSpec
 
@@ -93,6 +96,15 @@ class RuleContext:
 
 Rule = Callable[[Op, RuleContext], list[Candidate]]
 RULES: dict[str, Rule] = {}
+
+FALLBACK: frozenset[str] = frozenset({
+    # PRNG plumbing on keys: tiny (a key is two words), and splitting it would change the random stream.
+    "random_bits", "random_wrap", "random_unwrap", "random_seed", "random_fold_in", "random_split",
+    "threefry2x32",
+    # host callbacks (jax.debug.print, jax.debug.callback, io/pure_callback) see whole values on the host
+    *CALLBACKS,
+})
+"""Primitives replicated on purpose: no rule, and no warning when they fall back."""
 
 
 def register(*primitives: str) -> Callable[[Rule], Rule]:
@@ -250,7 +262,9 @@ def fallback_candidate(op: Op, ctx: RuleContext) -> Candidate:
 
 
 def strategies_for(op: Op, ctx: RuleContext, cost: CostModel, warned: set[str] | None = None) -> list[Strategy]:
-    """Priced strategies of ``op``; the replicated fallback (with a warning) when no rule applies."""
+    """Priced strategies of ``op``; the replicated fallback when no rule applies. With ``warned`` (a planning
+    run's record), a primitive that falls back is added to it and, unless deliberate (``FALLBACK``),
+    reported once per process."""
     rule = RULES.get(op.primitive)
     cands: list[Candidate] = []
     if rule is not None:
@@ -258,11 +272,15 @@ def strategies_for(op: Op, ctx: RuleContext, cost: CostModel, warned: set[str] |
     if not cands:
         if rule is None and warned is not None and op.primitive not in warned:
             warned.add(op.primitive)
-            log.warning(
-                "autoshard: no sharding rule for primitive %r (first seen at %s); its operands and results "
-                "are replicated",
-                op.primitive,
-                op.source or "an unknown location",
-            )
+            if op.primitive in FALLBACK:
+                log.debug("autoshard: %r is replicated by design (registry.FALLBACK)", op.primitive)
+            else:
+                unruled.warn_once(
+                    op.primitive,
+                    "autoshard: no sharding rule for primitive %r (first seen at %s); its operands and results "
+                    "are replicated",
+                    op.primitive,
+                    op.source or "an unknown location",
+                )
         cands = [fallback_candidate(op, ctx)]
     return [price(op, c, ctx, cost) for c in cands]

@@ -108,7 +108,7 @@ ELEMENTWISE = (
     "add add_any sub mul div rem pow integer_pow neg abs sign max min exp exp2 expm1 log log1p logistic "
     "tanh sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt erf erfc erf_inv "
     "lgamma digamma igamma igammac igamma_grad_a random_gamma_grad bessel_i0e bessel_i1e polygamma zeta "
-    "floor ceil round nextafter is_finite square reciprocal clamp select_n eq ne lt le gt ge and or xor not "
+    "floor ceil round nextafter is_finite square one_minus_square reciprocal clamp select_n eq ne lt le gt ge and or xor not "
     "shift_left shift_right_logical shift_right_arithmetic population_count clz imag real conj complex "
     "regularized_incomplete_beta"
 ).split()

@@ -100,6 +100,10 @@ class Graph:
     jaxpr: Any = dataclasses.field(default=None, repr=False)  # the ClosedJaxpr it was built from
     in_tree: Any = dataclasses.field(default=None, repr=False)
     out_tree: Any = dataclasses.field(default=None, repr=False)
+    # tensor id -> value, for the constants (literals, closed-over arrays) that emission binds again. Keyed
+    # by tensor, not by jaxpr variable: jax 0.11 shares one jaxpr between call sites (optax's two
+    # tree_bias_correction calls), so one inner variable can stand for several values.
+    constants: Mapping[int, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     # ---- queries -------------------------------------------------------------------------------------
 

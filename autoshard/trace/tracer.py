@@ -13,14 +13,16 @@ What the walk does with each kind of equation:
 - ``checkpoint`` (remat): one op with its body, kept as a unit so the planner can price recomputation.
 - other primitives carrying jaxprs (``shard_map``, ``custom_linear_solve``, ...): one op with those bodies.
 - everything else: one op; flops from ``costs.FLOP_RULES``; a primitive with no rule counts 0 flops and
-  is logged once per trace.
+  is logged once per process (``autoshard.trace.unruled``).
+
+Every param that says where a body is or how a call's operands are laid out is read through
+``autoshard.trace.jaxpr_compat``, which knows jax 0.10's and 0.11's layouts.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import math
 import os
 import re
@@ -32,22 +34,12 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autoshard.errors import TraceError
+from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace import roles as _roles
+from autoshard.trace import unruled
 from autoshard.trace.costs import op_flops
 from autoshard.trace.graph import Graph, Op, Role, Tensor
 
-log = logging.getLogger("autoshard")
-
-_INLINE_KEYS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
-_REMAT = frozenset({"checkpoint", "remat2", "remat"})
 _INHERITED_ROLES = frozenset({Role.PARAM, Role.OPT_STATE, Role.BATCH, Role.STATE, Role.CONST})
 _WRAPPER = re.compile(r"[A-Za-z_][\w]*\(([^()]*)\)")
 _NUMBERED = re.compile(r".*_\d+$")
@@ -122,10 +114,6 @@ def _params_digest(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _as_closed(j: Any) -> ClosedJaxpr:
-    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
-
-
 class _Ctx:
     """What a nested walk inherits from its call site."""
 
@@ -140,8 +128,7 @@ class _Ctx:
 class _Builder:
     """Accumulates tensors and ops for one Graph (a top-level step or one nested body)."""
 
-    def __init__(self, warned: set[str]) -> None:
-        self.warned = warned
+    def __init__(self) -> None:
         self.t_name: list[str] = []
         self.t_shape: list[tuple[int, ...]] = []
         self.t_dtype: list[str] = []
@@ -149,6 +136,7 @@ class _Builder:
         self.t_role: list[Role] = []
         self.t_producer: list[int | None] = []
         self.ops: list[dict[str, Any]] = []
+        self.values: dict[int, Any] = {}  # constant tensors' values (literals, consts of closed jaxprs)
 
     # ---- tensors ---------------------------------------------------------------------------------------
 
@@ -165,27 +153,28 @@ class _Builder:
 
     def read(self, env: dict[Any, int], v: Any) -> int:
         if isinstance(v, Literal):
-            return self.tensor(v.aval, Role.CONST, f"literal {v.val!r}"[:40], None)
+            tid = self.tensor(v.aval, Role.CONST, f"literal {v.val!r}"[:40], None)
+            self.values[tid] = v.val
+            return tid
         return env[v]
 
     def bind_consts(self, closed: ClosedJaxpr, env: dict[Any, int]) -> None:
         for cv, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
             env[cv] = self.tensor(cv.aval, Role.CONST, f"const {np.shape(c)}", None)
+            self.values[env[cv]] = c
 
     # ---- walking -----------------------------------------------------------------------------------------
 
     def walk(self, jaxpr: Jaxpr, env: dict[Any, int], ctx: _Ctx) -> None:
         for eqn in jaxpr.eqns:
             ins = [self.read(env, v) for v in eqn.invars]
-            name = eqn.primitive.name
             parts, phase = _clean_scope(str(eqn.source_info.name_stack))
             scope = ctx.scope + parts
             if phase == "other":
                 phase = ctx.phase
             source = _source(eqn) or ctx.source
-            key = _INLINE_KEYS.get(name)
-            if key is not None and key in eqn.params:
-                sub = _as_closed(eqn.params[key])
+            sub = jc.inline_body(eqn)
+            if sub is not None:
                 sub_env: dict[Any, int] = {}
                 self.bind_consts(sub, sub_env)
                 for v, t in zip(sub.jaxpr.invars, ins, strict=True):
@@ -210,14 +199,13 @@ class _Builder:
             )
         if flops is None:
             flops = 0.0
-            if name not in self.warned:
-                self.warned.add(name)
-                log.warning(
-                    "autoshard: no cost rule for primitive %r (first seen at %s); it counts 0 flops and "
-                    "its operands will be replicated",
-                    name,
-                    source or "an unknown location",
-                )
+            unruled.warn_once(
+                name,
+                "autoshard: no cost rule for primitive %r (first seen at %s); it counts 0 flops, and unless a "
+                "sharding rule exists its operands and results are replicated",
+                name,
+                source or "an unknown location",
+            )
         outs = []
         for v in eqn.outvars:
             tid = self.tensor(v.aval, Role.ACTIVATION, "", op_id)
@@ -252,40 +240,37 @@ class _Builder:
         self, eqn: Any, ins: list[int], ctx: _Ctx
     ) -> tuple[tuple[Graph, ...], int | None, float | None]:
         """Nested bodies of a control-flow op, its trip count and its flops (None: use the flop rule)."""
-        name, p = eqn.primitive.name, eqn.params
+        name = eqn.primitive.name
 
-        def sub(j: Any, operands: Sequence[int]) -> Graph:
-            return self.subgraph(_as_closed(j), operands, ctx)
+        def sub(j: ClosedJaxpr, operands: Sequence[int]) -> Graph:
+            return self.subgraph(j, operands, ctx)
 
         if name == "scan":
-            body = sub(p["jaxpr"], ins)
-            return (body,), int(p["length"]), p["length"] * body.total_flops
+            layout = jc.scan_layout(eqn)
+            body = sub(jc.scan_body(eqn), ins)
+            return (body,), layout.length, layout.length * body.total_flops
         if name == "while":
-            nc, nb = p["cond_nconsts"], p["body_nconsts"]
-            carry = ins[nc + nb :]
-            cond = sub(p["cond_jaxpr"], ins[:nc] + carry)
-            body = sub(p["body_jaxpr"], ins[nc : nc + nb] + carry)
-            trip = _counter_trip_count(eqn)
+            w = jc.while_layout(eqn)
+            nc, nb = w.cond_nconsts, w.body_nconsts
+            carry = ins[w.carry_from :]
+            cond_j, body_j = jc.while_bodies(eqn)
+            cond = sub(cond_j, ins[:nc] + carry)
+            body = sub(body_j, ins[nc : nc + nb] + carry)
+            trip = jc.while_trip_count(eqn)
             return (cond, body), trip, (trip or 1) * (body.total_flops + cond.total_flops)
         if name == "cond":
-            branches = tuple(sub(b, ins[1:]) for b in p["branches"])
+            branches = tuple(sub(b, ins[1:]) for b in jc.cond_branches(eqn))
             return branches, None, max(b.total_flops for b in branches)
-        if name in _REMAT:
-            body = sub(p["jaxpr"], ins)
+        if name in jc.REMAT:
+            body = sub(jc.remat_body(eqn), ins)
             return (body,), None, body.total_flops
-        inner = [j for j in jax.extend.core.jaxprs_in_params(p)]
-        if inner:
-            bodies = []
-            for j in inner:
-                closed = _as_closed(j)
-                if len(closed.jaxpr.invars) == len(ins):
-                    bodies.append(self.subgraph(closed, ins, ctx))
-            if bodies:
-                return tuple(bodies), None, sum(b.total_flops for b in bodies)
+        bodies = [self.subgraph(j, ins, ctx) for j in jc.sub_jaxprs(eqn.params) if len(j.jaxpr.invars) == len(ins)]
+        if bodies:
+            return tuple(bodies), None, sum(b.total_flops for b in bodies)
         return (), None, None
 
     def subgraph(self, closed: ClosedJaxpr, operands: Sequence[int], ctx: _Ctx) -> Graph:
-        b = _Builder(self.warned)
+        b = _Builder()
         env: dict[Any, int] = {}
         b.bind_consts(closed, env)
         inputs = []
@@ -360,34 +345,12 @@ class _Builder:
             jaxpr=closed,
             in_tree=in_tree,
             out_tree=out_tree,
+            constants=dict(self.values),
         )
 
 
 def _is_dropvar(v: Any) -> bool:
     return type(v).__name__ == "DropVar"
-
-
-def _counter_trip_count(eqn: Any) -> int | None:
-    """Trip count of a ``while`` that counts a carry from a literal start to a literal bound by +1."""
-    p = eqn.params
-    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
-        return None
-    a, bound = cond.eqns[0].invars
-    if not isinstance(bound, Literal) or a not in cond.invars[nc:]:
-        return None
-    k = cond.invars[nc:].index(a)
-    start = eqn.invars[nc + nb + k]
-    if not isinstance(start, Literal):
-        return None
-    out = body.outvars[k]
-    for e in body.eqns:
-        if e.outvars and e.outvars[0] is out and e.primitive.name == "add":
-            x, one = e.invars
-            if x is body.invars[nb + k] and isinstance(one, Literal) and one.val == 1:
-                return max(int(bound.val) - int(start.val), 0)
-    return None
 
 
 _OK_LEAVES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, bool, int, float, complex)
@@ -465,7 +428,7 @@ def trace(
     out_names = [_roles.leaf_name("out", p) for p in out_paths]
     aliases = _roles.output_aliases(in_paths, out_paths, closed.in_avals, closed.out_avals, single)
 
-    b = _Builder(set())
+    b = _Builder()
     env: dict[Any, int] = {}
     b.bind_consts(closed, env)
     inputs = []
