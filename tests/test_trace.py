@@ -345,3 +345,24 @@ def test_unknown_primitive_is_logged_and_counted_as_zero(caplog: pytest.LogCaptu
     warnings = [r for r in caplog.records if "autoshard_test_mystery" in r.getMessage()]
     assert len(warnings) == 1, "warn once per primitive"
     assert "test_trace.py" in warnings[0].getMessage()
+
+
+def _library_sin(x: jax.Array) -> jax.Array:
+    return jnp.sin(x) * 2.0
+
+
+def test_ops_inside_a_library_call_report_the_call_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op whose own frames are all library code (jax 0.11 keeps only the frames below a jitted
+    function: optax's tree_bias_correction) reports the line that called the library."""
+    from autoshard.trace import tracer
+
+    monkeypatch.setattr(tracer, "_LIBRARY_MARKERS", ("test_trace.py",))  # this file plays the library
+
+    def step(x: jax.Array) -> jax.Array:
+        return jax.jit(_library_sin)(x)
+
+    graph = autoshard.trace(step, jax.ShapeDtypeStruct((4,), jnp.float32))
+    (sin,) = [op for op in graph.ops if op.primitive == "sin"]
+    call_line = step.__code__.co_firstlineno + 1
+    assert sin.source.endswith(f"test_trace.py:{call_line} (test_ops_inside_a_library_call_report_the_call_site"
+                               ".<locals>.step)"), sin.source

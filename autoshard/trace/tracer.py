@@ -53,18 +53,21 @@ except ImportError:  # pragma: no cover
 _LIBRARY_MARKERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
-def _source(eqn: Any) -> str:
+def _source(eqn: Any, call_site: str = "") -> str:
     """The line of the user's code that made this equation: the innermost frame outside installed
-    libraries (so a flax Dense reports the model line that called it), else the innermost non-JAX frame."""
+    libraries (so a flax Dense reports the model line that called it); else, inside an inlined call, the
+    call site's line (jax 0.11 keeps only the frames below a jitted function in its equations, so an
+    optax update's equations see optax alone); else the innermost non-JAX frame."""
     if _siu is None:
-        return ""
+        return call_site
     try:
         frames = list(_siu.user_frames(eqn.source_info.traceback))
     except Exception:  # any failure here only loses a location
-        return ""
-    if not frames:
-        return ""
-    frame = next((f for f in frames if not any(m in f.file_name for m in _LIBRARY_MARKERS)), frames[0])
+        return call_site
+    user = next((f for f in frames if not any(m in f.file_name for m in _LIBRARY_MARKERS)), None)
+    if (user is None and call_site) or not frames:
+        return call_site
+    frame = user or frames[0]
     return f"{_display_path(frame.file_name)}:{frame.start_line} ({frame.function_name})"
 
 
@@ -172,7 +175,7 @@ class _Builder:
             scope = ctx.scope + parts
             if phase == "other":
                 phase = ctx.phase
-            source = _source(eqn) or ctx.source
+            source = _source(eqn, ctx.source)
             sub = jc.inline_body(eqn)
             if sub is not None:
                 sub_env: dict[Any, int] = {}
