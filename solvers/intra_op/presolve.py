@@ -26,6 +26,7 @@ rows is *memory-free*. Only memory-free nodes may be eliminated; merges and fixe
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -294,10 +295,15 @@ class _Graph:
         )
 
     # ------------------------------------------------------------ the reductions
-    def run(self, queue: deque[int]) -> None:
+    def run(self, queue: deque[int], deadline: float = np.inf) -> bool:
+        """Apply the reductions until none applies (True) or ``deadline`` (perf_counter) passes (False)."""
         queued = np.zeros(self.alive.shape[0], dtype=bool)
         queued[list(queue)] = True
+        pops = 0
         while queue:
+            pops += 1
+            if (pops & 127) == 0 and time.perf_counter() > deadline:
+                return False
             u = queue.popleft()
             queued[u] = False
             if not self.alive[u]:
@@ -307,6 +313,7 @@ class _Graph:
                 if self.alive[w] and not queued[w]:
                     queued[w] = True
                     queue.append(w)
+        return True
 
     def _examine(self, u: int) -> list[int]:
         touched: list[int] = []
@@ -346,9 +353,12 @@ class _Graph:
         # 3. follow: u or v determined by the other through an +inf pattern
         for v, fin, per_row, per_col in patterns:
             env = self.en[v]
-            if (per_col[env] == 1).all():
+            u_follows, v_follows = bool((per_col[env] == 1).all()), bool((per_row[en] == 1).all())
+            if u_follows and v_follows and len(self.adj[u]) > len(self.adj[v]):
+                u_follows = False  # a one-to-one pattern: move the fewer edges (hubs would be copied over and over)
+            if u_follows:
                 return touched + self._merge(u, v, fin.argmax(0))
-            if (per_row[en] == 1).all():
+            if v_follows:
                 return touched + self._merge(v, u, fin.argmax(1))
         # 4. exact elimination of memory-free nodes of degree <= 2
         if len(self.adj[u]) <= 2 and self._memory_free(u, en):
@@ -543,15 +553,18 @@ def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     return out
 
 
-def presolve(problem: IntraOpProblem, ties: np.ndarray | None = None) -> Reduced:
+def presolve(problem: IntraOpProblem, ties: np.ndarray | None = None, *, deadline: float = np.inf) -> Reduced:
     """Apply the exact reductions above until none applies; raise InfeasibleError if they prove it.
 
     ``ties``: a class id per node (``symmetry.equivalence_classes``); the nodes of one class are merged
     first into one node whose choice they all take (their strategy counts must agree). That is a
-    restriction of the problem, not a reduction: the core's optimum is then the best tied assignment."""
+    restriction of the problem, not a reduction: the core's optimum is then the best tied assignment.
+
+    ``deadline`` (``time.perf_counter()``): past it the reductions stop where they are and the graph left
+    is the core (still exact, only less reduced); ``counts["stopped"]`` is then 1."""
     g = _Graph(problem, ties)
     g.reparametrise_all()
-    g.run(deque(range(problem.num_nodes)))
+    g.counts["stopped"] = int(not g.run(deque(range(problem.num_nodes)), deadline))
     return Reduced(
         core=g.core(),
         members=tuple(tuple(ms) for ms in g.members),
