@@ -519,19 +519,50 @@ class _Graph:
                     mem_hi.append(self.row_hi[o])
                     mem_usage.append(usage)
         slack = self.slack - np.cumsum(self.fixed_usage)[:-1]
+        lo, hi, slack = _compress_rows(np.array(mem_lo, dtype=np.int64), np.array(mem_hi, dtype=np.int64),
+                                       mem_usage, slack)
+        kept = np.flatnonzero(hi > lo)  # terms whose rows were all dropped
+        mem_node = np.array(mem_node, dtype=np.int64)[kept]
+        mem_usage = [mem_usage[j] for j in kept.tolist()]
+        lo, hi = lo[kept], hi[kept]
         return Core(
             nodes=nodes,
             strategies=strategies,
             costs=costs,
             edge_nodes=np.array(edge_nodes, dtype=np.int64).reshape(-1, 2),
             edge_costs=tuple(edge_costs),
-            mem_node=np.array(mem_node, dtype=np.int64),
-            mem_lo=np.array(mem_lo, dtype=np.int64),
-            mem_hi=np.array(mem_hi, dtype=np.int64),
+            mem_node=mem_node,
+            mem_lo=lo,
+            mem_hi=hi,
             mem_usage=tuple(mem_usage),
             slack=slack,
             constant=self.constant,
         )
+
+
+def _compress_rows(
+    lo: np.ndarray, hi: np.ndarray, usage: list[np.ndarray], slack: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge the memory rows of the core that no term starts or ends between (one live set: only the
+    least slack among them binds) and drop the merged rows that cannot bind (largest excesses of their
+    terms within the slack). A row no term touches is dropped unless its slack is negative (kept so that
+    an overflow already committed by presolve stays visible). Returns new ``lo``, ``hi``, ``slack``."""
+    n_r = slack.shape[0]
+    if n_r == 0:
+        return lo, hi, slack
+    bounds = np.unique(np.concatenate([[0], lo, hi]))
+    bounds = bounds[bounds < n_r]
+    seg_slack = np.minimum.reduceat(slack, bounds)
+    s_lo, s_hi = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
+    potential = np.zeros(bounds.shape[0] + 1)
+    if lo.size:
+        top = np.array([u.max() for u in usage])
+        np.add.at(potential, s_lo, top)
+        np.add.at(potential, s_hi, -top)
+    potential = np.cumsum(potential)[:-1]
+    keep = (potential > seg_slack + _TOL * max(1.0, float(np.abs(seg_slack).max()))) | (seg_slack < 0)
+    count = np.concatenate([[0], np.cumsum(keep)])
+    return count[s_lo], count[s_hi], seg_slack[keep]
 
 
 def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

@@ -17,11 +17,12 @@ import time
 
 import numpy as np
 
-from solvers.intra_op.ilp import ilp_columns, ilp_fits, solve_ilp
+from solvers.intra_op.ilp import highs_available, ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
-from solvers.intra_op.presolve import Reduced, presolve
+from solvers.intra_op.presolve import Core, Reduced, presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
+from solvers.intra_op.rowgen import solve_by_row_generation
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 from solvers.intra_op.tree_dp import block_descent, lagrangian_start
 
@@ -32,6 +33,10 @@ __all__ = ["solve_intra_op"]
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
 # found nothing more.
 BLOCK_DESCENT_SHARE = 0.6
+# Presolve stops where it is after this share of the budget (the graph left is then the core).
+PRESOLVE_SHARE = 0.5
+# A core with more memory rows than this gets them by row generation (``rowgen``) instead of all at once.
+ROWGEN_MIN_ROWS = 2000
 
 
 def solve_intra_op(
@@ -66,8 +71,10 @@ def solve_intra_op(
     deadline = start + time_budget_s
     if verify:
         problem.verify()
+    # what is left at the end: expanding the core answer and checking it (about 1 s per 20k nodes here)
+    work_deadline = deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000
     try:
-        reduced = presolve(problem, ties)
+        reduced = presolve(problem, ties, deadline=start + PRESOLVE_SHARE * time_budget_s)
     except InfeasibleError as err:
         if problem.memory_limit is None or err.time is not None:
             raise
@@ -98,50 +105,44 @@ def solve_intra_op(
                        "presolve", start, stats, True, verify)
 
     ls = LocalSearch(core)
-    # start 1: exact DP over a spanning forest with memory priced in; start 2: least memory everywhere
-    share = 0.15 * max(0.0, deadline - time.perf_counter())
-    start_dp = lagrangian_start(core, time.perf_counter() + share)
-    ls.start_min_memory()
-    if ls.feasible():
-        ls.improve(time.perf_counter() + 0.5 * share)
-    incumbent = ls.choice.copy() if ls.feasible() else None
+    columns = ilp_columns(core)
+    one_ilp = columns <= max_ilp_columns and ilp_fits(columns, work_deadline - time.perf_counter())
+    # starts: 15% of what is left for a large core, 5% when one ILP will follow
+    share = (0.05 if one_ilp else 0.15) * max(0.0, work_deadline - time.perf_counter())
+    incumbent = _starts(core, ls, share, None if initial is None else _core_choice(reduced, np.asarray(initial)))
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
-    if start_dp is not None:
-        ls.start_from(start_dp)
-        if ls.feasible():
-            ls.improve(time.perf_counter() + 0.5 * share)
-            if ls.objective() < inc_obj:
-                incumbent, inc_obj = ls.choice.copy(), ls.objective()
-    if initial is not None:
-        ls.start_from(_core_choice(reduced, np.asarray(initial, dtype=np.int64)))
-        if ls.feasible():
-            ls.improve(time.perf_counter() + 0.25 * share)
-            if ls.objective() < inc_obj:
-                incumbent, inc_obj = ls.choice.copy(), ls.objective()
-    if incumbent is not None:
-        ls.start_from(incumbent)
-        # exact moves of whole induced trees (tree_dp.block_descent), then ICM again
-        block_descent(core, ls, time.perf_counter() + BLOCK_DESCENT_SHARE * max(0.0, deadline - time.perf_counter()))
-        ls.improve(time.perf_counter() + 0.05 * max(0.0, deadline - time.perf_counter()))
-        if ls.feasible() and ls.objective() < inc_obj:
-            incumbent, inc_obj = ls.choice.copy(), ls.objective()
-        ls.start_from(incumbent)
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
     )
 
-    columns = ilp_columns(core)
-    if (columns > max_ilp_columns or not ilp_fits(columns, deadline - time.perf_counter())) and incumbent is not None:
-        # too big for one ILP in the budget: exact re-solves of windows (LNS), warm from the incumbent
-        # leave time to expand and check the answer (about 1 s per 20k nodes here)
-        improve_by_windows(core, ls, deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000)
-        choice = ls.choice.copy() if ls.feasible() else incumbent
+    if not one_ilp and incumbent is not None:
+        # too big for one ILP in the budget: exact moves of whole trees, then exact re-solves of windows
+        ls.start_from(incumbent)
+        block_descent(core, ls, time.perf_counter() + BLOCK_DESCENT_SHARE * max(0.0, work_deadline - time.perf_counter()))
+        ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
+        if not ls.feasible() or ls.objective() >= inc_obj:
+            ls.start_from(incumbent)
+        improve_by_windows(core, ls, work_deadline)
+        choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
         return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
                        "feasible (time budget reached; core too large for one ILP, improved by windows)",
                        "local search + windowed ILP", start, stats, False, verify)
 
-    remaining = deadline - time.perf_counter()
-    res = solve_ilp(core, time_limit_s=max(0.05, remaining - 0.02 * time_budget_s), warm_start=incumbent,
+    if backend == "highs" and highs_available() and core.slack.shape[0] > ROWGEN_MIN_ROWS:
+        rg = solve_by_row_generation(core, work_deadline, incumbent=incumbent, mip_rel_gap=mip_rel_gap)
+        if rg.infeasible:
+            raise _proven_infeasible(problem)
+        bound = trivial if rg.bound is None else max(trivial, rg.bound + core.constant)
+        if rg.choice is None:
+            return _finish(problem, reduced.expand(ls.choice, problem.num_nodes), bound,
+                           "no feasible assignment found (time budget reached)", "none feasible", start, stats,
+                           False, False, feasible=False)
+        status = "optimal" if rg.optimal else "feasible (time budget reached)"
+        return _finish(problem, reduced.expand(rg.choice, problem.num_nodes), bound, status,
+                       "ilp (memory rows by row generation)", start, stats, rg.optimal, verify)
+
+    remaining = work_deadline - time.perf_counter()
+    res = solve_ilp(core, time_limit_s=max(0.05, remaining), warm_start=incumbent,
                     mip_rel_gap=mip_rel_gap, backend=backend)
     if res.status == "infeasible":
         raise _proven_infeasible(problem)
@@ -161,6 +162,27 @@ def solve_intra_op(
     status = "feasible (time budget reached)" if res.status == "time limit" else f"feasible ({res.status})"
     return _finish(problem, reduced.expand(choice, problem.num_nodes), bound, status, method, start, stats,
                    False, verify)
+
+
+def _starts(core: Core, ls: LocalSearch, share: float, initial: np.ndarray | None) -> np.ndarray | None:
+    """The cheapest memory-feasible start among: exact DP over a spanning forest with memory priced in
+    (``tree_dp``), least memory everywhere, and ``initial``; each improved by ICM. Takes about ``share``
+    seconds. None when none fits memory."""
+    start_dp = lagrangian_start(core, time.perf_counter() + share)
+    ls.start_min_memory()
+    if ls.feasible():
+        ls.improve(time.perf_counter() + 0.5 * share)
+    incumbent = ls.choice.copy() if ls.feasible() else None
+    inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
+    for seed, part in ((start_dp, 0.5), (initial, 0.25)):
+        if seed is None:
+            continue
+        ls.start_from(seed)
+        if ls.feasible():
+            ls.improve(time.perf_counter() + part * share)
+            if ls.objective() < inc_obj:
+                incumbent, inc_obj = ls.choice.copy(), ls.objective()
+    return incumbent
 
 
 def _core_choice(reduced: Reduced, initial: np.ndarray) -> np.ndarray:
