@@ -197,13 +197,7 @@ def solve_by_row_generation(
                 return RowGenResult(choice=best, objective=best_obj, bound=bound, optimal=True, infeasible=False,
                                     rounds=rounds)
             break
-        t0 = time.perf_counter()
         fixed = repair(core, ls, ch, min(deadline, time.perf_counter() + 0.1 * max(0.0, left)))
-        import os
-        if os.environ.get("RG_DEBUG"):
-            print("round", rounds, "obj", core.objective(ch), "bound", bound, "over rows", int((over > tol).sum()),
-                  "known", known.size, "repair", None if fixed is None else core.objective(fixed),
-                  "repair s", time.perf_counter() - t0, "left", deadline - time.perf_counter(), flush=True)
         if fixed is not None and core.objective(fixed) < best_obj:
             best, best_obj = fixed, core.objective(fixed)
         if not proven:
