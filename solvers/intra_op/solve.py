@@ -115,14 +115,19 @@ def solve_intra_op(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
     )
 
+    if not one_ilp and incumbent is None and (columns > max_ilp_columns or time.perf_counter() > work_deadline):
+        return _finish(problem, reduced.expand(ls.choice, problem.num_nodes), trivial,
+                       "no feasible assignment found (time budget reached)", "none feasible", start, stats,
+                       False, False, feasible=False)
     if not one_ilp and incumbent is not None:
         # too big for one ILP in the budget: exact moves of whole trees, then exact re-solves of windows
         ls.start_from(incumbent)
-        block_descent(core, ls, time.perf_counter() + BLOCK_DESCENT_SHARE * max(0.0, work_deadline - time.perf_counter()))
-        ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
-        if not ls.feasible() or ls.objective() >= inc_obj:
-            ls.start_from(incumbent)
-        improve_by_windows(core, ls, work_deadline)
+        if time.perf_counter() < work_deadline:
+            block_descent(core, ls, time.perf_counter() + BLOCK_DESCENT_SHARE * (work_deadline - time.perf_counter()))
+            ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
+            if not ls.feasible() or ls.objective() >= inc_obj:
+                ls.start_from(incumbent)
+            improve_by_windows(core, ls, work_deadline)
         choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
         return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
                        "feasible (time budget reached; core too large for one ILP, improved by windows)",
@@ -168,7 +173,8 @@ def _starts(core: Core, ls: LocalSearch, share: float, initial: np.ndarray | Non
     """The cheapest memory-feasible start among: exact DP over a spanning forest with memory priced in
     (``tree_dp``), least memory everywhere, and ``initial``; each improved by ICM. Takes about ``share``
     seconds. None when none fits memory."""
-    start_dp = lagrangian_start(core, time.perf_counter() + share)
+    # the forest DP costs about 0.1 ms a node to set up: skip it when the share would not even pay for that
+    start_dp = lagrangian_start(core, time.perf_counter() + share) if share > 2e-4 * core.num_nodes else None
     ls.start_min_memory()
     if ls.feasible():
         ls.improve(time.perf_counter() + 0.5 * share)
