@@ -1,12 +1,20 @@
 """``solve_intra_op``: presolve, a feasible incumbent by local search, then the ILP on the hard core.
 
-Timeline of one call with budget ``T``: verify the problem; run the exact reductions of ``presolve``; if
-a core is left, build two starts (forest DP with memory priced in, ``tree_dp``; least memory everywhere)
-and improve each by ICM (``local_search``), together at most 15% of what is left; move whole induced
-trees exactly (``tree_dp.block_descent``, until it stalls or has used ``BLOCK_DESCENT_SHARE`` of what is
-left); then, if the core's ILP is small enough, hand it and the incumbent (as a warm start) to HiGHS
-until the deadline, else re-solve windows of it exactly (``lns``) until the deadline; keep the best;
-expand the core answer to every node by replaying the eliminations. When time runs out the best
+Timeline of one call with budget ``T`` (every phase watches the clock; the answer comes back by
+``T`` plus the set-up that no budget can skip: checking the problem, building the working graph and its
+core, expanding and checking the answer): verify the problem; run the exact reductions of ``presolve``
+(stopped after ``PRESOLVE_SHARE`` of ``T``); if a core is left, build starts (forest DP with memory
+priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by ICM (``local_search``).
+
+* A core small enough for one ILP goes to HiGHS with the incumbent as a warm start: with its memory rows
+  by row generation (``rowgen``) when it has more than ``ROWGEN_MIN_ROWS`` of them (production cores:
+  a few hundred nodes, tens of thousands of rows), else all at once (``ilp``), until optimal or the
+  deadline.
+* A larger core: exact moves of whole induced trees (``tree_dp.block_descent``), the exact ILP over a few
+  strategies per node (``restrict``), then exact re-solves of windows (``lns``) until the deadline, and a
+  Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
+
+The core answer is expanded to every node by replaying the eliminations. When time runs out the best
 feasible answer found so far is returned with ``optimal=False`` and a status that says so.
 """
 
@@ -17,11 +25,13 @@ import time
 
 import numpy as np
 
+from solvers.intra_op.bound import lagrangian_bound
 from solvers.intra_op.ilp import highs_available, ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core, Reduced, presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
+from solvers.intra_op.restrict import MIN_WIDTH, improve_by_restriction, restriction_width
 from solvers.intra_op.rowgen import solve_by_row_generation
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 from solvers.intra_op.tree_dp import block_descent, lagrangian_start
@@ -31,8 +41,13 @@ __all__ = ["solve_intra_op"]
 # Block descent stops by itself once 8 rounds in a row change nothing; up to this share of the time left
 # is its. From a good start it is what improves a large core: GPT-6.7B on 8x8 from its best seed (224.7
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
-# found nothing more.
+# found nothing more. Half of that when the restricted ILP follows.
 BLOCK_DESCENT_SHARE = 0.6
+# Then the exact ILP over a few strategies per node (``restrict``; only when at least ``MIN_WIDTH`` fit)
+# gets up to this share of what is left; windows (``lns``) the rest.
+RESTRICTION_SHARE = 0.7
+# The Lagrangian lower bound (``bound``) of a large core gets this share of what is left at the end.
+BOUND_SHARE = 0.1
 # Presolve stops where it is after this share of the budget (the graph left is then the core).
 PRESOLVE_SHARE = 0.5
 # A core with more memory rows than this gets them by row generation (``rowgen``) instead of all at once.
@@ -71,8 +86,9 @@ def solve_intra_op(
     deadline = start + time_budget_s
     if verify:
         problem.verify()
-    # what is left at the end: expanding the core answer and checking it (about 1 s per 20k nodes here)
-    work_deadline = deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000
+    # what is left at the end: expanding the core answer and checking it (about 1 s per 20k nodes here,
+    # twice that when the machine is busy)
+    work_deadline = deadline - 0.02 * time_budget_s - problem.num_nodes / 10_000
     try:
         reduced = presolve(problem, ties, deadline=start + PRESOLVE_SHARE * time_budget_s)
     except InfeasibleError as err:
@@ -123,12 +139,20 @@ def solve_intra_op(
         # too big for one ILP in the budget: exact moves of whole trees, then exact re-solves of windows
         ls.start_from(incumbent)
         if time.perf_counter() < work_deadline:
-            block_descent(core, ls, time.perf_counter() + BLOCK_DESCENT_SHARE * (work_deadline - time.perf_counter()))
+            restricted = backend == "highs" and highs_available() and restriction_width(core) >= MIN_WIDTH
+            share = BLOCK_DESCENT_SHARE * (0.5 if restricted else 1.0)
+            block_descent(core, ls, time.perf_counter() + share * (work_deadline - time.perf_counter()))
             ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
             if not ls.feasible() or ls.objective() >= inc_obj:
                 ls.start_from(incumbent)
-            improve_by_windows(core, ls, work_deadline)
+            if restricted:
+                improve_by_restriction(core, ls, time.perf_counter()
+                                       + RESTRICTION_SHARE * max(0.0, work_deadline - time.perf_counter()))
+            improve_by_windows(core, ls, work_deadline - BOUND_SHARE * max(0.0, work_deadline - time.perf_counter()))
         choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
+        if time.perf_counter() < work_deadline:
+            lagrangian = lagrangian_bound(core, work_deadline, upper=core.objective(choice))
+            trivial = max(trivial, lagrangian + core.constant)
         return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
                        "feasible (time budget reached; core too large for one ILP, improved by windows)",
                        "local search + windowed ILP", start, stats, False, verify)
