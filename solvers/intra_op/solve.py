@@ -34,7 +34,7 @@ from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.restrict import MIN_WIDTH, improve_by_restriction, restriction_width
 from solvers.intra_op.rowgen import solve_by_row_generation
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
-from solvers.intra_op.tree_dp import block_descent, lagrangian_start
+from solvers.intra_op.tree_dp import ForestDP, block_descent, lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
@@ -158,7 +158,8 @@ def solve_intra_op(
                        "local search + windowed ILP", start, stats, False, verify)
 
     if backend == "highs" and highs_available() and core.slack.shape[0] > ROWGEN_MIN_ROWS:
-        rg = solve_by_row_generation(core, work_deadline, incumbent=incumbent, mip_rel_gap=mip_rel_gap)
+        rg = solve_by_row_generation(core, work_deadline, incumbent=incumbent, guess=ForestDP(core).solve(),
+                                     mip_rel_gap=mip_rel_gap)
         if rg.infeasible:
             raise _proven_infeasible(problem)
         bound = trivial if rg.bound is None else max(trivial, rg.bound + core.constant)
