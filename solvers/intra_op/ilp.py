@@ -207,7 +207,11 @@ def solve_ilp(
     model = build_ilp(core)
     remaining = max(0.05, time_limit_s - (time.perf_counter() - start))
     if backend == "highs" and highs_available():
-        res = _solve_highs(core, model, remaining, warm_start, mip_rel_gap)
+        from solvers.intra_op.watchdog import run_guarded
+
+        res = run_guarded(_solve_highs, (core, model, remaining, warm_start, mip_rel_gap), {},
+                          deadline=time.perf_counter() + remaining, columns=int(model.cost.shape[0]),
+                          on_timeout=(None, None, None, "time limit"))
     else:
         res = _solve_pulp(core, model, remaining, mip_rel_gap)
     return IlpResult(choice=res[0], objective=res[1], bound=res[2], status=res[3],

@@ -25,9 +25,10 @@ import time
 
 import numpy as np
 
-from solvers.intra_op.ilp import build_ilp, interrupt_at_deadline
+from solvers.intra_op.ilp import build_ilp, ilp_columns, interrupt_at_deadline
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core
+from solvers.intra_op.watchdog import run_guarded
 
 __all__ = ["RowGenResult", "repair", "solve_by_row_generation"]
 
@@ -148,7 +149,23 @@ def solve_by_row_generation(
 
     ``guess``: an assignment that need not fit (e.g. the forest DP's without memory); the rows it
     overflows are in ``R_0``, which saves the first round when the optimum overflows them too (IOPDDL D:
-    about 10 s of 60)."""
+    about 10 s of 60). Runs under ``watchdog.run_guarded``: if HiGHS overruns the deadline the loop is
+    killed and the answer is ``incumbent``."""
+    fallback = RowGenResult(choice=incumbent, objective=None if incumbent is None else core.objective(incumbent),
+                            bound=None, optimal=False, infeasible=False, rounds=0)
+    return run_guarded(_row_generation, (core, deadline),
+                       dict(incumbent=incumbent, guess=guess, mip_rel_gap=mip_rel_gap),
+                       deadline=deadline, columns=ilp_columns(core), on_timeout=fallback)
+
+
+def _row_generation(
+    core: Core,
+    deadline: float,
+    *,
+    incumbent: np.ndarray | None,
+    guess: np.ndarray | None,
+    mip_rel_gap: float,
+) -> RowGenResult:
     import highspy
 
     free = dataclasses.replace(core, mem_node=core.mem_node[:0], mem_lo=core.mem_lo[:0], mem_hi=core.mem_hi[:0],

@@ -47,3 +47,15 @@ def test_a_one_second_budget_is_kept_on_a_large_problem() -> None:
     sol.verify(p)
     print(f"set-up {setup:.2f} s, 1 s solve {wall:.2f} s")
     assert wall <= 1.05 + setup, (wall, setup)
+
+
+def test_a_solve_that_overruns_its_deadline_is_killed() -> None:
+    """HiGHS ignores its time limit in some phases; big solves run in a child that is killed at the
+    deadline plus a grace period (here the child sleeps 30 s; the call returns long before)."""
+    from solvers.intra_op.watchdog import GRACE_S, run_guarded
+
+    t0 = time.perf_counter()
+    out = run_guarded(time.sleep, (30.0,), {}, deadline=t0 + 0.2, columns=10**9, on_timeout="killed")
+    assert out == "killed"
+    assert time.perf_counter() - t0 < 0.2 + GRACE_S + 10.0
+    assert run_guarded(max, (1, 2), {}, deadline=time.perf_counter() + 30.0, columns=10**9, on_timeout=None) == 2
