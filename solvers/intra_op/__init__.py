@@ -18,6 +18,7 @@ Modules, in the order a solve uses them:
 * ``restrict``: the exact ILP over a few strategies per node, for cores too large for one ILP;
 * ``lns``: exact re-solves of windows, for cores too large for one ILP;
 * ``bound``: a Lagrangian lower bound (forests sharing the costs, memory priced) for large cores;
+* ``watchdog``: big HiGHS solves in a child process killed at the deadline;
 * ``solve``: ``solve_intra_op``, which chains the above under a time budget;
 * ``solution``: ``IntraOpSolution`` (``verify(problem)``) and ``PresolveStats``;
 * ``symmetry``: ``equivalence_classes``, the copies of repeated blocks (tied to one choice by
