@@ -14,7 +14,11 @@ Modules, in the order a solve uses them:
 * ``tree_dp``: forest DP with memory priced in, the start for large cores;
 * ``local_search``: ICM moves that respect memory;
 * ``ilp``: the ILP (the mathematics is in its docstring) through HiGHS, CBC as the fallback;
+* ``rowgen``: the same ILP with its memory rows added as answers break them (cores with many rows);
+* ``restrict``: the exact ILP over a few strategies per node, for cores too large for one ILP;
 * ``lns``: exact re-solves of windows, for cores too large for one ILP;
+* ``bound``: a Lagrangian lower bound (forests sharing the costs, memory priced) for large cores;
+* ``watchdog``: big HiGHS solves in a child process killed at the deadline;
 * ``solve``: ``solve_intra_op``, which chains the above under a time budget;
 * ``solution``: ``IntraOpSolution`` (``verify(problem)``) and ``PresolveStats``;
 * ``symmetry``: ``equivalence_classes``, the copies of repeated blocks (tied to one choice by

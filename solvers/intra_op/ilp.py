@@ -40,7 +40,10 @@ import numpy as np
 
 from solvers.intra_op.presolve import Core
 
-__all__ = ["IlpModel", "IlpResult", "build_ilp", "highs_available", "ilp_columns", "ilp_fits", "solve_ilp"]
+__all__ = [
+    "IlpModel", "IlpResult", "build_ilp", "highs_available", "ilp_columns", "ilp_fits", "interrupt_at_deadline",
+    "solve_ilp",
+]
 
 # HiGHS spends about 1 s per 40k columns (presolve, symmetry detection) before its first LP iteration and
 # does not stop for its time limit meanwhile: GPT-6.7B's tied core on 8x8 (200k columns) given 4 s took
@@ -204,17 +207,35 @@ def solve_ilp(
     model = build_ilp(core)
     remaining = max(0.05, time_limit_s - (time.perf_counter() - start))
     if backend == "highs" and highs_available():
-        res = _solve_highs(core, model, remaining, warm_start, mip_rel_gap)
+        from solvers.intra_op.watchdog import run_guarded
+
+        res = run_guarded(_solve_highs, (core, model, remaining, warm_start, mip_rel_gap), {},
+                          deadline=time.perf_counter() + remaining, columns=int(model.cost.shape[0]),
+                          on_timeout=(None, None, None, "time limit"))
     else:
         res = _solve_pulp(core, model, remaining, mip_rel_gap)
     return IlpResult(choice=res[0], objective=res[1], bound=res[2], status=res[3],
                      seconds=time.perf_counter() - start)
 
 
+def interrupt_at_deadline(h: object, deadline: float) -> None:
+    """Stop HiGHS (simplex, IPM, branch and bound) once ``time.perf_counter()`` passes ``deadline``: its own
+    ``time_limit`` is not checked everywhere (a window given 5 s ran for minutes on IOPDDL M)."""
+
+    def stop(event: object) -> None:
+        if time.perf_counter() > deadline:
+            event.interrupt()  # type: ignore[attr-defined]
+
+    for cb in (h.cbSimplexInterrupt, h.cbIpmInterrupt, h.cbMipInterrupt):  # type: ignore[attr-defined]
+        cb.subscribe(stop)
+
+
 def _solve_highs(core: Core, model: IlpModel, time_limit: float, warm: np.ndarray | None, gap: float) -> tuple:
     import highspy
 
     h = highspy.Highs()
+    deadline = time.perf_counter() + float(time_limit)
+    interrupt_at_deadline(h, deadline)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(gap))

@@ -96,41 +96,56 @@ def _bfs_window(start: int, size: int, nbrs: list[list[tuple[int, np.ndarray]]])
     return np.array(sorted(seen), dtype=np.int64)
 
 
-def improve_by_windows(core: Core, ls: LocalSearch, deadline: float, *, window: int = 120) -> int:
-    """Sweep windows over the core until ``deadline``; returns the number of improving windows."""
+def improve_by_windows(core: Core, ls: LocalSearch, deadline: float, *, window: int = 120, seed: int = 0) -> int:
+    """Re-solve windows until ``deadline``; returns the number of improving windows.
+
+    Sweeps first (runs of consecutive nodes, then breadth-first balls from evenly spaced nodes, growing the
+    window by half after each pair); once a pair of sweeps finds nothing, balls around random nodes,
+    with the size drawn between half and twice the current one, until the deadline."""
     n = core.num_nodes
     incident: list[list[int]] = [[] for _ in range(n)]
     for e, (a, b) in enumerate(core.edge_nodes.tolist()):
         incident[a].append(e)
         incident[b].append(e)
-    improved = 0
-    size = min(window, n)
+    rng = np.random.default_rng(seed)
+    state = {"size": min(window, n), "improved": 0}
+
+    def attempt(w: np.ndarray) -> bool | None:
+        """True if the window improved, False if not, None if it was too big to set up in time."""
+        left = deadline - time.perf_counter()
+        sub = _sub_core(core, ls, w, incident)
+        if not ilp_fits(ilp_columns(sub), min(left, 5.0)):
+            state["size"] = max(MIN_WINDOW, state["size"] // 2)  # HiGHS would overrun setting it up
+            return None
+        cur = ls.choice[w]
+        before = sub.objective(cur)
+        res = solve_ilp(sub, time_limit_s=min(left, 5.0), warm_start=cur)
+        if res.choice is None or res.objective is None or res.objective >= before - 1e-9 * max(1, abs(before)):
+            return False
+        for la, a in enumerate(w.tolist()):
+            ls.choice[a] = res.choice[la]
+        ls.head = core.slack - core.usage(ls.choice) if core.slack.size else ls.head
+        state["improved"] += 1
+        return True
+
     sweep = 0
     while time.perf_counter() < deadline - 0.05:
+        size = state["size"]
         changed_in_sweep = 0
         starts = range(0, n, max(1, size // 2)) if sweep % 2 == 0 else range(sweep % max(1, size), n, size)
         for s in starts:
-            left = deadline - time.perf_counter()
-            if left < 0.05:
+            if deadline - time.perf_counter() < 0.05:
                 break
-            w = np.arange(s, min(n, s + size)) if sweep % 2 == 0 else _bfs_window(s, size, ls.nbrs)
-            sub = _sub_core(core, ls, w, incident)
-            if not ilp_fits(ilp_columns(sub), min(left, 5.0)):
-                size = max(MIN_WINDOW, size // 2)  # HiGHS would overrun the budget setting it up: smaller windows
-                continue
-            cur = ls.choice[w]
-            before = sub.objective(cur)
-            res = solve_ilp(sub, time_limit_s=min(left, 5.0), warm_start=cur)
-            if res.choice is None or res.objective is None or res.objective >= before - 1e-9 * max(1, abs(before)):
-                continue
-            for la, a in enumerate(w.tolist()):
-                ls.choice[a] = res.choice[la]
-            ls.head = core.slack - core.usage(ls.choice) if core.slack.size else ls.head
-            improved += 1
-            changed_in_sweep += 1
+            w = np.arange(s, min(n, s + state["size"])) if sweep % 2 == 0 else _bfs_window(s, state["size"], ls.nbrs)
+            changed_in_sweep += bool(attempt(w))
         sweep += 1
         if changed_in_sweep == 0 and sweep >= 2:
             break
         if sweep % 2 == 0:
-            size = min(n, int(size * 1.5))
-    return improved
+            state["size"] = min(n, int(state["size"] * 1.5))
+    base = state["size"]
+    while time.perf_counter() < deadline - 0.05 and n > 1:
+        size = int(np.clip(base * 2.0 ** rng.uniform(-1, 1), MIN_WINDOW, n))
+        if attempt(_bfs_window(int(rng.integers(n)), size, ls.nbrs)) is None:
+            base = state["size"]
+    return state["improved"]

@@ -26,6 +26,7 @@ rows is *memory-free*. Only memory-free nodes may be eliminated; merges and fixe
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -294,10 +295,15 @@ class _Graph:
         )
 
     # ------------------------------------------------------------ the reductions
-    def run(self, queue: deque[int]) -> None:
+    def run(self, queue: deque[int], deadline: float = np.inf) -> bool:
+        """Apply the reductions until none applies (True) or ``deadline`` (perf_counter) passes (False)."""
         queued = np.zeros(self.alive.shape[0], dtype=bool)
         queued[list(queue)] = True
+        pops = 0
         while queue:
+            pops += 1
+            if (pops & 127) == 0 and time.perf_counter() > deadline:
+                return False
             u = queue.popleft()
             queued[u] = False
             if not self.alive[u]:
@@ -307,6 +313,7 @@ class _Graph:
                 if self.alive[w] and not queued[w]:
                     queued[w] = True
                     queue.append(w)
+        return True
 
     def _examine(self, u: int) -> list[int]:
         touched: list[int] = []
@@ -346,9 +353,12 @@ class _Graph:
         # 3. follow: u or v determined by the other through an +inf pattern
         for v, fin, per_row, per_col in patterns:
             env = self.en[v]
-            if (per_col[env] == 1).all():
+            u_follows, v_follows = bool((per_col[env] == 1).all()), bool((per_row[en] == 1).all())
+            if u_follows and v_follows and len(self.adj[u]) > len(self.adj[v]):
+                u_follows = False  # a one-to-one pattern: move the fewer edges (hubs would be copied over and over)
+            if u_follows:
                 return touched + self._merge(u, v, fin.argmax(0))
-            if (per_row[en] == 1).all():
+            if v_follows:
                 return touched + self._merge(v, u, fin.argmax(1))
         # 4. exact elimination of memory-free nodes of degree <= 2
         if len(self.adj[u]) <= 2 and self._memory_free(u, en):
@@ -509,19 +519,50 @@ class _Graph:
                     mem_hi.append(self.row_hi[o])
                     mem_usage.append(usage)
         slack = self.slack - np.cumsum(self.fixed_usage)[:-1]
+        lo, hi, slack = _compress_rows(np.array(mem_lo, dtype=np.int64), np.array(mem_hi, dtype=np.int64),
+                                       mem_usage, slack)
+        kept = np.flatnonzero(hi > lo)  # terms whose rows were all dropped
+        mem_node = np.array(mem_node, dtype=np.int64)[kept]
+        mem_usage = [mem_usage[j] for j in kept.tolist()]
+        lo, hi = lo[kept], hi[kept]
         return Core(
             nodes=nodes,
             strategies=strategies,
             costs=costs,
             edge_nodes=np.array(edge_nodes, dtype=np.int64).reshape(-1, 2),
             edge_costs=tuple(edge_costs),
-            mem_node=np.array(mem_node, dtype=np.int64),
-            mem_lo=np.array(mem_lo, dtype=np.int64),
-            mem_hi=np.array(mem_hi, dtype=np.int64),
+            mem_node=mem_node,
+            mem_lo=lo,
+            mem_hi=hi,
             mem_usage=tuple(mem_usage),
             slack=slack,
             constant=self.constant,
         )
+
+
+def _compress_rows(
+    lo: np.ndarray, hi: np.ndarray, usage: list[np.ndarray], slack: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge the memory rows of the core that no term starts or ends between (one live set: only the
+    least slack among them binds) and drop the merged rows that cannot bind (largest excesses of their
+    terms within the slack). A row no term touches is dropped unless its slack is negative (kept so that
+    an overflow already committed by presolve stays visible). Returns new ``lo``, ``hi``, ``slack``."""
+    n_r = slack.shape[0]
+    if n_r == 0:
+        return lo, hi, slack
+    bounds = np.unique(np.concatenate([[0], lo, hi]))
+    bounds = bounds[bounds < n_r]
+    seg_slack = np.minimum.reduceat(slack, bounds)
+    s_lo, s_hi = np.searchsorted(bounds, lo), np.searchsorted(bounds, hi)
+    potential = np.zeros(bounds.shape[0] + 1)
+    if lo.size:
+        top = np.array([u.max() for u in usage])
+        np.add.at(potential, s_lo, top)
+        np.add.at(potential, s_hi, -top)
+    potential = np.cumsum(potential)[:-1]
+    keep = (potential > seg_slack + _TOL * max(1.0, float(np.abs(seg_slack).max()))) | (seg_slack < 0)
+    count = np.concatenate([[0], np.cumsum(keep)])
+    return count[s_lo], count[s_hi], seg_slack[keep]
 
 
 def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -543,15 +584,18 @@ def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
     return out
 
 
-def presolve(problem: IntraOpProblem, ties: np.ndarray | None = None) -> Reduced:
+def presolve(problem: IntraOpProblem, ties: np.ndarray | None = None, *, deadline: float = np.inf) -> Reduced:
     """Apply the exact reductions above until none applies; raise InfeasibleError if they prove it.
 
     ``ties``: a class id per node (``symmetry.equivalence_classes``); the nodes of one class are merged
     first into one node whose choice they all take (their strategy counts must agree). That is a
-    restriction of the problem, not a reduction: the core's optimum is then the best tied assignment."""
+    restriction of the problem, not a reduction: the core's optimum is then the best tied assignment.
+
+    ``deadline`` (``time.perf_counter()``): past it the reductions stop where they are and the graph left
+    is the core (still exact, only less reduced); ``counts["stopped"]`` is then 1."""
     g = _Graph(problem, ties)
     g.reparametrise_all()
-    g.run(deque(range(problem.num_nodes)))
+    g.counts["stopped"] = int(not g.run(deque(range(problem.num_nodes)), deadline))
     return Reduced(
         core=g.core(),
         members=tuple(tuple(ms) for ms in g.members),

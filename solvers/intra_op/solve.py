@@ -1,12 +1,20 @@
 """``solve_intra_op``: presolve, a feasible incumbent by local search, then the ILP on the hard core.
 
-Timeline of one call with budget ``T``: verify the problem; run the exact reductions of ``presolve``; if
-a core is left, build two starts (forest DP with memory priced in, ``tree_dp``; least memory everywhere)
-and improve each by ICM (``local_search``), together at most 15% of what is left; move whole induced
-trees exactly (``tree_dp.block_descent``, until it stalls or has used ``BLOCK_DESCENT_SHARE`` of what is
-left); then, if the core's ILP is small enough, hand it and the incumbent (as a warm start) to HiGHS
-until the deadline, else re-solve windows of it exactly (``lns``) until the deadline; keep the best;
-expand the core answer to every node by replaying the eliminations. When time runs out the best
+Timeline of one call with budget ``T`` (every phase watches the clock; the answer comes back by
+``T`` plus the set-up that no budget can skip: checking the problem, building the working graph and its
+core, expanding and checking the answer): verify the problem; run the exact reductions of ``presolve``
+(stopped after ``PRESOLVE_SHARE`` of ``T``); if a core is left, build starts (forest DP with memory
+priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by ICM (``local_search``).
+
+* A core small enough for one ILP goes to HiGHS with the incumbent as a warm start: with its memory rows
+  by row generation (``rowgen``) when it has more than ``ROWGEN_MIN_ROWS`` of them (production cores:
+  a few hundred nodes, tens of thousands of rows), else all at once (``ilp``), until optimal or the
+  deadline.
+* A larger core: exact moves of whole induced trees (``tree_dp.block_descent``), the exact ILP over a few
+  strategies per node (``restrict``), then exact re-solves of windows (``lns``) until the deadline, and a
+  Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
+
+The core answer is expanded to every node by replaying the eliminations. When time runs out the best
 feasible answer found so far is returned with ``optimal=False`` and a status that says so.
 """
 
@@ -17,21 +25,33 @@ import time
 
 import numpy as np
 
-from solvers.intra_op.ilp import ilp_columns, ilp_fits, solve_ilp
+from solvers.intra_op.bound import lagrangian_bound
+from solvers.intra_op.ilp import highs_available, ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
-from solvers.intra_op.presolve import Reduced, presolve
+from solvers.intra_op.presolve import Core, Reduced, presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
+from solvers.intra_op.restrict import MIN_WIDTH, improve_by_restriction, restriction_width
+from solvers.intra_op.rowgen import solve_by_row_generation
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
-from solvers.intra_op.tree_dp import block_descent, lagrangian_start
+from solvers.intra_op.tree_dp import ForestDP, block_descent, lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
 # Block descent stops by itself once 8 rounds in a row change nothing; up to this share of the time left
 # is its. From a good start it is what improves a large core: GPT-6.7B on 8x8 from its best seed (224.7
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
-# found nothing more.
+# found nothing more. Half of that when the restricted ILP follows.
 BLOCK_DESCENT_SHARE = 0.6
+# Then the exact ILP over a few strategies per node (``restrict``; only when at least ``MIN_WIDTH`` fit)
+# gets up to this share of what is left; windows (``lns``) the rest.
+RESTRICTION_SHARE = 0.7
+# The Lagrangian lower bound (``bound``) of a large core gets this share of what is left at the end.
+BOUND_SHARE = 0.1
+# Presolve stops where it is after this share of the budget (the graph left is then the core).
+PRESOLVE_SHARE = 0.5
+# A core with more memory rows than this gets them by row generation (``rowgen``) instead of all at once.
+ROWGEN_MIN_ROWS = 2000
 
 
 def solve_intra_op(
@@ -66,8 +86,11 @@ def solve_intra_op(
     deadline = start + time_budget_s
     if verify:
         problem.verify()
+    # what is left at the end: expanding the core answer and checking it (about 1 s per 20k nodes here,
+    # twice that when the machine is busy)
+    work_deadline = deadline - 0.02 * time_budget_s - problem.num_nodes / 10_000
     try:
-        reduced = presolve(problem, ties)
+        reduced = presolve(problem, ties, deadline=start + PRESOLVE_SHARE * time_budget_s)
     except InfeasibleError as err:
         if problem.memory_limit is None or err.time is not None:
             raise
@@ -98,50 +121,58 @@ def solve_intra_op(
                        "presolve", start, stats, True, verify)
 
     ls = LocalSearch(core)
-    # start 1: exact DP over a spanning forest with memory priced in; start 2: least memory everywhere
-    share = 0.15 * max(0.0, deadline - time.perf_counter())
-    start_dp = lagrangian_start(core, time.perf_counter() + share)
-    ls.start_min_memory()
-    if ls.feasible():
-        ls.improve(time.perf_counter() + 0.5 * share)
-    incumbent = ls.choice.copy() if ls.feasible() else None
+    columns = ilp_columns(core)
+    one_ilp = columns <= max_ilp_columns and ilp_fits(columns, work_deadline - time.perf_counter())
+    # starts: 15% of what is left for a large core, 5% when one ILP will follow
+    share = (0.05 if one_ilp else 0.15) * max(0.0, work_deadline - time.perf_counter())
+    incumbent = _starts(core, ls, share, None if initial is None else _core_choice(reduced, np.asarray(initial)))
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
-    if start_dp is not None:
-        ls.start_from(start_dp)
-        if ls.feasible():
-            ls.improve(time.perf_counter() + 0.5 * share)
-            if ls.objective() < inc_obj:
-                incumbent, inc_obj = ls.choice.copy(), ls.objective()
-    if initial is not None:
-        ls.start_from(_core_choice(reduced, np.asarray(initial, dtype=np.int64)))
-        if ls.feasible():
-            ls.improve(time.perf_counter() + 0.25 * share)
-            if ls.objective() < inc_obj:
-                incumbent, inc_obj = ls.choice.copy(), ls.objective()
-    if incumbent is not None:
-        ls.start_from(incumbent)
-        # exact moves of whole induced trees (tree_dp.block_descent), then ICM again
-        block_descent(core, ls, time.perf_counter() + BLOCK_DESCENT_SHARE * max(0.0, deadline - time.perf_counter()))
-        ls.improve(time.perf_counter() + 0.05 * max(0.0, deadline - time.perf_counter()))
-        if ls.feasible() and ls.objective() < inc_obj:
-            incumbent, inc_obj = ls.choice.copy(), ls.objective()
-        ls.start_from(incumbent)
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
     )
 
-    columns = ilp_columns(core)
-    if (columns > max_ilp_columns or not ilp_fits(columns, deadline - time.perf_counter())) and incumbent is not None:
-        # too big for one ILP in the budget: exact re-solves of windows (LNS), warm from the incumbent
-        # leave time to expand and check the answer (about 1 s per 20k nodes here)
-        improve_by_windows(core, ls, deadline - 0.01 * time_budget_s - problem.num_nodes / 20_000)
-        choice = ls.choice.copy() if ls.feasible() else incumbent
+    if not one_ilp and incumbent is None and (columns > max_ilp_columns or time.perf_counter() > work_deadline):
+        return _finish(problem, reduced.expand(ls.choice, problem.num_nodes), trivial,
+                       "no feasible assignment found (time budget reached)", "none feasible", start, stats,
+                       False, False, feasible=False)
+    if not one_ilp and incumbent is not None:
+        # too big for one ILP in the budget: exact moves of whole trees, then exact re-solves of windows
+        ls.start_from(incumbent)
+        if time.perf_counter() < work_deadline:
+            restricted = backend == "highs" and highs_available() and restriction_width(core) >= MIN_WIDTH
+            share = BLOCK_DESCENT_SHARE * (0.5 if restricted else 1.0)
+            block_descent(core, ls, time.perf_counter() + share * (work_deadline - time.perf_counter()))
+            ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
+            if not ls.feasible() or ls.objective() >= inc_obj:
+                ls.start_from(incumbent)
+            if restricted:
+                improve_by_restriction(core, ls, time.perf_counter()
+                                       + RESTRICTION_SHARE * max(0.0, work_deadline - time.perf_counter()))
+            improve_by_windows(core, ls, work_deadline - BOUND_SHARE * max(0.0, work_deadline - time.perf_counter()))
+        choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
+        if time.perf_counter() < work_deadline:
+            lagrangian = lagrangian_bound(core, work_deadline, upper=core.objective(choice))
+            trivial = max(trivial, lagrangian + core.constant)
         return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
                        "feasible (time budget reached; core too large for one ILP, improved by windows)",
                        "local search + windowed ILP", start, stats, False, verify)
 
-    remaining = deadline - time.perf_counter()
-    res = solve_ilp(core, time_limit_s=max(0.05, remaining - 0.02 * time_budget_s), warm_start=incumbent,
+    if backend == "highs" and highs_available() and core.slack.shape[0] > ROWGEN_MIN_ROWS:
+        rg = solve_by_row_generation(core, work_deadline, incumbent=incumbent, guess=ForestDP(core).solve(),
+                                     mip_rel_gap=mip_rel_gap)
+        if rg.infeasible:
+            raise _proven_infeasible(problem)
+        bound = trivial if rg.bound is None else max(trivial, rg.bound + core.constant)
+        if rg.choice is None:
+            return _finish(problem, reduced.expand(ls.choice, problem.num_nodes), bound,
+                           "no feasible assignment found (time budget reached)", "none feasible", start, stats,
+                           False, False, feasible=False)
+        status = "optimal" if rg.optimal else "feasible (time budget reached)"
+        return _finish(problem, reduced.expand(rg.choice, problem.num_nodes), bound, status,
+                       "ilp (memory rows by row generation)", start, stats, rg.optimal, verify)
+
+    remaining = work_deadline - time.perf_counter()
+    res = solve_ilp(core, time_limit_s=max(0.05, remaining), warm_start=incumbent,
                     mip_rel_gap=mip_rel_gap, backend=backend)
     if res.status == "infeasible":
         raise _proven_infeasible(problem)
@@ -161,6 +192,28 @@ def solve_intra_op(
     status = "feasible (time budget reached)" if res.status == "time limit" else f"feasible ({res.status})"
     return _finish(problem, reduced.expand(choice, problem.num_nodes), bound, status, method, start, stats,
                    False, verify)
+
+
+def _starts(core: Core, ls: LocalSearch, share: float, initial: np.ndarray | None) -> np.ndarray | None:
+    """The cheapest memory-feasible start among: exact DP over a spanning forest with memory priced in
+    (``tree_dp``), least memory everywhere, and ``initial``; each improved by ICM. Takes about ``share``
+    seconds. None when none fits memory."""
+    # the forest DP costs about 0.1 ms a node to set up: skip it when the share would not even pay for that
+    start_dp = lagrangian_start(core, time.perf_counter() + share) if share > 2e-4 * core.num_nodes else None
+    ls.start_min_memory()
+    if ls.feasible():
+        ls.improve(time.perf_counter() + 0.5 * share)
+    incumbent = ls.choice.copy() if ls.feasible() else None
+    inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
+    for seed, part in ((start_dp, 0.5), (initial, 0.25)):
+        if seed is None:
+            continue
+        ls.start_from(seed)
+        if ls.feasible():
+            ls.improve(time.perf_counter() + part * share)
+            if ls.objective() < inc_obj:
+                incumbent, inc_obj = ls.choice.copy(), ls.objective()
+    return incumbent
 
 
 def _core_choice(reduced: Reduced, initial: np.ndarray) -> np.ndarray:

@@ -131,3 +131,30 @@ def test_presolve_keeps_the_optimum(problem: IntraOpProblem) -> None:
         assert cost == pytest.approx(core.objective(c) + core.constant, rel=1e-9, abs=1e-9)
         best = min(best, cost)
     assert best == pytest.approx(ref.cost, rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=120, deadline=None)
+@given(tiny_problems(memory=True, inf_rate=0.1))
+def test_row_generation_and_the_lagrangian_bound_agree_with_brute_force(problem: IntraOpProblem) -> None:
+    """On the presolved core: row generation (memory rows added lazily) reaches the optimum, and the
+    Lagrangian forest bound never exceeds it."""
+    import time
+
+    from solvers.intra_op.bound import lagrangian_bound
+    from solvers.intra_op.rowgen import solve_by_row_generation
+
+    try:
+        ref = brute_force_intra_op(problem)
+    except InfeasibleError:
+        return
+    reduced = presolve(problem)
+    core = reduced.core
+    if core.num_nodes == 0:
+        return
+    res = solve_by_row_generation(core, time.perf_counter() + 20.0)
+    assert res.optimal and res.choice is not None
+    full = reduced.expand(res.choice, problem.num_nodes)
+    assert problem.cost_of(full) == pytest.approx(ref.cost, rel=1e-6, abs=1e-6)
+    assert res.bound is not None and res.bound + core.constant <= ref.cost + 1e-6 * max(1.0, abs(ref.cost))
+    bound = lagrangian_bound(core, time.perf_counter() + 0.1, upper=res.objective)
+    assert bound + core.constant <= ref.cost + 1e-6 * max(1.0, abs(ref.cost))

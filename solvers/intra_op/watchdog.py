@@ -1,0 +1,61 @@
+"""Run a HiGHS solve in a child process that is killed if it overruns its deadline.
+
+HiGHS checks its ``time_limit`` and the interrupt callbacks (``ilp.interrupt_at_deadline``) in its
+simplex, IPM and branch and bound loops only: IOPDDL M spent over 10 minutes in one window's root
+reduced-cost fixing (``HighsRedcostFixing::addRootRedcost``) with 5 s given. A C++ call cannot be stopped
+from another thread, so solves big enough to risk that run in a child process (``forkserver``: forked
+from a clean server, not from a caller that may hold JAX's threads) and the caller waits at most until
+the deadline plus ``GRACE_S``; then the child is killed and the call returns ``on_timeout``. Small
+solves (under ``IN_PROCESS_COLUMNS`` columns) stay in-process: a child costs tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["GRACE_S", "IN_PROCESS_COLUMNS", "run_guarded"]
+
+GRACE_S = 1.0
+IN_PROCESS_COLUMNS = 20_000
+
+
+def _child(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    try:
+        conn.send(("ok", fn(*args, **kwargs)))
+    except BaseException as err:  # handed back to the caller, who raises it
+        conn.send(("error", err))
+    finally:
+        conn.close()
+
+
+def run_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict, *, deadline: float, columns: int,
+                on_timeout: Any) -> Any:
+    """``fn(*args, **kwargs)``, in a child process killed at ``deadline + GRACE_S`` (``time.perf_counter``)
+    when the model has ``columns >= IN_PROCESS_COLUMNS``; ``on_timeout`` if it was killed. ``fn`` must be a
+    module-level function and its arguments and result picklable."""
+    if columns < IN_PROCESS_COLUMNS:
+        return fn(*args, **kwargs)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "highspy", "solvers.intra_op.rowgen"])
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, fn, args, kwargs), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if recv.poll(max(0.0, deadline + GRACE_S - time.perf_counter())):
+            try:
+                kind, value = recv.recv()
+            except EOFError:  # the child died without an answer
+                return on_timeout
+            if kind == "error":
+                raise value
+            return value
+        return on_timeout
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()

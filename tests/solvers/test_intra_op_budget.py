@@ -1,0 +1,61 @@
+"""The time budget is a promise: a 1 s solve of a large problem returns within 1.05 s plus its set-up."""
+
+import time
+
+import numpy as np
+
+from solvers import IntraOpProblem, solve_intra_op
+
+
+def _large_problem(n: int, k: int, seed: int) -> IntraOpProblem:
+    """A random loopy graph (each node reads 2-3 recent ones, sometimes one far back) with memory that
+    binds: presolve leaves most of it."""
+    rng = np.random.default_rng(seed)
+    near = np.arange(2, n)
+    far = rng.integers(1, n, n // 4)
+    u = np.concatenate([np.arange(1, n), near, far])
+    v = np.concatenate([np.arange(0, n - 1), np.maximum(near - 1 - rng.geometric(0.3, n - 2), 0),
+                        rng.integers(0, far)])
+    keep = u != v
+    edges = np.stack([v[keep], u[keep]], 1)
+    starts = np.arange(n)
+    ends = starts + 1 + rng.geometric(0.1, n)
+    p = IntraOpProblem(
+        node_costs=list(rng.random((n, k)) * 10),
+        node_memory=list(rng.integers(1, 8, (n, k)).astype(float)),
+        intervals=np.stack([starts, ends], 1),
+        edges=edges,
+        edge_costs=list(rng.random((edges.shape[0], k, k)) * 10),
+    )
+    _, low = p.usage_at_points(p.min_memory())
+    return IntraOpProblem(node_costs=p.node_costs, node_memory=p.node_memory, intervals=p.intervals,
+                          edges=p.edges, edge_costs=p.edge_costs, memory_limit=float(low.max()) * 1.3)
+
+
+def test_a_one_second_budget_is_kept_on_a_large_problem() -> None:
+    p = _large_problem(3_000, 8, seed=0)
+    # set-up: what a solve does whatever its budget (verify, build the working graph and its core, one
+    # feasible start, expand and check the answer), measured as a solve with no time at all
+    t0 = time.perf_counter()
+    quick = solve_intra_op(p, time_budget_s=0.0)
+    setup = time.perf_counter() - t0
+    assert quick.feasible
+    t0 = time.perf_counter()
+    sol = solve_intra_op(p, time_budget_s=1.0)
+    wall = time.perf_counter() - t0
+    assert sol.feasible
+    sol.verify(p)
+    print(f"set-up {setup:.2f} s, 1 s solve {wall:.2f} s")
+    assert wall <= 1.05 + setup, (wall, setup)
+
+
+def test_a_solve_that_overruns_its_deadline_is_killed() -> None:
+    """HiGHS ignores its time limit in some phases; big solves run in a child that is killed at the
+    deadline plus a grace period (here the child sleeps 30 s; the call returns long before)."""
+    from solvers.intra_op.watchdog import GRACE_S, run_guarded
+
+    t0 = time.perf_counter()
+    out = run_guarded(time.sleep, (30.0,), {}, deadline=t0 + 0.2, columns=10**9, on_timeout="killed")
+    assert out == "killed"
+    assert time.perf_counter() - t0 < 0.2 + GRACE_S + 10.0
+    assert run_guarded(max, (1, 2), {}, deadline=time.perf_counter() + 30.0, columns=10**9, on_timeout=None) == 2
