@@ -26,8 +26,9 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
 4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh. The predicted
    step time is ``Σ_s t_s + (B − 1)·max_s t_s + max_s T_update(s)``.
 
-Known limits: gradients are reduced per microbatch (a stage sharded data-parallel over a slow axis pays
-that reduction ``B`` times, where accumulating partial sums would pay once); a ``scan`` over layers is
+Known limits: the runtime reduces a data-parallel stage's gradients once per step
+(``autoshard.pipeline.unreduced``), but the stage prices here still count that reduction once per
+microbatch (the intra-op plan of a layer's microbatched ops includes it); a ``scan`` over layers is
 one forward op, so a scanned stack is one layer (trace with the layers unrolled to pipeline them).
 """
 
