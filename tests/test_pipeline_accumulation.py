@@ -16,8 +16,15 @@ from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard.emit.program import global_rel_error
-from autoshard.pipeline import build_pipelined_step, microbatch_args, plan_pipeline
+from autoshard.pipeline import (
+    PipelineError,
+    PipelinePlan,
+    build_pipelined_step,
+    microbatch_args,
+    plan_pipeline,
+)
 from autoshard.pipeline.runtime import PipelinedStep
+from autoshard.planner.plan import PlanError
 from autoshard.target import cost_model_for
 from cost_models import ShardingSpec
 
@@ -117,3 +124,48 @@ def test_accumulated_pipeline_matches_the_unsharded_step(schedule: str, micro: i
         s_pip, m_pip = step(s_pip, batch)
         assert global_rel_error(m_ref, m_pip) <= TOL
         assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+
+
+# ---- interleaved 1F1B ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("micro", [4, 8])
+def test_interleaved_pipeline_matches_the_unsharded_step(micro: int) -> None:
+    step, state, batch = data_parallel_pipeline(micro, "interleaved-1f1b", num_layers=4, num_chunks=2)
+    # two stages of two chunks: four virtual stages, chunk c of stage s on stage s's submesh
+    assert step.schedule.num_chunks == 2 and len(step.stage_meshes) == 4
+    assert step.stage_meshes[0] == step.stage_meshes[2] != step.stage_meshes[1] == step.stage_meshes[3]
+    total, counts = _per_step(step)
+    assert all(n == 0 for (_, kind), n in counts.items() if kind in ("forward", "backward")), counts
+    assert total == len(jax.tree.leaves(state.params)) + 1
+    ref = jax.jit(_train_step)
+    s_ref = s_pip = state
+    for _ in range(3):
+        s_ref, m_ref = ref(s_ref, batch)
+        s_pip, m_pip = step(s_pip, batch)
+        assert global_rel_error(m_ref, m_pip) <= TOL
+        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+
+
+def test_interleaved_plan_round_trips_and_checks_its_chunks() -> None:
+    state, batch = _state_and_batch(4)
+    full = autoshard.trace(_train_step, state, batch)
+    g = autoshard.trace(_train_step, *microbatch_args((state, batch), full, None, 4))
+    cost = cost_model_for("h100", (2, 4), ("x", "y"))
+    plan = plan_pipeline(g, cost, hardware="h100", num_microbatches=4, num_layers=4, time_budget_s=5,
+                         stage_shape=(1, 4), schedule_name="interleaved-1f1b", num_chunks=2)
+    assert plan.num_chunks == 2 and plan.num_physical_stages == 2 and len(plan.stages) == 4
+    assert [st.layers for st in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [st.origin for st in plan.stages] == [(0, 0), (1, 0), (0, 0), (1, 0)]
+    assert 0 < plan.bubble_fraction < 1
+    back = PipelinePlan.from_dict(plan.to_dict())
+    assert back.to_dict() == plan.to_dict()
+    wrong = dataclasses.replace(plan.stages[2], origin=plan.stages[1].origin)
+    moved = dataclasses.replace(plan, stages=(*plan.stages[:2], wrong, plan.stages[3]))
+    with pytest.raises(PlanError, match="virtual stage 2 runs on submesh"):
+        moved.verify()
+    with pytest.raises(PipelineError, match="pass stage_shape"):
+        plan_pipeline(g, cost, num_microbatches=4, num_layers=4, schedule_name="interleaved-1f1b")
+    with pytest.raises(PipelineError, match="at least 6 layers"):
+        plan_pipeline(g, cost, num_microbatches=4, num_layers=4, stage_shape=(1, 4),
+                      schedule_name="interleaved-1f1b", num_chunks=3)

@@ -110,7 +110,10 @@ class PipelinedStep:
 
     ``stage_meshes[s]``: the submesh of stage ``s`` (Auto axes); ``stage_specs[s]``: the layouts its
     programs pin, keyed like an emitter spec map with the step's tensor ids (forward/backward and update
-    programs may use separate maps: ``update_specs``); ``stage_of_op``: the stage of every op.
+    programs may use separate maps: ``update_specs``); ``stage_of_op``: the stage of every op. Under an
+    interleaved schedule these are per *virtual* stage ``u = chunk·S + s`` (``schedules``), and the
+    schedule's action ``(s, chunk)`` runs virtual stage ``u``'s program on ``stage_meshes[u]`` (the
+    submesh of physical stage ``s``).
     """
 
     def __init__(self, graph: Graph, parts: StepParts, stage_of_op: Sequence[int], segments: Sequence[Segment],
@@ -118,12 +121,10 @@ class PipelinedStep:
                  schedule: Schedule, *, update_specs: Sequence[SpecMap] | None = None) -> None:
         if graph.in_tree is None or graph.out_tree is None:
             raise PipelineError("a pipelined step needs a top-level Graph from autoshard.trace")
-        if schedule.num_chunks != 1:
-            raise PipelineError("interleaved schedules need a stage per model chunk; this runtime runs one "
-                                "chunk per stage: use 'gpipe' or '1f1b'")
-        if schedule.num_stages != len(stage_meshes):
-            raise PipelineError(f"the schedule has {schedule.num_stages} stages but {len(stage_meshes)} "
-                                "submeshes were given")
+        if schedule.num_virtual_stages != len(stage_meshes):
+            raise PipelineError(f"the schedule has {schedule.num_stages} stages of {schedule.num_chunks} model "
+                                f"chunk(s) each, so it needs {schedule.num_virtual_stages} (virtual) stage "
+                                f"submeshes; {len(stage_meshes)} were given")
         self.graph = graph
         self.parts = parts
         self.schedule = schedule
@@ -230,7 +231,7 @@ class PipelinedStep:
 
         for slot in self.schedule.slots:
             for action in slot:
-                prog = self.programs.get((action.stage, action.kind, 0))
+                prog = self.programs.get((action.virtual_stage(self.schedule.num_stages), action.kind, 0))
                 if prog is None:
                     continue
                 m = action.microbatch
@@ -295,11 +296,13 @@ def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax
                             f"devices; {len(devices)} given")
     parts = split_step(graph)
     stage_of = plan.stage_of_op()
-    meshes = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
-              for st in plan.stages]
+    S = plan.num_physical_stages
+    physical = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
+                for st in plan.stages[:S]]
+    meshes = [physical[u % S] for u in range(len(plan.stages))]  # virtual stage u runs on stage u mod S
     return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of), meshes,
                          [st.specs for st in plan.stages],
-                         schedule(plan.schedule, len(plan.stages), plan.num_microbatches),
+                         schedule(plan.schedule, S, plan.num_microbatches, plan.num_chunks),
                          update_specs=[st.update_specs for st in plan.stages])
 
 
