@@ -23,7 +23,9 @@ from autoshard.pipeline import (
     microbatch_args,
     plan_pipeline,
 )
+from autoshard.pipeline.partition import UPDATE, WEIGHT
 from autoshard.pipeline.runtime import PipelinedStep
+from autoshard.pipeline.schedules import one_f_one_b
 from autoshard.planner.plan import PlanError
 from autoshard.target import cost_model_for
 from cost_models import ShardingSpec
@@ -169,3 +171,40 @@ def test_interleaved_plan_round_trips_and_checks_its_chunks() -> None:
     with pytest.raises(PipelineError, match="at least 6 layers"):
         plan_pipeline(g, cost, num_microbatches=4, num_layers=4, stage_shape=(1, 4),
                       schedule_name="interleaved-1f1b", num_chunks=3)
+
+
+# ---- ZB-H1: the backward split into input- and weight-gradient programs -------------------------------
+
+
+@pytest.mark.parametrize("micro", [4, 8])
+def test_zb_h1_pipeline_matches_the_unsharded_step(micro: int) -> None:
+    step, state, batch = data_parallel_pipeline(micro, "zb-h1")
+    assert step.schedule.weight_pass
+    graph = step.graph
+    weight = [p.segment for (_, kind, _), p in step.programs.items() if kind == WEIGHT]
+    assert weight
+    # the weight programs compute every kernel gradient, and nothing another per-microbatch program reads
+    dots = [i for seg in weight for i in seg.ops if graph.ops[i].primitive == "dot_general"
+            and any(graph.tensors[t].shape == (24, 24) for t in graph.ops[i].outputs)]
+    assert len(dots) == 3  # dense_1..3 (dense_0's kernel is 16 x 24)
+    micro_inputs = {t for p in step.programs.values() if p.segment.kind != UPDATE for t in p.segment.inputs}
+    assert not any(t in micro_inputs for seg in weight for t in seg.outputs)
+    total, counts = _per_step(step)
+    assert all(n == 0 for (_, kind), n in counts.items() if kind in ("forward", "backward", "weight")), counts
+    assert total == len(jax.tree.leaves(state.params)) + 1
+    ref = jax.jit(_train_step)
+    s_ref = s_pip = state
+    for _ in range(3):
+        s_ref, m_ref = ref(s_ref, batch)
+        s_pip, m_pip = step(s_pip, batch)
+        assert global_rel_error(m_ref, m_pip) <= TOL
+        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+
+
+def test_split_backward_programs_need_a_schedule_with_a_weight_pass() -> None:
+    step, _, _ = data_parallel_pipeline(4, "zb-h1")
+    segs = [p.segment for p in step.programs.values()]
+    meshes = step.stage_meshes
+    with pytest.raises(PipelineError, match="has no weight pass"):
+        PipelinedStep(step.graph, step.parts, [0] * len(step.graph.ops), segs, meshes, [{}, {}],
+                      one_f_one_b(2, 4))

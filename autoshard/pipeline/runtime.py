@@ -39,7 +39,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.specs import normalize_key
-from autoshard.pipeline.partition import UPDATE, PipelineError, Segment, StepParts, segments, split_step
+from autoshard.pipeline.partition import (
+    UPDATE,
+    WEIGHT,
+    PipelineError,
+    Segment,
+    StepParts,
+    segments,
+    split_step,
+)
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.schedules import Schedule, schedule
 from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
@@ -121,6 +129,10 @@ class PipelinedStep:
                  schedule: Schedule, *, update_specs: Sequence[SpecMap] | None = None) -> None:
         if graph.in_tree is None or graph.out_tree is None:
             raise PipelineError("a pipelined step needs a top-level Graph from autoshard.trace")
+        if any(seg.kind == WEIGHT for seg in segments) and not schedule.weight_pass:
+            raise PipelineError(f"the backward programs are split into input- and weight-gradient parts but "
+                                f"schedule {schedule.name!r} has no weight pass: build the segments without "
+                                "split_weight, or use 'zb-h1'")
         if schedule.num_virtual_stages != len(stage_meshes):
             raise PipelineError(f"the schedule has {schedule.num_stages} stages of {schedule.num_chunks} model "
                                 f"chunk(s) each, so it needs {schedule.num_virtual_stages} (virtual) stage "
@@ -300,9 +312,9 @@ def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax
     physical = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
                 for st in plan.stages[:S]]
     meshes = [physical[u % S] for u in range(len(plan.stages))]  # virtual stage u runs on stage u mod S
-    return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of), meshes,
-                         [st.specs for st in plan.stages],
-                         schedule(plan.schedule, S, plan.num_microbatches, plan.num_chunks),
+    sched = schedule(plan.schedule, S, plan.num_microbatches, plan.num_chunks)
+    return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of, split_weight=sched.weight_pass),
+                         meshes, [st.specs for st in plan.stages], sched,
                          update_specs=[st.update_specs for st in plan.stages])
 
 

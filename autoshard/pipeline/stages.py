@@ -168,9 +168,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             update_specs=remap(part.update),
         ))
     times = [st.micro_time for st in stages]
-    if interleaved:  # the schedule's own timeline: a backward costs about twice a forward
-        sim = schedule(schedule_name, num_stages, num_microbatches, chunks).simulate(
-            [t / 3 for t in times], [2 * t / 3 for t in times])
+    sched = schedule(schedule_name, num_stages, num_microbatches, chunks)
+    if interleaved or sched.weight_pass:  # the schedule's own timeline: a backward costs twice a forward
+        third = [t / 3 for t in times]
+        sim = (sched.simulate(third, third, weight_times=third) if sched.weight_pass
+               else sched.simulate(third, [2 * t for t in third]))
         pipe, bubble = sim.makespan, sim.bubble_fraction
     else:
         pipe = sum(times) + (num_microbatches - 1) * max(times)
