@@ -90,7 +90,8 @@ def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: S
         interp.reset()
         return tuple(interp.run_ops(graph, ops, seg.inputs, args, seg.outputs))
 
-    return Program(segment=seg, mesh=mesh, in_shardings=ins, out_shardings=outs, stacked={t: stacked[t] for t in seg.outputs if t in stacked},
+    return Program(segment=seg, mesh=mesh, in_shardings=ins, out_shardings=outs,
+                   stacked={t: stacked[t] for t in seg.outputs if t in stacked},
                    jitted=jax.jit(fn, in_shardings=ins, out_shardings=outs))
 
 
