@@ -56,6 +56,7 @@ def plan(
     num_layers: int | None = None,
     max_stages: int | None = None,
     stage_shape: tuple[int, int] | None = None,
+    num_chunks: int = 2,
 ) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
@@ -67,14 +68,15 @@ def plan(
     to the ``"autoshard"`` logger at INFO.
 
     Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
-    (stages on submeshes, ``B`` microbatches, ``schedule`` "1f1b" or "gpipe", ``num_layers`` layers to
+    (stages on submeshes, ``B`` microbatches, ``schedule`` "1f1b", "gpipe", "zb-h1" or "interleaved-1f1b"
+    with ``num_chunks`` chunks per stage, ``num_layers`` layers to
     cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
     the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
     ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one.
     """
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
-                              max_stages=max_stages, stage_shape=stage_shape)
+                              max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks)
     return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s, roles=roles)[0]
 
 
@@ -120,7 +122,8 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
         piped = plan_pipeline(micro, cost, hardware=target.hardware, memory_budget=budget,
                               num_microbatches=options.microbatches, schedule_name=options.schedule,
                               num_layers=options.num_layers, time_budget_s=pipe_s,
-                              max_stages=options.max_stages, stage_shape=options.stage_shape)
+                              max_stages=options.max_stages, stage_shape=options.stage_shape,
+                              num_chunks=options.num_chunks)
     except AutoshardError as e:
         if intra is not None and options.pipeline is None:
             log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
@@ -273,6 +276,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         num_layers: int | None = None,
         max_stages: int | None = None,
         stage_shape: tuple[int, int] | None = None,
+        num_chunks: int = 2,
         plan: Plan | PipelinePlan | str | Path | None = None,
     ) -> None:
         self.fn = fn
@@ -283,7 +287,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         self._devices: jax.sharding.Mesh | None = None
         self._target: Target | None = None
         self.options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule,
-                                       num_layers=num_layers, max_stages=max_stages, stage_shape=stage_shape)
+                                       num_layers=num_layers, max_stages=max_stages, stage_shape=stage_shape,
+                                       num_chunks=num_chunks)
         self.time_budget_s = time_budget_s
         self.roles = roles
         self._cache: dict[Any, _Compiled] = {}

@@ -125,6 +125,20 @@ def _count(text: str) -> int:
     return value
 
 
+def _stage_shape(text: str | None) -> tuple[int, int] | None:
+    """``--stage-shape 1x4`` -> (1, 4)."""
+    if text is None:
+        return None
+    from autoshard.target import parse_mesh
+
+    shape, _ = parse_mesh(text)
+    if len(shape) != 2:
+        from autoshard.target import PlanningError
+
+        raise PlanningError(f"--stage-shape {text!r}: give hosts x devices, e.g. 1x4")
+    return (shape[0], shape[1])
+
+
 def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None, per_plan: bool = False) -> None:
     """The logical mesh, hardware and budgets, as ``plan`` and ``compare`` take them."""
     p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
@@ -155,7 +169,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
     p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
                    help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"],
+                   help="pipeline schedule (interleaved-1f1b needs --stage-shape; --chunks per stage)")
+    p.add_argument("--chunks", type=_count, default=2, metavar="V", help="model chunks per stage (interleaved)")
+    p.add_argument("--stage-shape", metavar="HxD", help="every stage on a submesh of H hosts x D devices")
     p.add_argument("--layers", type=_count, metavar="L", help="layers the pipeline planner cuts the model into")
     p.add_argument("--max-stages", type=_count, metavar="S", help="at most S pipeline stages")
 
@@ -172,7 +189,8 @@ def _plan_run(args: argparse.Namespace) -> int:
 
     target = _target(args)
     options = PipelineOptions(microbatches=args.microbatches, pipeline={"auto": None, "yes": True, "no": False}[args.pipeline],
-                              schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages)
+                              schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages,
+                              num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape))
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
     the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget)[0]

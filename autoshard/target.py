@@ -23,7 +23,7 @@ log = logging.getLogger("autoshard")
 
 DEFAULT_MEMORY_MARGIN = 0.10  # keep 10% of device memory free for XLA's temporaries and fragmentation
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z")}
-SCHEDULES = ("1f1b", "gpipe")  # the schedules the pipeline runtime runs
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")  # the schedules the pipeline runtime runs
 MeshLike = Sequence[int] | Mapping[str, int] | str | Any  # Any: a jax.sharding.Mesh or AbstractMesh
 HardwareLike = str | CostModel
 BudgetLike = float | int | str | None
@@ -196,19 +196,22 @@ class PipelineOptions:
     """How a step may be pipelined.
 
     ``microbatches``: microbatches per step (None: no pipeline is planned); ``pipeline``: True always
-    returns the pipelined plan, False never plans one, None returns the faster; ``schedule``: "1f1b" or
+    returns the pipelined plan, False never plans one, None returns the faster; ``schedule``: "1f1b",
+    "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the bubbles) or "interleaved-1f1b"
+    (``num_chunks`` model chunks per stage; needs ``stage_shape``);
     "gpipe"; ``num_layers``: layers to cut the step into (default: one per named block, plus one);
     ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh."""
 
     microbatches: int | None = None
     pipeline: bool | None = None
     schedule: str = "1f1b"
+    num_chunks: int = 2
     num_layers: int | None = None
     max_stages: int | None = None
     stage_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("microbatches", "num_layers", "max_stages"):
+        for name in ("microbatches", "num_layers", "max_stages", "num_chunks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise PlanningError(f"{name}={v!r}: give a whole number >= 1, or None")

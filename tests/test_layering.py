@@ -76,6 +76,7 @@ PASSES = (
     "autoshard.pipeline.layer_prices",
     "autoshard.pipeline.stages",
     "autoshard.pipeline.report",
+    "autoshard.pipeline.unreduced",
     "autoshard.pipeline.runtime",
     "autoshard.pipeline.spmd",
     "autoshard.pipeline",

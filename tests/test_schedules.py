@@ -240,7 +240,7 @@ def test_dispatch_and_errors() -> None:
     assert schedule("gpipe", 3, 4) == gpipe(3, 4)
     assert schedule("1f1b", 3, 4) == one_f_one_b(3, 4)
     assert schedule("interleaved-1f1b", 2, 4, chunks=2) == interleaved_1f1b(2, 4, 2)
-    assert set(SCHEDULE_NAMES) == {"gpipe", "1f1b", "interleaved-1f1b"}
+    assert set(SCHEDULE_NAMES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
     with pytest.raises(ValueError, match="expected one of gpipe, 1f1b, interleaved-1f1b"):
         schedule("zero-bubble", 2, 2)
     with pytest.raises(ValueError, match="must be a multiple of num_stages"):
@@ -291,7 +291,8 @@ def test_simulation_respects_order_and_dependencies(sched: Schedule, data: st.Da
     times = st.lists(st.floats(0.1, 5.0), min_size=V, max_size=V)
     fwd, bwd = data.draw(times), data.draw(times)
     comm = data.draw(st.floats(0.0, 2.0))
-    res = sched.simulate(fwd, bwd, comm)
+    wgt = data.draw(times) if sched.weight_pass else None
+    res = sched.simulate(fwd, bwd, comm, weight_times=wgt)
     S = sched.num_stages
     for s in range(S):
         order = sched.actions(s)
@@ -303,6 +304,8 @@ def test_simulation_respects_order_and_dependencies(sched: Schedule, data: st.Da
         deps = [(u - 1, m, "forward")] if kind == "forward" and u else []
         if kind == "backward":
             deps = [(u, m, "forward")] + ([(u + 1, m, "backward")] if u + 1 < V else [])
+        if kind == "weight":
+            deps = [(u, m, "backward")]
         for d in deps:
             gap = comm if by_key[d].stage != a.stage else 0.0
             assert res.end[by_key[d]] + gap <= res.start[a] + 1e-9
@@ -323,7 +326,7 @@ def test_dropping_or_moving_any_action_breaks_verify(sched: Schedule, data: st.D
         replace(sched, slots=tuple(map(tuple, without))).verify()
     # moved to the very front, an action with a dependency runs before it; one with none is fine
     moved = [[victim], *without]
-    has_dep = victim.kind == "backward" or victim.virtual_stage(sched.num_stages) > 0
+    has_dep = victim.kind in ("backward", "weight") or victim.virtual_stage(sched.num_stages) > 0
     if has_dep:
         with pytest.raises(ValueError, match="must come after"):
             replace(sched, slots=tuple(map(tuple, moved))).verify()

@@ -37,6 +37,7 @@ from autoshard.trace.graph import Graph, Op, Role, Tensor
 from solvers.inter_op import ClusteringProblem, cluster_layers
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+WEIGHT = "weight"  # the weight-gradient part of a backward, run as its own program (zero-bubble schedules)
 
 
 class PipelineError(AutoshardError, ValueError):
@@ -347,10 +348,15 @@ class Segment:
     outputs: tuple[int, ...]  # step tensor ids other programs, the accumulators or the results read
 
 
-def segments(graph: Graph, parts: StepParts, stage_of_op: Sequence[int]) -> list[Segment]:
+def segments(graph: Graph, parts: StepParts, stage_of_op: Sequence[int], *,
+             split_weight: bool = False) -> list[Segment]:
     """Group ops into programs: per stage one forward and one backward program, and update programs by
     (stage, level), where an update op's level counts how many times its inputs changed stage on the
-    way from the accumulated values (so levels run in order and never wait on a later one)."""
+    way from the accumulated values (so levels run in order and never wait on a later one).
+
+    ``split_weight`` (zero-bubble schedules): a stage's backward becomes two programs, ``backward`` with
+    the ops the other stages' per-microbatch programs wait for (the input gradients, and what they need)
+    and ``weight`` with the rest, which only feed the accumulated results (the weight gradients)."""
     level = [0] * len(graph.ops)
     for op in graph.ops:
         if parts.kind[op.id] != UPDATE:
@@ -364,14 +370,42 @@ def segments(graph: Graph, parts: StepParts, stage_of_op: Sequence[int]) -> list
     groups: dict[tuple[int, str, int], list[int]] = defaultdict(list)
     for op in graph.ops:
         groups[(stage_of_op[op.id], parts.kind[op.id], level[op.id])].append(op.id)
+    if split_weight:
+        for key in [k for k in groups if k[1] == BACKWARD]:
+            needed = input_gradient_ops(graph, parts, groups[key])
+            rest = [i for i in groups[key] if i not in needed]
+            if rest:
+                groups[key] = [i for i in groups[key] if i in needed]
+                groups[(key[0], WEIGHT, 0)] = rest
+            if not groups[key]:
+                del groups[key]
     out: list[Segment] = []
     for (stage, kind, lv), ids in groups.items():
         ins, outs = boundary(graph, ids)
         out.append(Segment(stage=stage, kind=kind, level=lv, ops=tuple(ids), inputs=tuple(ins),
                            outputs=tuple(outs)))
-    rank = {FORWARD: 0, BACKWARD: 1, UPDATE: 2}
+    rank = {FORWARD: 0, BACKWARD: 1, WEIGHT: 2, UPDATE: 3}
     out.sort(key=lambda s: (rank[s.kind], s.level, s.stage if s.kind != BACKWARD else -s.stage))
     return out
+
+
+def input_gradient_ops(graph: Graph, parts: StepParts, op_ids: Sequence[int]) -> set[int]:
+    """The ops of ``op_ids`` (one stage's backward) that other per-microbatch ops wait for, directly or
+    through other ops of ``op_ids``: what a zero-bubble schedule's ``B`` pass must run."""
+    inside = set(op_ids)
+    stack = [i for i in op_ids for t in graph.ops[i].outputs
+             if any(c not in inside and parts.kind[c] != UPDATE for c in graph.tensors[t].consumers)]
+    needed: set[int] = set()
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        for t in graph.ops[i].inputs:
+            p = graph.tensors[t].producer
+            if p is not None and p in inside and p not in needed:
+                stack.append(p)
+    return needed
 
 
 def microbatch_args(args: Sequence[Any], graph: Graph, parts: StepParts | None = None,

@@ -72,7 +72,11 @@ class StagePlan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PipelinePlan:
-    """A pipelined plan as plain data: stages on submeshes, microbatches, schedule, predicted time."""
+    """A pipelined plan as plain data: stages on submeshes, microbatches, schedule, predicted time.
+
+    With ``num_chunks = v > 1`` (the interleaved schedule) ``stages`` are the ``V = v·S`` *virtual* stages
+    in model order, each with its contiguous layers; virtual stage ``u`` runs on physical stage ``u mod S``
+    (same submesh and origin), which so holds chunks ``u, u+S, ...``."""
 
     mesh: LogicalMesh
     hardware: str
@@ -87,6 +91,11 @@ class PipelinePlan:
     memory_budget: float | None
     solver: PipelineReport
     graph_digest: str  # of the microbatch-sized trace the op ids refer to
+    num_chunks: int = 1  # model chunks per physical stage (interleaved schedule); see the class docstring
+
+    @property
+    def num_physical_stages(self) -> int:
+        return len(self.stages) // self.num_chunks
 
     @property
     def cluster(self) -> tuple[int, int]:
@@ -107,7 +116,15 @@ class PipelinePlan:
             expect = st.layers[1] + 1
         if expect != self.num_layers:
             raise PlanError(f"the stages cover layers 0..{expect - 1} of {self.num_layers}")
-        used = sum(st.num_devices for st in self.stages)
+        S = self.num_physical_stages
+        if self.num_chunks < 1 or len(self.stages) != S * self.num_chunks:
+            raise PlanError(f"{len(self.stages)} virtual stages do not make {self.num_chunks} chunks per stage")
+        for u, st in enumerate(self.stages[S:], start=S):
+            first = self.stages[u % S]
+            if (st.submesh, st.origin) != (first.submesh, first.origin):
+                raise PlanError(f"virtual stage {u} runs on submesh {st.submesh} at {st.origin}; as chunk "
+                                f"{u // S} of stage {u % S} it must run on {first.submesh} at {first.origin}")
+        used = sum(st.num_devices for st in self.stages[:S])
         if used > math.prod(self.mesh.shape):
             raise PlanError(f"the stages use {used} devices; the mesh has {math.prod(self.mesh.shape)}")
         if not math.isfinite(self.predicted_step_time) or self.predicted_step_time < 0:
@@ -127,6 +144,7 @@ class PipelinePlan:
             "hardware": self.hardware,
             "num_microbatches": self.num_microbatches,
             "schedule": self.schedule,
+            "num_chunks": self.num_chunks,
             "num_layers": self.num_layers,
             "stages": [{
                 "layers": list(st.layers), "submesh": list(st.submesh), "origin": list(st.origin),
@@ -156,6 +174,7 @@ class PipelinePlan:
         ) for s in d["stages"])
         plan = cls(mesh=LogicalMesh.from_dict(d["mesh"]), hardware=d["hardware"],
                    num_microbatches=int(d["num_microbatches"]), schedule=d["schedule"],
+                   num_chunks=int(d.get("num_chunks", 1)),
                    num_layers=int(d["num_layers"]), stages=stages, layer_of_op=tuple(d["layer_of_op"]),
                    predicted_step_time=float(d["predicted_step_time"]),
                    bubble_fraction=float(d["bubble_fraction"]), peak_memory=float(d["peak_memory"]),

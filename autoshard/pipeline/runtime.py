@@ -12,9 +12,14 @@ One call of the step:
    forward|backward)`` gathers its program's inputs (step inputs, that microbatch's slice, or values other
    programs produced for that microbatch), moves each onto the stage's submesh in the layout the program
    wants (``jax.device_put``: a copy between device sets, a reshard within one), and calls the program;
-   values leaving the microbatched part are summed into per-stage accumulators;
-3. divide the accumulators by ``B`` (the mean over microbatches, see ``partition``) and run the update
-   programs in level order;
+   values leaving the microbatched part are summed into per-stage accumulators. Partial sums over the
+   stage's data-parallel axes (its gradients, mostly) leave the programs *unreduced*, stacked along a
+   leading dimension split over those axes (``autoshard.pipeline.unreduced``), and are summed as they are:
+   no communication per microbatch;
+3. reduce once per step: each stage's ``Reduction`` program sums the stacked dimension of its
+   accumulators (one all-reduce, or a reduce-scatter where the update reads a sharded layout) and divides
+   by ``B`` (the mean over microbatches, see ``partition``); the other accumulators are divided by ``B``;
+   then run the update programs in level order;
 4. return the step's results in the traced output structure.
 
 JAX dispatches asynchronously, so a stage's program is queued as soon as its inputs are; stages on
@@ -26,18 +31,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autoshard.emit.interpret import Interpreter
 from autoshard.emit.specs import normalize_key
-from autoshard.pipeline.partition import UPDATE, PipelineError, Segment, StepParts, segments, split_step
+from autoshard.pipeline.partition import (
+    UPDATE,
+    WEIGHT,
+    PipelineError,
+    Segment,
+    StepParts,
+    segments,
+    split_step,
+)
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.schedules import Schedule, schedule
+from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
 from autoshard.trace.graph import Graph, Scope
 from cost_models import ShardingSpec
 
@@ -49,27 +62,56 @@ class Program:
     segment: Segment
     mesh: jax.sharding.Mesh
     in_shardings: tuple[NamedSharding, ...]
+    out_shardings: tuple[NamedSharding, ...]
     jitted: Any
+    stacked: Mapping[int, tuple[str, ...]]  # outputs returned as stacked partial sums -> their axes
 
 
-def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: SpecMap) -> Program:
+def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: SpecMap,
+                   keep: Collection[int] = ()) -> Program:
+    """One stage program; a per-microbatch one returns the partial sums among ``keep`` (accumulated
+    results no other per-microbatch program reads) stacked, unreduced (``unreduced``)."""
     specs = {normalize_key(k): dict(v) for k, v in specs.items()}  # pending sums: emission pins dims only
     top = specs.get((), {})
-    interp = Interpreter(mesh, specs)
+    ops = [graph.ops[i] for i in seg.ops]
+    stacked, producers = ({}, {}) if seg.kind == UPDATE else plan_stacked(graph, ops, top, keep)
+    interp = UnreducedInterpreter(mesh, specs, stacked, producers)
 
     def sharding(tid: int) -> NamedSharding:
+        if tid in stacked:
+            return interp.stacked_sharding(tid)
         spec = top.get(tid)
         return interp.sharding(spec) if spec is not None else NamedSharding(mesh, PartitionSpec())
 
     ins = tuple(sharding(t) for t in seg.inputs)
     outs = tuple(sharding(t) for t in seg.outputs)
-    ops = [graph.ops[i] for i in seg.ops]
 
     def fn(*args: Any) -> tuple[Any, ...]:
         interp.reset()
         return tuple(interp.run_ops(graph, ops, seg.inputs, args, seg.outputs))
 
-    return Program(segment=seg, mesh=mesh, in_shardings=ins, jitted=jax.jit(fn, in_shardings=ins, out_shardings=outs))
+    return Program(segment=seg, mesh=mesh, in_shardings=ins, out_shardings=outs,
+                   stacked={t: stacked[t] for t in seg.outputs if t in stacked},
+                   jitted=jax.jit(fn, in_shardings=ins, out_shardings=outs))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Reduction:
+    """A stage's once-per-step reduction: the sum over the stacked dimension of each accumulated partial
+    sum, divided by ``B``, laid out as the update reads it (one all-reduce or reduce-scatter each)."""
+
+    tensors: tuple[int, ...]
+    in_shardings: tuple[NamedSharding, ...]  # the stacked layouts the per-microbatch programs return
+    jitted: Any
+
+
+def _reduction(tids: Sequence[int], ins: Sequence[NamedSharding], targets: Sequence[NamedSharding],
+               num_microbatches: int) -> Reduction:
+    def fn(*xs: Any) -> tuple[Any, ...]:
+        return tuple((jnp.sum(x, axis=0) / jnp.asarray(num_microbatches, x.dtype)).astype(x.dtype) for x in xs)
+
+    return Reduction(tensors=tuple(tids), in_shardings=tuple(ins),
+                     jitted=jax.jit(fn, in_shardings=tuple(ins), out_shardings=tuple(targets)))
 
 
 class PipelinedStep:
@@ -77,7 +119,10 @@ class PipelinedStep:
 
     ``stage_meshes[s]``: the submesh of stage ``s`` (Auto axes); ``stage_specs[s]``: the layouts its
     programs pin, keyed like an emitter spec map with the step's tensor ids (forward/backward and update
-    programs may use separate maps: ``update_specs``); ``stage_of_op``: the stage of every op.
+    programs may use separate maps: ``update_specs``); ``stage_of_op``: the stage of every op. Under an
+    interleaved schedule these are per *virtual* stage ``u = chunk·S + s`` (``schedules``), and the
+    schedule's action ``(s, chunk)`` runs virtual stage ``u``'s program on ``stage_meshes[u]`` (the
+    submesh of physical stage ``s``).
     """
 
     def __init__(self, graph: Graph, parts: StepParts, stage_of_op: Sequence[int], segments: Sequence[Segment],
@@ -85,23 +130,27 @@ class PipelinedStep:
                  schedule: Schedule, *, update_specs: Sequence[SpecMap] | None = None) -> None:
         if graph.in_tree is None or graph.out_tree is None:
             raise PipelineError("a pipelined step needs a top-level Graph from autoshard.trace")
-        if schedule.num_chunks != 1:
-            raise PipelineError("interleaved schedules need a stage per model chunk; this runtime runs one "
-                                "chunk per stage: use 'gpipe' or '1f1b'")
-        if schedule.num_stages != len(stage_meshes):
-            raise PipelineError(f"the schedule has {schedule.num_stages} stages but {len(stage_meshes)} "
-                                "submeshes were given")
+        if any(seg.kind == WEIGHT for seg in segments) and not schedule.weight_pass:
+            raise PipelineError(f"the backward programs are split into input- and weight-gradient parts but "
+                                f"schedule {schedule.name!r} has no weight pass: build the segments without "
+                                "split_weight, or use 'zb-h1'")
+        if schedule.num_virtual_stages != len(stage_meshes):
+            raise PipelineError(f"the schedule has {schedule.num_stages} stages of {schedule.num_chunks} model "
+                                f"chunk(s) each, so it needs {schedule.num_virtual_stages} (virtual) stage "
+                                f"submeshes; {len(stage_meshes)} were given")
         self.graph = graph
         self.parts = parts
         self.schedule = schedule
         self.num_microbatches = schedule.num_microbatches
         self.stage_meshes = tuple(stage_meshes)
         update_specs = update_specs or stage_specs
+        micro_reads = {t for seg in segments if seg.kind != UPDATE for t in seg.inputs}
+        keep = set(parts.accumulated) - micro_reads
         self.programs: dict[tuple[int, str, int], Program] = {}
         for seg in segments:
             specs = update_specs[seg.stage] if seg.kind == UPDATE else stage_specs[seg.stage]
             self.programs[(seg.stage, seg.kind, seg.level)] = _build_program(
-                graph, seg, stage_meshes[seg.stage], specs)
+                graph, seg, stage_meshes[seg.stage], specs, keep)
         self.update_order = [p for k, p in sorted(self.programs.items(), key=lambda kv: (kv[0][2], kv[0][0]))
                              if k[1] == UPDATE]
         self._batch = {graph.inputs[i] for i in parts.batch_inputs}
@@ -115,6 +164,21 @@ class PipelinedStep:
                     if t not in self._step_inputs:
                         reads[t] += 1
         self._reads = dict(reads)
+        # per stage, the accumulated partial sums carried stacked and where the update reads each
+        readers: dict[int, NamedSharding] = {}
+        for prog in self.update_order:
+            for t, sh in zip(prog.segment.inputs, prog.in_shardings, strict=True):
+                readers.setdefault(t, sh)
+        stacked: dict[int, list[tuple[int, NamedSharding, NamedSharding]]] = defaultdict(list)
+        for (stage, kind, _), prog in self.programs.items():
+            if kind == UPDATE:
+                continue
+            here = NamedSharding(prog.mesh, PartitionSpec())
+            for t in sorted(prog.stacked):
+                target = sh if (sh := readers.get(t)) is not None and sh.mesh == prog.mesh else here
+                stacked[stage].append((t, prog.out_shardings[prog.segment.outputs.index(t)], target))
+        self.reductions = {s: _reduction([t for t, _, _ in v], [i for _, i, _ in v], [o for _, _, o in v],
+                                         self.num_microbatches) for s, v in stacked.items()}
 
     # ---- one step ------------------------------------------------------------------------------------------
 
@@ -131,6 +195,21 @@ class PipelinedStep:
                     f"of {t.shape[0]} rows and {B} microbatches, so it needs {B * t.shape[0]}")
             micro[tid] = [x[m * t.shape[0]:(m + 1) * t.shape[0]] for m in range(B)]
         return micro
+
+    def compiled_text(self, stage: int, kind: str, level: int = 0) -> str:
+        """The compiled HLO of one program (``kind`` "forward", "backward", "update" or "reduce"), compiled
+        from abstract inputs: where the collectives are (they show only in compiled text)."""
+        tensors = self.graph.tensors
+        if kind == "reduce":
+            red = self.reductions[stage]
+            avals = [jax.ShapeDtypeStruct((_stacked_rows(sh), *tensors[t].shape),
+                                          tensors[t].dtype, sharding=sh)
+                     for t, sh in zip(red.tensors, red.in_shardings, strict=True)]
+            return red.jitted.lower(*avals).compile().as_text()
+        prog = self.programs[(stage, kind, level)]
+        avals = [jax.ShapeDtypeStruct(tensors[t].shape, tensors[t].dtype, sharding=sh)
+                 for t, sh in zip(prog.segment.inputs, prog.in_shardings, strict=True)]
+        return prog.jitted.lower(*avals).compile().as_text()
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = jax.tree_util.tree_flatten(args)
@@ -165,7 +244,7 @@ class PipelinedStep:
 
         for slot in self.schedule.slots:
             for action in slot:
-                prog = self.programs.get((action.stage, action.kind, 0))
+                prog = self.programs.get((action.virtual_stage(self.schedule.num_stages), action.kind, 0))
                 if prog is None:
                     continue
                 m = action.microbatch
@@ -186,6 +265,9 @@ class PipelinedStep:
             names = sorted({graph.tensors[t].name for t, _ in values})[:5]
             raise PipelineError(f"values produced but never read by the schedule's programs: {names}")
         B = self.num_microbatches
+        for red in self.reductions.values():
+            for tid, x in zip(red.tensors, red.jitted(*(acc.pop(t) for t in red.tensors)), strict=True):
+                step[tid] = x
         for tid, x in acc.items():
             step[tid] = _mean(x, B)
         for prog in self.update_order:
@@ -197,6 +279,13 @@ class PipelinedStep:
         if missing:
             raise PipelineError(f"the pipeline produced no value for the step results {missing[:5]}")
         return jax.tree_util.tree_unflatten(graph.out_tree, [step[t] for t in graph.outputs])
+
+
+def _stacked_rows(sharding: NamedSharding) -> int:
+    """``D`` of a stacked layout: the product of the mesh axes its leading dimension is split over."""
+    lead = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if lead is None else (lead,) if isinstance(lead, str) else tuple(lead)
+    return stacked_size(sharding.mesh, axes)
 
 
 @jax.jit
@@ -220,11 +309,13 @@ def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax
                             f"devices; {len(devices)} given")
     parts = split_step(graph)
     stage_of = plan.stage_of_op()
-    meshes = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
-              for st in plan.stages]
-    return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of), meshes,
-                         [st.specs for st in plan.stages],
-                         schedule(plan.schedule, len(plan.stages), plan.num_microbatches),
+    S = plan.num_physical_stages
+    physical = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
+                for st in plan.stages[:S]]
+    meshes = [physical[u % S] for u in range(len(plan.stages))]  # virtual stage u runs on stage u mod S
+    sched = schedule(plan.schedule, S, plan.num_microbatches, plan.num_chunks)
+    return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of, split_weight=sched.weight_pass),
+                         meshes, [st.specs for st in plan.stages], sched,
                          update_specs=[st.update_specs for st in plan.stages])
 
 

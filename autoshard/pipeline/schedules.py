@@ -19,7 +19,10 @@ one ``B`` at every virtual stage, no stage runs two actions at once, and
     B(u+1, m) ≺  B(u, m)          gradients flow backward
     F(u, m)   ≺  B(u, m)          a backward needs its own forward (at u = V-1 this turns the microbatch round)
 
-where ``≺`` is "ends before the other starts". ``Schedule.verify`` checks exactly these rules.
+where ``≺`` is "ends before the other starts". ``Schedule.verify`` checks exactly these rules. A
+schedule with a *weight pass* (``weight_pass``, ZB-H1) splits each backward into ``B(u, m)``, the input
+gradient the rules above speak of, and ``W(u, m)``, the weight gradient, with ``B(u, m) ≺ W(u, m)`` and
+nothing waiting on a ``W``.
 
 Slots
 -----
@@ -43,6 +46,10 @@ Per-stage orders (``W_s`` = warm-up forwards of stage ``s``, ``r = S-1-s`` stage
   ``W_s = min(2r + (v-1)·S, v·B)``, then the same warm-up / one-forward-one-backward / cool-down shape.
   Requires ``B mod S = 0``. Peak in flight: ``min(W_s + 1, v·B)`` chunk-microbatches, each holding the
   activations of one chunk (``1/v`` of the stage's layers).
+- ``zb-h1`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3): 1F1B's warm-up, then ``F B W``
+  per microbatch, then ``B W`` pairs; the ``W`` of the cool-down fill the slots where 1F1B waits for the
+  next backward, and the backward chain between stages carries only ``B``. Peak in flight (until ``W``):
+  ``min(r+1, B)``, as 1F1B.
 
 Bubble
 ------
@@ -68,16 +75,20 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "schedule",
+    "zb_h1",
 ]
 
-Kind = Literal["forward", "backward"]
+Kind = Literal["forward", "backward", "weight"]
 _KINDS = ("forward", "backward")
+_WEIGHT_KINDS = ("forward", "backward", "weight")
 _Key = tuple[int, int, str]  # (virtual stage, microbatch, kind)
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One unit of work: the forward or backward of ``microbatch`` on ``chunk`` of physical ``stage``."""
+    """One unit of work: the forward or backward of ``microbatch`` on ``chunk`` of physical ``stage`` (or,
+    in a schedule with a weight pass, the backward's input-gradient part ``backward`` and its
+    weight-gradient part ``weight``)."""
 
     stage: int
     microbatch: int
@@ -118,7 +129,12 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     num_chunks: int = 1
+    weight_pass: bool = False  # backwards split into input-gradient "backward" and weight-gradient "weight"
     slots: tuple[tuple[Action, ...], ...]
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return _WEIGHT_KINDS if self.weight_pass else _KINDS
 
     @property
     def num_virtual_stages(self) -> int:
@@ -148,8 +164,8 @@ class Schedule:
                 if not isinstance(a, Action):
                     problems.append(f"slot {t} holds {a!r}, not an Action")
                     continue
-                if a.kind not in _KINDS:
-                    problems.append(f"slot {t}: {a} has kind {a.kind!r}; expected one of {_KINDS}")
+                if a.kind not in self.kinds:
+                    problems.append(f"slot {t}: {a} has kind {a.kind!r}; expected one of {self.kinds}")
                     continue
                 ranges = (("stage", a.stage, S), ("microbatch", a.microbatch, B), ("chunk", a.chunk, v))
                 out = [f"{n}={x} not in [0, {hi})" for n, x, hi in ranges if not 0 <= x < hi]
@@ -171,13 +187,13 @@ class Schedule:
                     )
                 else:
                     slot_of[key] = t
-        missing = [k for k in _all_keys(S * v, B) if k not in slot_of]
+        missing = [k for k in _all_keys(S * v, B, self.kinds) if k not in slot_of]
         if missing:
             shown = ", ".join(_describe(k) for k in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             problems.append(
-                f"missing {shown}{more}; each microbatch needs a forward and a backward on "
-                "every virtual stage"
+                f"missing {shown}{more}; each microbatch needs a forward and a backward (and a weight "
+                "pass, where the schedule has one) on every virtual stage"
             )
         for key, t in slot_of.items():
             for dep in _deps(key, S * v):
@@ -198,11 +214,12 @@ class Schedule:
         backward has not: the number of activation sets the stage holds at its worst moment."""
         live: set[tuple[int, int]] = set()
         peak = 0
+        last = "weight" if self.weight_pass else "backward"  # the pass that frees the activations
         for a in self.actions(stage):
             if a.kind == "forward":
                 live.add((a.chunk, a.microbatch))
                 peak = max(peak, len(live))
-            else:
+            elif a.kind == last:
                 live.discard((a.chunk, a.microbatch))
         return peak
 
@@ -211,12 +228,19 @@ class Schedule:
         forward_times: Sequence[float],
         backward_times: Sequence[float],
         comm_time: float = 0.0,
+        weight_times: Sequence[float] | None = None,
     ) -> SimResult:
         """Event-simulate the schedule: each stage runs ``actions(stage)`` in order, each action starts once
         its stage is free and its inputs have arrived. Times are indexed by virtual stage; ``comm_time`` is
-        added to every dependency that crosses from one physical stage to another. Verifies first."""
+        added to every dependency that crosses from one physical stage to another; with a weight pass,
+        ``backward_times`` are the input-gradient parts and ``weight_times`` the weight-gradient parts.
+        Verifies first."""
         V = self.num_virtual_stages
-        for label, times in (("forward_times", forward_times), ("backward_times", backward_times)):
+        if self.weight_pass and weight_times is None:
+            raise ValueError(f"schedule {self.name!r} splits each backward: pass weight_times too")
+        durations = {"forward": forward_times, "backward": backward_times, "weight": weight_times or ()}
+        for label, times in (("forward_times", forward_times), ("backward_times", backward_times),
+                             *((("weight_times", weight_times or ()),) if self.weight_pass else ())):
             if len(times) != V:
                 raise ValueError(
                     f"schedule {self.name!r}: {label} has {len(times)} entries, expected one per virtual "
@@ -237,7 +261,7 @@ class Schedule:
                 for dep in _deps(key, V):
                     dep_end, dep_stage = done[dep]
                     ready = max(ready, dep_end + (comm_time if dep_stage != a.stage else 0.0))
-                duration = forward_times[key[0]] if a.kind == "forward" else backward_times[key[0]]
+                duration = durations[a.kind][key[0]]
                 start[a], end[a] = ready, ready + duration
                 free[a.stage] = ready + duration
                 done[key] = (ready + duration, a.stage)
@@ -246,8 +270,12 @@ class Schedule:
         return SimResult(makespan=makespan, start=start, end=end, busy=tuple(busy))
 
     def bubble_fraction(self, fwd_time: float = 1.0, bwd_time: float = 2.0) -> float:
-        """Idle share of the step with the same ``fwd_time``/``bwd_time`` for every action."""
+        """Idle share of the step with the same ``fwd_time``/``bwd_time`` for every action (with a weight
+        pass, half of ``bwd_time`` is the input gradient and half the weight gradient)."""
         V = self.num_virtual_stages
+        if self.weight_pass:
+            half = [bwd_time / 2] * V
+            return self.simulate([fwd_time] * V, half, weight_times=half).bubble_fraction
         return self.simulate([fwd_time] * V, [bwd_time] * V).bubble_fraction
 
     # ------------------------------------------------------------------ data
@@ -258,6 +286,7 @@ class Schedule:
             "num_stages": self.num_stages,
             "num_microbatches": self.num_microbatches,
             "num_chunks": self.num_chunks,
+            "weight_pass": self.weight_pass,
             "slots": [
                 [
                     {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind, "chunk": a.chunk}
@@ -275,6 +304,7 @@ class Schedule:
             num_stages=int(data["num_stages"]),
             num_microbatches=int(data["num_microbatches"]),
             num_chunks=int(data.get("num_chunks", 1)),
+            weight_pass=bool(data.get("weight_pass", False)),
             slots=tuple(
                 tuple(
                     Action(int(a["stage"]), int(a["microbatch"]), a["kind"], int(a.get("chunk", 0)))
@@ -304,9 +334,9 @@ class Schedule:
 # ---------------------------------------------------------------------- dependencies
 
 
-def _all_keys(num_virtual: int, num_microbatches: int) -> Iterable[_Key]:
+def _all_keys(num_virtual: int, num_microbatches: int, kinds: Sequence[str] = _KINDS) -> Iterable[_Key]:
     for m in range(num_microbatches):
-        for kind in _KINDS:
+        for kind in kinds:
             for u in range(num_virtual):
                 yield (u, m, kind)
 
@@ -316,6 +346,8 @@ def _deps(key: _Key, num_virtual: int) -> tuple[_Key, ...]:
     u, m, kind = key
     if kind == "forward":
         return ((u - 1, m, "forward"),) if u > 0 else ()
+    if kind == "weight":
+        return ((u, m, "backward"),)
     if u == num_virtual - 1:
         return ((u, m, "forward"),)
     return ((u + 1, m, "backward"), (u, m, "forward"))
@@ -348,7 +380,8 @@ def _warmup_steady_cooldown(forwards: list[Action], backwards: list[Action], war
 
 
 def _list_schedule(
-    name: str, num_stages: int, num_microbatches: int, num_chunks: int, orders: Sequence[Sequence[Action]]
+    name: str, num_stages: int, num_microbatches: int, num_chunks: int, orders: Sequence[Sequence[Action]],
+    weight_pass: bool = False,
 ) -> Schedule:
     """Unit-time slots for the given per-stage orders: at each slot, every stage starts its next action if
     its dependencies ran in earlier slots."""
@@ -376,6 +409,7 @@ def _list_schedule(
         num_stages=num_stages,
         num_microbatches=num_microbatches,
         num_chunks=num_chunks,
+        weight_pass=weight_pass,
         slots=tuple(slots),
     )
 
@@ -433,10 +467,30 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
     return _list_schedule(name, S, B, v, orders)
 
 
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3): 1F1B with every backward split
+    into its input-gradient part ``B`` (what the stage before waits for) and its weight-gradient part
+    ``W`` (needed by no other stage): the warm-up of 1F1B, then ``F B W`` per microbatch, then the
+    cool-down ``B W`` pairs, where each ``W`` fills the slot 1F1B leaves idle waiting for the next
+    ``B``. Peak in flight (forward run, ``W`` not yet): ``min(S-s, B)``, as 1F1B."""
+    _check_sizes("zb-h1", num_stages, num_microbatches)
+    orders = []
+    for s in range(num_stages):
+        warm = min(num_stages - 1 - s, num_microbatches)
+        order = [Action(s, m, "forward") for m in range(warm)]
+        for i in range(num_microbatches - warm):
+            order += [Action(s, warm + i, "forward"), Action(s, i, "backward"), Action(s, i, "weight")]
+        for m in range(num_microbatches - warm, num_microbatches):
+            order += [Action(s, m, "backward"), Action(s, m, "weight")]
+        orders.append(order)
+    return _list_schedule("zb-h1", num_stages, num_microbatches, 1, orders, weight_pass=True)
+
+
 _BUILDERS: Mapping[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": lambda S, B, v: gpipe(S, B),
     "1f1b": lambda S, B, v: one_f_one_b(S, B),
     "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": lambda S, B, v: zb_h1(S, B),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 

@@ -26,8 +26,16 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
 4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh. The predicted
    step time is ``Σ_s t_s + (B − 1)·max_s t_s + max_s T_update(s)``.
 
-Known limits: gradients are reduced per microbatch (a stage sharded data-parallel over a slow axis pays
-that reduction ``B`` times, where accumulating partial sums would pay once); a ``scan`` over layers is
+Interleaved 1F1B (``v`` model chunks per stage, Narayanan et al. 2021 §2.2) runs on a given stage layout
+(``stage_shape``: ``S`` equal submeshes): step 3 becomes a linear-partition DP cutting the layers into
+``V = v·S`` contiguous virtual stages minimising the slowest ``t``, virtual stage ``u`` on submesh
+``u mod S``; each virtual stage is planned whole as in step 4 (activations counted as the schedule's
+chunk-microbatches in flight), and the step time is the schedule's simulated makespan (backward = 2 ×
+forward) plus the largest per-stage sum of its chunks' update times.
+
+Known limits: the runtime reduces a data-parallel stage's gradients once per step
+(``autoshard.pipeline.unreduced``), but the stage prices here still count that reduction once per
+microbatch (the intra-op plan of a layer's microbatched ops includes it); a ``scan`` over layers is
 one forward op, so a scanned stack is one layer (trace with the layers unrolled to pipeline them).
 """
 
@@ -57,7 +65,7 @@ from autoshard.pipeline.partition import (
     split_step,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
-from autoshard.pipeline.schedules import SCHEDULE_NAMES, inflight_rule
+from autoshard.pipeline.schedules import SCHEDULE_NAMES, inflight_rule, schedule
 from autoshard.planner.shares import SHARES
 from autoshard.trace.graph import Graph
 from cost_models import CostModel
@@ -69,17 +77,25 @@ log = logging.getLogger("autoshard")
 def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_budget: float | None = None,
                   num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
                   time_budget_s: float | None = None, max_stages: int | None = None,
-                  forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None) -> PipelinePlan:
+                  forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None,
+                  num_chunks: int = 2) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
-    (hosts, devices) makes every stage that submesh (so ``devices / size`` stages). ``time_budget_s``:
-    solver seconds for the whole pipeline (None: scaled to the step's ops, ``SHARES.auto_seconds``)."""
+    (hosts, devices) makes every stage that submesh (so ``devices / size`` stages). The interleaved
+    schedule needs ``stage_shape`` and holds ``num_chunks`` model chunks per stage (``_interleaved``).
+    ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
+    ``SHARES.auto_seconds``)."""
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
-    if schedule_name not in SCHEDULE_NAMES or schedule_name == "interleaved-1f1b":
-        raise PipelineError(f"schedule {schedule_name!r}: the pipeline runtime runs 'gpipe' and '1f1b'")
+    if schedule_name not in SCHEDULE_NAMES:
+        raise PipelineError(f"schedule {schedule_name!r}: expected one of {', '.join(SCHEDULE_NAMES)}")
+    interleaved = schedule_name == "interleaved-1f1b"
+    if interleaved and (stage_shape is None or num_chunks < 2):
+        raise PipelineError("the interleaved schedule runs on a given stage layout with several model chunks "
+                            f"per stage: pass stage_shape=(hosts, devices) and num_chunks >= 2 (got "
+                            f"stage_shape={stage_shape}, num_chunks={num_chunks}), or use '1f1b'")
     if num_microbatches < 1:
         raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
     cluster = cluster_of(cost.mesh)
@@ -94,71 +110,120 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         (update_ops if parts.kind[op.id] == UPDATE else micro_ops)[layer_of_op[op.id]].append(op.id)
     into = _bytes_into_layers(graph, parts, layer_of_op, layers)
     slow = min(link.bandwidth for link in cost.mesh.links)
-    limit = min(max_stages or layers, layers)
-    inflight = inflight_rule(schedule_name, limit, num_microbatches)
     n_devices = cluster[0] * cluster[1]
+    chunks = num_chunks if interleaved else 1
+    limit = n_devices // (submeshes[0][0] * submeshes[0][1]) if interleaved else min(max_stages or layers, layers)
+    if interleaved and layers < chunks * limit:
+        raise PipelineError(f"{limit} stages of {chunks} chunks need at least {chunks * limit} layers; the step "
+                            f"has {layers}: pass num_layers >= {chunks * limit} or fewer chunks")
+    try:
+        inflight = inflight_rule(schedule_name, limit, num_microbatches, chunks)
+    except ValueError as e:
+        raise PipelineError(str(e)) from None
 
     # ---- the stage problem ----
     prices = price_layers(graph, micro_ops, update_ops, costs, hardware, memory_budget,
                           SHARES.layer_pricing * time_budget_s, inflight, n_devices)
-    problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=_stage_times(prices.micro_time, into, slow),
-                             num_microbatches=num_microbatches, submeshes=submeshes,
-                             static_memory=_range_sums(prices.update_memory),
-                             activation_memory=_range_sums(prices.micro_memory), memory_limit=memory_budget,
-                             inflight=inflight, max_stages=limit)
+    stage_time = _stage_times(prices.micro_time, into, slow)
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
-    try:
-        sol = solve_inter_op(problem)
-    except InterOpInfeasibleError as e:
-        raise PipelineError(f"no pipeline of {layers} layers fits: {e}") from None
+    if interleaved:
+        chosen, placement, dp_cost = _interleaved(stage_time[:, :, 0], limit, chunks, cluster, submeshes[0])
+        dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
+    else:
+        problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=stage_time,
+                                 num_microbatches=num_microbatches, submeshes=submeshes,
+                                 static_memory=_range_sums(prices.update_memory),
+                                 activation_memory=_range_sums(prices.micro_memory), memory_limit=memory_budget,
+                                 inflight=inflight, max_stages=limit)
+        try:
+            sol = solve_inter_op(problem)
+        except InterOpInfeasibleError as e:
+            raise PipelineError(f"no pipeline of {layers} layers fits: {e}") from None
+        if sol.placement is None:
+            raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the cluster "
+                                f"{cluster}")
+        chosen = [(st.first_layer, st.last_layer, st.submesh) for st in sol.stages]
+        placement, dp_cost = list(sol.placement), sol.cost
+        dp_seconds, dp_candidates = sol.stats.seconds, sol.stats.candidates
     t_dp = time.perf_counter() - t_start
-    placement = sol.placement
-    if placement is None:
-        raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the cluster {cluster}")
 
     # ---- the chosen stages re-planned whole ----
-    num_stages = len(sol.stages)
-    stage_ops = [([i for ell in range(st.first_layer, st.last_layer + 1) for i in micro_ops[ell]],
-                  [i for ell in range(st.first_layer, st.last_layer + 1) for i in update_ops[ell]])
-                 for st in sol.stages]
+    num_stages = len(chosen) // chunks  # physical
+    stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
+                  [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
+    held = [inflight[num_stages - 1 - u % num_stages] for u in range(len(chosen))]
     # identical stages (same ops on the same submesh shape, as many microbatches in flight) are planned once
-    keys = [(signature(graph, m) + signature(graph, u), st.submesh, inflight[num_stages - 1 - s])
-            for s, ((m, u), st) in enumerate(zip(stage_ops, sol.stages, strict=True))]
+    keys = [(signature(graph, m) + signature(graph, u), c[2], held[s])
+            for s, ((m, u), c) in enumerate(zip(stage_ops, chosen, strict=True))]
     seconds = max(SHARES.min_stage_seconds, SHARES.stage_plans * time_budget_s / (2 * len(set(keys))))
     done: dict[Any, Part] = {}
     stages: list[StagePlan] = []
-    for s, st in enumerate(sol.stages):
-        shape = submeshes[st.submesh]
+    for s, (first, last, m) in enumerate(chosen):
+        shape = submeshes[m]
         mops, uops = stage_ops[s]
         part = _reused(graph, done.get(keys[s]), mops, uops)
         if part is None:
             # the stage's own budget: its update state once, its activations once per microbatch in flight
-            part = done[keys[s]] = plan_part(graph, mops, uops, costs[st.submesh], hardware, memory_budget,
-                                             seconds, float(inflight[num_stages - 1 - s]))
-        log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned", s, st.first_layer, st.last_layer, *shape)
+            part = done[keys[s]] = plan_part(graph, mops, uops, costs[m], hardware, memory_budget,
+                                             seconds, float(held[s]))
+        log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned", s, first, last, *shape)
         if part.micro.plan is None and mops:
-            raise PipelineError(f"stage {s} (layers {st.first_layer}..{st.last_layer}) on {shape} did not plan "
+            raise PipelineError(f"stage {s} (layers {first}..{last}) on {shape} did not plan "
                                 "within the memory budget when planned whole")
         stages.append(StagePlan(
-            layers=(st.first_layer, st.last_layer), submesh=shape, origin=placement[s],
-            mesh=costs[st.submesh].mesh, micro_time=part.time + 2 * into[st.first_layer] / slow,
+            layers=(first, last), submesh=shape, origin=placement[s],
+            mesh=costs[m].mesh, micro_time=part.time + 2 * into[first] / slow,
             update_time=part.update.time, memory=part.memory, specs=remap(part.micro),
             update_specs=remap(part.update),
         ))
     times = [st.micro_time for st in stages]
-    pipe = sum(times) + (num_microbatches - 1) * max(times)
-    step_time = pipe + max(st.update_time for st in stages)
-    bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
-    report = PipelineReport(dp_cost=sol.cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
-                            dp_seconds=sol.stats.seconds, dp_candidates=sol.stats.candidates,
+    sched = schedule(schedule_name, num_stages, num_microbatches, chunks)
+    if interleaved or sched.weight_pass:  # the schedule's own timeline: a backward costs twice a forward
+        third = [t / 3 for t in times]
+        sim = (sched.simulate(third, third, weight_times=third) if sched.weight_pass
+               else sched.simulate(third, [2 * t for t in third]))
+        pipe, bubble = sim.makespan, sim.bubble_fraction
+    else:
+        pipe = sum(times) + (num_microbatches - 1) * max(times)
+        bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
+    per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
+    step_time = pipe + max(sum(stages[u].update_time for u in us) for us in per_stage)
+    report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
+                            dp_seconds=dp_seconds, dp_candidates=dp_candidates,
                             stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start)
     return PipelinePlan(
         mesh=cost.mesh, hardware=hardware, num_microbatches=num_microbatches, schedule=schedule_name,
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
-        bubble_fraction=bubble, peak_memory=max(st.memory for st in stages), memory_budget=memory_budget,
-        solver=report, graph_digest=graph_digest(graph),
+        bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
+        memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
     )
+
+
+def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: tuple[int, int],
+                 shape: tuple[int, int]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float]:
+    """The interleaved layout on ``num_stages`` submeshes of ``shape``: the layers cut into ``V = chunks ·
+    num_stages`` contiguous virtual stages minimising the slowest one's time ``t[i, j]`` (a linear-partition
+    DP), virtual stage ``u`` on submesh ``u mod S`` (chunks dealt round-robin); submeshes tile the cluster
+    row-major. Returns ``(first layer, last layer, 0)`` per virtual stage, their origins, the bottleneck."""
+    layers, V = stage_time.shape[0], chunks * num_stages
+    best = np.full((V + 1, layers + 1), np.inf)  # best[k, j]: layers 0..j-1 in k groups, slowest group
+    cut = np.zeros((V + 1, layers + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, V + 1):
+        for j in range(k, layers + 1):
+            for i in range(k - 1, j):
+                val = max(best[k - 1, i], stage_time[i, j - 1])
+                if val < best[k, j]:
+                    best[k, j], cut[k, j] = val, i
+    if not np.isfinite(best[V, layers]):
+        raise PipelineError(f"no cut of {layers} layers into {V} virtual stages has finite times on {shape}")
+    bounds, j = [], layers
+    for k in range(V, 0, -1):
+        bounds.append((int(cut[k, j]), j - 1, 0))
+        j = int(cut[k, j])
+    origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
+    return bounds[::-1], [origins[u % num_stages] for u in range(V)], float(best[V, layers])
 
 
 def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None) -> tuple[tuple[int, int], ...]:
