@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from autoshard import distributed
 from autoshard.emit import emit
 from autoshard.errors import AutoshardError
 from autoshard.pipeline import (
@@ -229,6 +230,10 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
 
     def _compile(self, args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
+        if distributed.multiprocess():  # planned on process 0, agreed by all: autoshard.distributed
+            return _Compiled(*distributed.compile_everywhere(
+                self.fn, args, self.roles, self.options, device_mesh,
+                lambda graph: plan_for(graph, (), self.target, self.options, time_budget_s=self.time_budget_s)[0]))
         the_plan, graph, micro = plan_for(self.fn, args, self.target, self.options,
                                           time_budget_s=self.time_budget_s, roles=self.roles)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
