@@ -198,7 +198,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             self.fn = fn
             return self
         leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves))
+        # shape and dtype objects, not strings: str(dtype) took ~25 us a leaf, milliseconds a step (#16)
+        key = (tree, tuple((getattr(x, "shape", ()), getattr(x, "dtype", type(x))) for x in leaves))
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._compile(args)
