@@ -175,18 +175,19 @@ def trace_global(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[s
 
 
 def _rows_of_this_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
-    """True when this process's devices need exactly its own block of rows (``rows / processes``, in
-    process order) and every column: then its batch part can be handed over as it is."""
+    """True when this process's devices together need exactly its own block of rows (``rows / processes``,
+    in process order) and every column: then its batch part can be handed over as it is."""
     n, p = jax.process_count(), jax.process_index()
-    rows = shape[0] // n
-    lo, hi = p * rows, (p + 1) * rows
+    want = [(p * (shape[0] // n), (p + 1) * (shape[0] // n)), *((0, d) for d in shape[1:])]
+    lo = [d for _, d in want]
+    hi = [0] * len(shape)
     for dev, idx in sharding.devices_indices_map(shape).items():
         if dev.process_index != p:
             continue
-        r = idx[0]
-        if (r.start or 0) < lo or (shape[0] if r.stop is None else r.stop) > hi:
-            return False
-    return True
+        for k, (sl, d) in enumerate(zip(idx, shape, strict=True)):
+            start, stop, _ = sl.indices(d)
+            lo[k], hi[k] = min(lo[k], start), max(hi[k], stop)
+    return list(zip(lo, hi, strict=True)) == want
 
 
 def _from_local_rows(x: Any, sharding: jax.sharding.NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:

@@ -72,6 +72,9 @@ def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) ->
     reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert [r["devices"] for r in reports] == [8, 8]
     assert reports[0]["losses"] == reports[1]["losses"]  # one program: the same loss in both processes
+    for r in reports:  # batch parts put together in a layout each process can fill alone, and in one it can't
+        assert r["assembled"]["rows_split"] == {"direct": True, "same": True, "sharding_kept": True}
+        assert r["assembled"]["rows_by_y"] == {"direct": False, "same": True, "sharding_kept": True}
     got = np.load(tmp_path / "result.npz")
     plan = Plan.from_dict(json.loads((tmp_path / "plan.json").read_text()))
     assert plan.mesh.shape == (2, 4)

@@ -29,6 +29,8 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autoshard  # noqa: E402
 from autoshard import distributed  # noqa: E402
@@ -54,9 +56,21 @@ for i in range(3):
     losses.append(float(np.asarray(metrics["loss"].addressable_data(0))))
 
 whole = multihost_utils.process_allgather(state.opt_state, tiled=True)  # every leaf, every process
+
+# batch parts assembled into layouts that split the rows over every device (each process hands over its
+# own rows) and over "y" only (each process needs every row: staged, then moved)
+x_all, x_mine = jax.tree.leaves(batch)[0], jax.tree.leaves(mine)[0]
+assembled = {}
+for name, spec in (("rows_split", P(("x", "y"))), ("rows_by_y", P("y"))):
+    sharding = NamedSharding(step.device_mesh, spec)
+    direct = distributed._rows_of_this_process(sharding, x_all.shape)
+    got = distributed._from_local_rows(x_mine, sharding, x_all.shape)
+    same = bool(np.array_equal(multihost_utils.process_allgather(got, tiled=True), x_all))
+    assembled[name] = {"direct": direct, "same": same, "sharding_kept": got.sharding == sharding}
 if rank == 0:
     leaves = {f"opt_{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(whole))}
     np.savez(out_dir / "result.npz", losses=np.array(losses), **leaves)
     (out_dir / "plan.json").write_text(json.dumps(step.plan.to_dict()))
-print(json.dumps({"rank": rank, "devices": len(jax.devices()), "losses": losses}), flush=True)
+print(json.dumps({"rank": rank, "devices": len(jax.devices()), "losses": losses, "assembled": assembled}),
+      flush=True)
 jax.distributed.shutdown()
