@@ -328,6 +328,20 @@ def test_no_specs_matches_and_replicates() -> None:
     assert all(s.spec == jax.sharding.PartitionSpec() for s in fn.in_shardings)
 
 
+def test_one_device_mesh_places_no_constraints() -> None:
+    # every layout on one device is the whole array: the program is jax.jit's, with nothing pinned
+    w = jax.random.normal(jax.random.key(0), (8, 8), jnp.float32) / 3
+    x = jax.random.normal(jax.random.key(1), (16, 8), jnp.float32)
+    graph = autoshard.trace(_cf_step, w, x)
+    specs = _pin_batch_rows(graph)
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    fn = emit(graph, specs, one)
+    assert global_rel_error(jax.jit(_cf_step)(w, x), fn(w, x)) < TOL
+    assert fn.interpreter.constraints == {}
+    assert "sharding_constraint" not in fn.lowered(w, x).as_text()
+    assert len(emit(graph, specs, _mesh()).lowered(w, x).as_text().split("sharding_constraint")) > 1
+
+
 # ---- validation ---------------------------------------------------------------------------------------------
 
 

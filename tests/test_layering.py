@@ -82,6 +82,7 @@ PASSES = (
     "autoshard.pipeline",
     "autoshard.profiler",
     "autoshard._examples",
+    "autoshard.distributed",
     "autoshard.api",
     "autoshard.cli",
     "autoshard",

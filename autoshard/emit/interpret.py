@@ -2,7 +2,8 @@
 
 ``Interpreter.run(graph, key, args)`` is the inverse of tracing: every op binds its jaxpr equation's
 primitive again (``eqn.primitive.bind(*inputs, **params)``), and every value whose tensor has a spec in scope
-``key`` is passed through ``jax.lax.with_sharding_constraint``. Run under ``jax.jit`` it re-emits the step
+``key`` is passed through ``jax.lax.with_sharding_constraint`` (on a mesh of one device, where every layout is
+the whole array, none is placed). Run under ``jax.jit`` it re-emits the step
 with the constraints in place; Shardy then inserts the collectives.
 
 Where values come from
@@ -69,7 +70,8 @@ class Interpreter:
 
     def __init__(self, mesh: jax.sharding.Mesh, specs: Mapping[Scope, Mapping[int, ShardingSpec]]) -> None:
         self.mesh = mesh
-        self.specs = {normalize_key(k): dict(v) for k, v in specs.items()}
+        # on one device every layout is the whole array: constraints would pin nothing, so none are placed
+        self.specs = {normalize_key(k): dict(v) for k, v in specs.items()} if mesh.size > 1 else {}
         self._shardings: dict[ShardingSpec, jax.sharding.NamedSharding] = {}
         self._warned: set[str] = set()
         self.constraints: dict[Scope, int] = {}  # constraints placed per scope, in the last trace

@@ -1,0 +1,258 @@
+"""Several processes (multi-controller JAX, ``jax.distributed``): one plan agreed by every process, and
+global arrays assembled from what each process holds.
+
+Under ``jax.distributed`` every process runs the same Python program and calls the decorated step with its
+own arguments. ``@autoshard.parallelize`` then
+
+1. sees the step at its *global* size: a batch leaf (``Role.BATCH``, from the argument paths as the tracer
+   names them) is this process's part of the batch, its rows stacked over the processes in process order;
+   every other leaf (params, optimizer state, counters) is the whole value, the same in every process;
+2. traces the step on every process (a deterministic pass: the tensor ids a plan names agree), plans on
+   process 0 only (the planner's time-budgeted solver is not deterministic across processes) and
+   broadcasts the plan as JSON to the others; every process then checks, with a collective, that it holds
+   the same plan for the same graph (one SHA-256 digest each, gathered and compared);
+3. turns each call's arguments into global ``jax.Array``\\ s laid out with the program's input shardings
+   (``global_args``): batch parts with ``jax.make_array_from_process_local_data``, whole values with
+   ``jax.make_array_from_callback``; arrays that are already global pass through (the previous step's
+   results) or are moved to the wanted layout.
+
+A process that dies must not leave the others waiting forever: ``initialize`` wraps
+``jax.distributed.initialize`` with a bounded heartbeat, after which JAX's coordination service ends every
+other process with an error that says a task died.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from autoshard.emit import EmittedStep, emit
+from autoshard.errors import AutoshardError
+from autoshard.planner.plan import Plan
+from autoshard.target import PipelineOptions
+from autoshard.trace import Graph, Role, trace
+from autoshard.trace import roles as _roles
+
+log = logging.getLogger("autoshard")
+
+HEARTBEAT_TIMEOUT_S = 30
+
+
+class DistributedError(AutoshardError, RuntimeError):
+    """The processes of a multi-process run disagree, or one of them failed."""
+
+
+def multiprocess() -> bool:
+    """True when this program is one of several JAX processes (``jax.distributed`` is initialized)."""
+    return jax.process_count() > 1
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
+               heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, **kwargs: Any) -> None:
+    """``jax.distributed.initialize`` with a bounded heartbeat: if a process dies, the others end with
+    JAX's "another task died" error after about ``heartbeat_timeout_s`` seconds instead of waiting in a
+    collective forever. Other keyword arguments go to ``jax.distributed.initialize``."""
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                                   **kwargs)
+    except TypeError:  # a jax without heartbeat_timeout_seconds: its own (longer) default applies
+        log.warning("autoshard.distributed: this jax.distributed.initialize takes no heartbeat_timeout_seconds; "
+                    "a dead process is noticed after JAX's default heartbeat timeout")
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id, **kwargs)
+
+
+# ---- the step at its global size ------------------------------------------------------------------------
+
+
+def local_leaves(fn: Callable[..., Any], args: tuple[Any, ...],
+                 roles: Mapping[str, Any] | None = None) -> list[bool]:
+    """For each flattened argument leaf, whether it is this process's part of the batch (``Role.BATCH`` as
+    ``autoshard.trace`` names roles, ``roles`` overrides included) rather than a whole value."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(args)
+    names_of_args = _roles.arg_names(fn, len(args))
+    paths = [(path[0].idx, tuple(path[1:])) for path, _ in flat]
+    found = [_roles.infer_role(a, names_of_args[a], p) for a, p in paths]
+    if roles:
+        _roles.apply_overrides([_roles.leaf_name(names_of_args[a], p) for a, p in paths], found, roles)
+    return [r is Role.BATCH and not _is_global(x) for r, (_, x) in zip(found, flat, strict=True)]
+
+
+def _is_global(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def global_shapes(fn: Callable[..., Any], args: tuple[Any, ...],
+                  roles: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+    """``args`` as ``jax.ShapeDtypeStruct`` leaves at their global size: batch parts get ``rows × number of
+    processes`` rows; whole values and global arrays keep their shapes."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    local = local_leaves(fn, args, roles)
+    n = jax.process_count()
+    out = []
+    for x, is_local in zip(leaves, local, strict=True):
+        shape, dtype = np.shape(x), jax.dtypes.canonicalize_dtype(getattr(x, "dtype", np.result_type(x)))
+        if is_local:
+            if not shape:
+                raise DistributedError(
+                    "a batch leaf is a scalar, so it has no rows to split over the processes; give it a "
+                    "leading batch dimension, or mark it as state with roles={'<path>': 'state'}")
+            shape = (shape[0] * n, *shape[1:])
+        out.append(jax.ShapeDtypeStruct(shape, dtype))
+    return tuple(jax.tree_util.tree_unflatten(tree, out))
+
+
+# ---- one plan for every process -------------------------------------------------------------------------
+
+
+def _broadcast_bytes(payload: bytes | None) -> bytes:
+    """Process 0's ``payload`` on every process (the others pass None)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(payload or b"", dtype=np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.array([mine.size], dtype=np.int64))[0])
+    buf = np.zeros(n, dtype=np.uint8)
+    if jax.process_index() == 0:
+        buf[:] = mine
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8).tobytes()
+
+
+def graph_signature(graph: Graph) -> str:
+    """What a plan's tensor ids depend on: the inputs' names, shapes and dtypes and the ops in order."""
+    ins = [(graph.tensors[t].name, list(graph.tensors[t].shape), str(graph.tensors[t].dtype)) for t in graph.inputs]
+    ops = [op.primitive for _, op in graph.walk()]
+    return json.dumps({"inputs": ins, "ops": ops, "tensors": len(graph.tensors)})
+
+
+def check_agreement(what: str, text: str) -> None:
+    """Gather one SHA-256 digest of ``text`` from every process; raise ``DistributedError`` naming the
+    processes whose digest differs from process 0's."""
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(jax.process_count(), -1)
+    odd = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if odd:
+        raise DistributedError(
+            f"processes {odd} hold a different {what} than process 0 (SHA-256 digests differ); every process "
+            "must run the same program on arguments of the same structure, shapes and dtypes (a batch part "
+            "of the same size), with the same autoshard and jax versions")
+
+
+def agreed_plan(graph: Graph, make: Callable[[], Plan]) -> Plan:
+    """``make()`` run on process 0 only, its plan broadcast to every process as JSON, and checked: every
+    process must have traced the same graph and must hold the same plan. An error on process 0 (no plan
+    fits) is raised on every process."""
+    check_agreement("traced step", graph_signature(graph))
+    payload = None
+    if jax.process_index() == 0:
+        try:
+            payload = json.dumps({"plan": make().to_dict()}).encode()
+        except AutoshardError as e:  # every process raises it, instead of the others waiting for a plan
+            payload = json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
+    got = json.loads(_broadcast_bytes(payload))
+    if "error" in got:
+        raise DistributedError(f"process 0 could not plan the step: {got['error']}")
+    plan = Plan.from_dict(got["plan"])
+    plan.verify(graph)
+    check_agreement("plan", json.dumps(plan.to_dict(), sort_keys=True))
+    return plan
+
+
+def trace_global(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str, Any] | None) -> Graph:
+    """The step traced at its global size (``global_shapes``)."""
+    return trace(fn, *global_shapes(fn, args, roles), roles=roles)
+
+
+# ---- arguments as global arrays -------------------------------------------------------------------------
+
+
+def _rows_of_this_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """True when this process's devices together need exactly its own block of rows (``rows / processes``,
+    in process order) and every column: then its batch part can be handed over as it is."""
+    n, p = jax.process_count(), jax.process_index()
+    want = [(p * (shape[0] // n), (p + 1) * (shape[0] // n)), *((0, d) for d in shape[1:])]
+    lo = [d for _, d in want]
+    hi = [0] * len(shape)
+    for dev, idx in sharding.devices_indices_map(shape).items():
+        if dev.process_index != p:
+            continue
+        for k, (sl, d) in enumerate(zip(idx, shape, strict=True)):
+            start, stop, _ = sl.indices(d)
+            lo[k], hi[k] = min(lo[k], start), max(hi[k], stop)
+    return list(zip(lo, hi, strict=True)) == want
+
+
+def _from_local_rows(x: Any, sharding: jax.sharding.NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
+    local = np.asarray(x)
+    if _rows_of_this_process(sharding, global_shape):
+        return jax.make_array_from_process_local_data(sharding, local, global_shape)
+    # the plan wants rows this process does not hold (a batch not split over the processes): stage the
+    # parts with the rows split by process, then let XLA move them into the plan's layout
+    devices = np.array(sharding.mesh.devices.flat).reshape(jax.process_count(), -1)
+    staging = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("process", "local")),
+                                         jax.sharding.PartitionSpec("process"))
+    staged = jax.make_array_from_process_local_data(staging, local, global_shape)
+    return jax.jit(lambda a: a, out_shardings=sharding)(staged)
+
+
+def _from_whole(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    whole = np.asarray(x)
+    return jax.make_array_from_callback(whole.shape, sharding, lambda idx: whole[idx])
+
+
+def global_args(step: EmittedStep, local: Sequence[bool], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` (this process's view) as global arrays in ``step``'s input shardings: batch parts (where
+    ``local`` is true) stacked over the processes, whole values split or replicated, global arrays kept
+    (or moved, where their layout is not the program's)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    out = []
+    for i, (x, is_local) in enumerate(zip(leaves, local, strict=True)):
+        sharding = step.in_shardings[i]
+        aval = step.graph.tensors[step.graph.inputs[i]]
+        if _is_global(x):
+            out.append(x if x.sharding == sharding else jax.device_put(x, sharding))
+        elif is_local:
+            out.append(_from_local_rows(x, sharding, tuple(aval.shape)))
+        else:
+            out.append(_from_whole(x, sharding))
+    return tuple(jax.tree_util.tree_unflatten(tree, out))
+
+
+class GlobalStep:
+    """An ``EmittedStep`` called with one process's view of the arguments: each call first makes them
+    global arrays (``global_args``). ``emitted`` is the program itself."""
+
+    def __init__(self, emitted: EmittedStep, fn: Callable[..., Any], roles: Mapping[str, Any] | None) -> None:
+        self.emitted, self.fn, self.roles = emitted, fn, roles
+
+    def globalize(self, *args: Any) -> tuple[Any, ...]:
+        return global_args(self.emitted, local_leaves(self.fn, args, self.roles), args)
+
+    def place_state(self, *args: Any) -> tuple[Any, ...]:
+        return self.emitted.place_state(*self.globalize(*args))
+
+    def __call__(self, *args: Any) -> Any:
+        return self.emitted(*self.globalize(*args))
+
+
+def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str, Any] | None,
+                       options: PipelineOptions, mesh: jax.sharding.Mesh,
+                       make: Callable[[Graph], Plan]) -> tuple[Graph, Plan, GlobalStep]:
+    """What ``parallelize`` compiles when several processes run: the step traced at its global size on
+    every process, planned by ``make(graph)`` on process 0 (``agreed_plan``), emitted on ``mesh``."""
+    if options.planned:
+        raise DistributedError(
+            f"a pipelined plan (microbatches={options.microbatches}) runs one program per stage from a single "
+            "process; across processes, leave microbatches unset (an intra-operator plan), or write the "
+            "repeated layers as an SPMD pipeline with autoshard.pipeline.spmd.spmd_pipeline")
+    graph = trace_global(fn, args, roles)
+    plan = agreed_plan(graph, lambda: make(graph))
+    return graph, plan, GlobalStep(emit(graph, plan.specs, mesh), fn, roles)

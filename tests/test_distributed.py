@@ -1,0 +1,132 @@
+"""``@autoshard.parallelize`` across processes (jax.distributed on localhost, 2 processes x 4 CPU devices,
+gloo): the same numbers as one process on 8 devices, one plan for all, and a dead process ends the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard import distributed
+from autoshard._examples import load_example
+from autoshard.emit import global_rel_error
+from autoshard.planner.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "workers" / "parallelize_worker.py"
+TOL = 1e-5
+HEARTBEAT_S = 10  # the workers' heartbeat timeout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, mode: str, example: str = "mlp.py") -> list[subprocess.Popen]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return [subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), str(r), "2", str(out), mode, example],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True) for r in range(2)]
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
+    """The same 3 steps in this process, on its 8 devices."""
+    ex = load_example(ROOT / "examples" / example, "tiny", [], abstract=False)
+    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=5)
+    state, batch = ex.args
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
+
+
+def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) -> None:
+    procs = _launch(tmp_path, "run")
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        _end(procs)
+    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
+    reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert [r["devices"] for r in reports] == [8, 8]
+    assert reports[0]["losses"] == reports[1]["losses"]  # one program: the same loss in both processes
+    for r in reports:  # batch parts put together in a layout each process can fill alone, and in one it can't
+        assert r["assembled"]["rows_split"] == {"direct": True, "same": True, "sharding_kept": True}
+        assert r["assembled"]["rows_by_y"] == {"direct": False, "same": True, "sharding_kept": True}
+    got = np.load(tmp_path / "result.npz")
+    plan = Plan.from_dict(json.loads((tmp_path / "plan.json").read_text()))
+    assert plan.mesh.shape == (2, 4)
+    want_losses, want_opt = _single_process("mlp.py")
+    got_opt = [got[f"opt_{i}"] for i in range(len(want_opt))]
+    assert global_rel_error(np.array(want_losses), got["losses"]) <= TOL
+    assert global_rel_error(want_opt, got_opt) <= TOL  # Adam's count, mu and nu after 3 steps
+
+
+def test_processes_that_trace_different_steps_stop_with_a_clear_error(tmp_path: Path) -> None:
+    procs = _launch(tmp_path, "disagree")
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        _end(procs)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode != 0
+        assert "processes [1] hold a different traced step than process 0" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("dead", [1, 0], ids=["worker-dies", "coordinator-dies"])
+def test_a_dead_process_ends_the_others_with_a_clear_error(tmp_path: Path, dead: int) -> None:
+    procs = _launch(tmp_path, f"die:{dead}")
+    try:
+        for line in procs[dead].stdout:  # gloo also writes here; blocks until step 1 is done (or EOF)
+            if line.strip() == "step 1 done":
+                break
+        else:
+            raise AssertionError(f"process {dead} ended before step 1:\n{procs[dead].stderr.read()[-3000:]}")
+        os.killpg(procs[dead].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        other = procs[1 - dead]
+        _, err = other.communicate(timeout=HEARTBEAT_S + 120)  # bounded: never a hang
+        waited = time.monotonic() - t0
+    finally:
+        _end(procs)
+    assert other.returncode != 0
+    assert "another task died" in err or "heartbeat" in err, err[-3000:]
+    print(f"process {1 - dead} ended {waited:.1f} s after process {dead} was killed")
+
+
+def test_global_shapes_stack_batch_rows_over_processes() -> None:
+    # one process here: a batch part is the whole batch, state keeps its shape; roles follow the tracer's
+    def step(state: dict, batch: dict) -> float:
+        return 0.0
+
+    state = {"params": {"w": np.zeros((4, 3), np.float32)}}
+    batch = {"x": np.zeros((6, 3), np.float32)}
+    assert distributed.local_leaves(step, (state, batch)) == [False, True]
+    assert distributed.local_leaves(step, (state, batch), roles={"batch.x": "state"}) == [False, False]
+    shapes = jax.tree.leaves(distributed.global_shapes(step, (state, batch)))
+    assert [s.shape for s in shapes] == [(4, 3), (6, 3)]
+    with pytest.raises(distributed.DistributedError, match="scalar"):
+        distributed.global_shapes(step, (state, {"x": np.float32(1.0)}))
+    assert not distributed.multiprocess()
