@@ -7,13 +7,19 @@ from another thread, so solves big enough to risk that run in a child process (`
 from a clean server, not from a caller that may hold JAX's threads) and the caller waits at most until
 the deadline plus ``GRACE_S``; then the child is killed and the call returns ``on_timeout``. Small
 solves (under ``IN_PROCESS_COLUMNS`` columns) stay in-process: a child costs tens of milliseconds.
+
+The child must not import the caller's ``__main__``: multiprocessing would run a user's script again in it
+(its training loop, or its own call to the planner, which then fails in the middle of bootstrapping), so
+the main module is hidden while the child starts (``_main_hidden``); ``fn`` lives in an importable module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["GRACE_S", "IN_PROCESS_COLUMNS", "run_guarded"]
@@ -31,6 +37,23 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None
         conn.close()
 
 
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """While a child starts: ``__main__`` without the file or spec that would make the child import it."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # read by multiprocessing.spawn.get_preparation_data
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def run_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict, *, deadline: float, columns: int,
                 on_timeout: Any) -> Any:
     """``fn(*args, **kwargs)``, in a child process killed at ``deadline + GRACE_S`` (``time.perf_counter``)
@@ -42,7 +65,8 @@ def run_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict, *, deadline: 
     ctx.set_forkserver_preload(["numpy", "highspy", "solvers.intra_op.rowgen"])
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(send, fn, args, kwargs), daemon=True)
-    proc.start()
+    with _main_hidden():
+        proc.start()
     send.close()
     try:
         if recv.poll(max(0.0, deadline + GRACE_S - time.perf_counter())):

@@ -59,3 +59,24 @@ def test_a_solve_that_overruns_its_deadline_is_killed() -> None:
     assert out == "killed"
     assert time.perf_counter() - t0 < 0.2 + GRACE_S + 10.0
     assert run_guarded(max, (1, 2), {}, deadline=time.perf_counter() + 30.0, columns=10**9, on_timeout=None) == 2
+
+
+def test_a_guarded_solve_from_a_script_without_a_main_guard_does_not_run_the_script_again(tmp_path) -> None:
+    # multiprocessing would import the caller's __main__ in the child: a user's script, run a second time
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import math, time\n"
+        "from solvers.intra_op.watchdog import run_guarded\n"
+        "print('script body ran', flush=True)\n"
+        "print(run_guarded(math.sqrt, (16.0,), {}, deadline=time.perf_counter() + 30, columns=10**6,"
+        " on_timeout=None))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("script body ran") == 1 and "4.0" in out.stdout, out.stdout
