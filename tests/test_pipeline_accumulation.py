@@ -99,6 +99,17 @@ def _per_step(step: PipelinedStep) -> tuple[int, dict[tuple[int, str], int]]:
     return total, counts
 
 
+def _matches_the_unsharded_step(step, state, batch) -> None:
+    """Three steps of the pipelined ``step`` against ``jax.jit`` of the unsharded one: losses and Adam moments."""
+    ref = jax.jit(_train_step)
+    s_ref = s_pip = state
+    for _ in range(3):
+        s_ref, m_ref = ref(s_ref, batch)
+        s_pip, m_pip = step(s_pip, batch)
+        assert global_rel_error(m_ref, m_pip) <= TOL
+        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+
+
 def test_gradients_are_reduced_once_per_step_whatever_the_microbatch_count() -> None:
     totals = {}
     for B in (4, 8):
@@ -119,13 +130,7 @@ def test_gradients_are_reduced_once_per_step_whatever_the_microbatch_count() -> 
 def test_accumulated_pipeline_matches_the_unsharded_step(schedule: str, micro: int) -> None:
     step, state, batch = data_parallel_pipeline(micro, schedule)
     assert step.reductions, "the data-parallel stages should carry their gradients unreduced"
-    ref = jax.jit(_train_step)
-    s_ref = s_pip = state
-    for _ in range(3):
-        s_ref, m_ref = ref(s_ref, batch)
-        s_pip, m_pip = step(s_pip, batch)
-        assert global_rel_error(m_ref, m_pip) <= TOL
-        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+    _matches_the_unsharded_step(step, state, batch)
 
 
 # ---- interleaved 1F1B ----------------------------------------------------------------------------------
@@ -140,13 +145,7 @@ def test_interleaved_pipeline_matches_the_unsharded_step(micro: int) -> None:
     total, counts = _per_step(step)
     assert all(n == 0 for (_, kind), n in counts.items() if kind in ("forward", "backward")), counts
     assert total == len(jax.tree.leaves(state.params)) + 1
-    ref = jax.jit(_train_step)
-    s_ref = s_pip = state
-    for _ in range(3):
-        s_ref, m_ref = ref(s_ref, batch)
-        s_pip, m_pip = step(s_pip, batch)
-        assert global_rel_error(m_ref, m_pip) <= TOL
-        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+    _matches_the_unsharded_step(step, state, batch)
 
 
 def test_interleaved_plan_round_trips_and_checks_its_chunks() -> None:
@@ -192,13 +191,7 @@ def test_zb_h1_pipeline_matches_the_unsharded_step(micro: int) -> None:
     total, counts = _per_step(step)
     assert all(n == 0 for (_, kind), n in counts.items() if kind in ("forward", "backward", "weight")), counts
     assert total == len(jax.tree.leaves(state.params)) + 1
-    ref = jax.jit(_train_step)
-    s_ref = s_pip = state
-    for _ in range(3):
-        s_ref, m_ref = ref(s_ref, batch)
-        s_pip, m_pip = step(s_pip, batch)
-        assert global_rel_error(m_ref, m_pip) <= TOL
-        assert global_rel_error(s_ref.opt_state, s_pip.opt_state) <= TOL
+    _matches_the_unsharded_step(step, state, batch)
 
 
 def test_split_backward_programs_need_a_schedule_with_a_weight_pass() -> None:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 
 from autoshard.trace.costs import REDUCTIONS
-from autoshard.trace.graph import Graph
+from autoshard.trace.graph import Graph, peak_of_intervals
 
 # Elementwise and layout ops (``InstructionFusion::IsExpensive`` false, and jax ops lowering to them)
 CHEAP = frozenset(
@@ -89,17 +89,8 @@ class Buffers:
 
     def peak(self, graph: Graph) -> int:
         """Peak over the schedule of the held tensors' bytes (unsharded; nested bodies not included)."""
-        n = len(graph.ops)
-        delta = [0] * (n + 2)
-        for t, h, (s, e) in zip(graph.tensors, self.held, self.live, strict=True):
-            if h and e > s:
-                delta[s] += t.nbytes
-                delta[e] -= t.nbytes
-        cur = best = 0
-        for d in delta:
-            cur += d
-            best = max(best, cur)
-        return best
+        return peak_of_intervals(((span, t.nbytes) for t, h, span in zip(graph.tensors, self.held, self.live,
+                                                                         strict=True) if h), len(graph.ops))
 
 
 def is_virtual(graph: Graph, tid: int, outputs: frozenset[int]) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import networkx as nx
@@ -148,18 +148,7 @@ class Graph:
 
     def peak_live_bytes(self) -> int:
         """Peak of the summed bytes of live tensors over the schedule, unsharded (inputs included)."""
-        n = len(self.ops)
-        delta = [0] * (n + 2)
-        for t in self.tensors:
-            s, e = t.live
-            if e > s:
-                delta[s] += t.nbytes
-                delta[e] -= t.nbytes
-        peak = cur = 0
-        for d in delta:
-            cur += d
-            peak = max(peak, cur)
-        return peak
+        return peak_of_intervals(((t.live, t.nbytes) for t in self.tensors), len(self.ops))
 
     def stats(self) -> dict[str, Any]:
         nested_ops = sum(1 for d, _ in self.walk() if d > 0)
@@ -276,3 +265,17 @@ class Graph:
 
         return format_summary(self, top=top)
 
+
+def peak_of_intervals(spans: Iterable[tuple[tuple[int, int], int]], steps: int) -> int:
+    """The largest sum of ``size`` over the half-open intervals ``[s, e)`` of ``spans`` live at one time step
+    ``0 <= t <= steps``."""
+    delta = [0] * (steps + 2)
+    for (s, e), size in spans:
+        if e > s:
+            delta[s] += size
+            delta[e] -= size
+    peak = cur = 0
+    for d in delta:
+        cur += d
+        peak = max(peak, cur)
+    return peak
