@@ -32,9 +32,12 @@ above in that order; ``solve_ilp`` runs HiGHS through ``highspy`` (or CBC throug
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -230,10 +233,38 @@ def interrupt_at_deadline(h: object, deadline: float) -> None:
         cb.subscribe(stop)
 
 
+_BANNER_SHOWN = False
+
+
+def quiet_highs() -> Any:
+    """A new ``highspy.Highs`` with its output off. highspy 1.16 prints its banner ("Running HiGHS ...") on
+    the process's first construction, before any option can be set; that first construction runs with file
+    descriptor 1 pointed at ``/dev/null``, so a user's terminal shows autoshard's plan and not the solver's
+    name."""
+    global _BANNER_SHOWN
+    import highspy
+
+    if _BANNER_SHOWN:
+        h = highspy.Highs()
+    else:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _BANNER_SHOWN = True
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def _solve_highs(core: Core, model: IlpModel, time_limit: float, warm: np.ndarray | None, gap: float) -> tuple:
     import highspy
 
-    h = highspy.Highs()
+    h = quiet_highs()
     deadline = time.perf_counter() + float(time_limit)
     interrupt_at_deadline(h, deadline)
     h.setOptionValue("output_flag", False)

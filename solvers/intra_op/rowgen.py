@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from solvers.intra_op.ilp import build_ilp, ilp_columns, interrupt_at_deadline
+from solvers.intra_op.ilp import build_ilp, ilp_columns, interrupt_at_deadline, quiet_highs
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core
 from solvers.intra_op.watchdog import run_guarded
@@ -171,7 +171,7 @@ def _row_generation(
     free = dataclasses.replace(core, mem_node=core.mem_node[:0], mem_lo=core.mem_lo[:0], mem_hi=core.mem_hi[:0],
                                mem_usage=(), slack=core.slack[:0])
     model = build_ilp(free)
-    h = highspy.Highs()
+    h = quiet_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", float(mip_rel_gap))

@@ -233,3 +233,21 @@ def test_cbc_backend_agrees_with_highs() -> None:
         pytest.skip("random instance infeasible")
     sol = solve_intra_op(p, backend="cbc", time_budget_s=30.0)
     assert sol.cost == pytest.approx(ref.cost, rel=1e-6)
+
+
+def test_a_solve_prints_nothing_on_the_terminal() -> None:
+    """highspy 1.16 prints a banner on a process's first ``Highs()``: a user's plan output must not carry it.
+    A fresh interpreter (the banner shows once per process) solves a loopy problem through HiGHS, with
+    memory rows so that row generation runs too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.path.insert(0, 'tests/solvers'); from test_intra_op_behaviour import _grid; "
+            "from solvers import solve_intra_op; s = solve_intra_op(_grid(6, 3, 0, memory=True), time_budget_s=20); "
+            "print('cost', s.cost, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert "cost" in out.stderr
+    assert out.stdout == ""
