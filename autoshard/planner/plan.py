@@ -103,6 +103,9 @@ class Plan:
     peak_memory: float  # bytes per device
     solver: SolverReport
     versions: Mapping[str, str]
+    # how many collectives of each "kind(axes)" of time_breakdown one step issues, before XLA combines
+    # small ones (``readback.collective_counts``); empty in plans saved before it was recorded
+    collective_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     # ---- checks ------------------------------------------------------------------------------------
 
@@ -152,6 +155,7 @@ class Plan:
             "peak_memory": self.peak_memory,
             "solver": self.solver.to_dict(),
             "versions": dict(self.versions),
+            "collective_counts": dict(self.collective_counts),
         }
 
     @classmethod
@@ -175,6 +179,7 @@ class Plan:
             peak_memory=float(d["peak_memory"]),
             solver=SolverReport.from_dict(d["solver"]),
             versions=dict(d["versions"]),
+            collective_counts={k: int(v) for k, v in d.get("collective_counts", {}).items()},
         )
 
     def save(self, path: str | Path) -> None:

@@ -148,6 +148,7 @@ def plan_graph(
         peak_memory=readback.peak_memory_of(built, sol.choice),
         solver=report,
         versions=versions(),
+        collective_counts=readback.collective_counts(built, sol.choice, cost),
     )
     plan.verify(graph)
     log.info("autoshard: planned %s: %s per step predicted, %s (%.1f s in all)", cost.mesh,

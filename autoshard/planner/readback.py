@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,32 +55,30 @@ def layouts(graph: Graph, built: BuiltProblem, choice: np.ndarray, pins: Mapping
     return {k: dict(v) for k, v in specs.items()}, inputs, tuple(outputs)
 
 
-def breakdown(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[str, float]:
-    """Seconds by category: ``compute``, one entry per collective kind and mesh axes (``all_reduce(x)``:
-    the ops' own collectives, resharding on edges and the reduction of pending sums the step returns),
-    and ``resharding``, the part of those spent on edges (not to be added again)."""
-    out: dict[str, float] = defaultdict(float)
+def issued(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> Iterator[tuple[str, float, float, bool]]:
+    """Every collective the plan issues, as ``(key, seconds, times, on_edge)``: ``key`` its kind and mesh
+    axes (``all_gather(x)``), ``seconds`` one issue's time, ``times`` how often a step issues it (the node's or
+    edge's weight: a loop body's collective once per iteration), ``on_edge`` whether it reshards between two
+    ops. Three sources: an op's own strategy (the all-reduce of a matmul's partial sums), each resharding
+    edge (an all-gather of a sharded weight for a replicated matmul: once per reading op, so a weight read by
+    a forward and a backward matmul is gathered twice, as FSDP does), and the pending sums the step returns
+    (a gradient reduced as the step ends)."""
     for i, node in enumerate(built.nodes):
-        s = int(choice[i])
-        out["compute"] += float(node.compute[s])
-        st = node.strategies[s]
+        st = node.strategies[int(choice[i])]
         if st is not None:
             for c in st.comm:
-                out[f"{c.kind}({','.join(c.axes)})"] += c.time * node.weight
+                yield f"{c.kind}({','.join(c.axes)})", c.time, node.weight, False
     p = built.problem
     for (u, v), mat, e in zip(p.edges, p.edge_costs, built.edges, strict=True):
-        t = float(mat[choice[u], choice[v]])
-        if t <= 0:
+        if float(mat[choice[u], choice[v]]) <= 0:
             continue
-        out["resharding"] += t
-        g = built.graphs[e.tensor[0]]
-        tensor = g.tensors[e.tensor[1]]
+        tensor = built.graphs[e.tensor[0]].tensors[e.tensor[1]]
         src = built.nodes[u].produced(e.tensor, int(choice[u]))
         s_v = int(choice[v])
         dst = built.nodes[v].needed(e.target, s_v) if e.kind == "data" else built.nodes[v].produced(e.target, s_v)
         if src is not None and dst is not None:
             for step in cost.reshard(tensor.shape, tensor.dtype, src, dst).steps:
-                out[f"{step.kind}({','.join(step.axes)})"] += step.time * e.weight
+                yield f"{step.kind}({','.join(step.axes)})", step.time, e.weight, True
     g = built.graphs[()]
     results = {((), t) for t in g.outputs}
     for i, node in enumerate(built.nodes):  # pending sums reduced as the step returns them
@@ -89,8 +87,33 @@ def breakdown(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[
                 results.discard(key)
                 t = g.tensors[key[1]]
                 for step in cost.reshard(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims)).steps:
-                    out[f"{step.kind}({','.join(step.axes)})"] += step.time
+                    yield f"{step.kind}({','.join(step.axes)})", step.time, 1.0, False
+
+
+def breakdown(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[str, float]:
+    """Seconds by category: ``compute``, one entry per collective kind and mesh axes (``all_reduce(x)``:
+    the ops' own collectives, resharding on edges and the reduction of pending sums the step returns;
+    ``issued``), and ``resharding``, the edges' whole price (not to be added again)."""
+    out: dict[str, float] = defaultdict(float)
+    for i, node in enumerate(built.nodes):
+        out["compute"] += float(node.compute[int(choice[i])])
+    p = built.problem
+    for (u, v), mat in zip(p.edges, p.edge_costs, strict=True):
+        t = float(mat[choice[u], choice[v]])
+        if t > 0:
+            out["resharding"] += t
+    for key, seconds, times, _ in issued(built, choice, cost):
+        out[key] += seconds * times
     return dict(out)
+
+
+def collective_counts(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[str, int]:
+    """How many collectives of each kind and mesh axes one step issues (``issued``, before XLA combines
+    small ones into one tuple collective)."""
+    out: dict[str, float] = defaultdict(float)
+    for key, _, times, _ in issued(built, choice, cost):
+        out[key] += times
+    return {k: round(v) for k, v in sorted(out.items())}
 
 
 def peak_memory_of(built: BuiltProblem, choice: Sequence[int] | np.ndarray) -> float:

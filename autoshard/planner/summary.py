@@ -37,7 +37,9 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     for k, v in sorted(plan.time_breakdown.items(), key=lambda kv: -kv[1]):
         if k == "resharding":
             continue
-        lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%")
+        n = plan.collective_counts.get(k)
+        issued = f"  {n} issued" if n else ""
+        lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%{issued}")
     if plan.time_breakdown.get("resharding"):
         lines.append(f"  (of the collectives, {human_time(plan.time_breakdown['resharding'])} is resharding between ops)")
 
