@@ -64,6 +64,9 @@ PRESETS: dict[str, Config] = {
     "6.7b": _gpt3(32, 4096, 32),
     "15b": _gpt3(48, 5120, 40),
     "39b": _gpt3(48, 8192, 64),
+    # Megatron-LM's GPT-1T (Narayanan et al. SC'21, Table 1: 128 layers, hidden 25600, 160 heads, sequence
+    # 2048, batch 3072, mixed precision): the largest model of the paper, trained on 3072 A100s.
+    "1t": dataclasses.replace(_gpt3(128, 25600, 160), seq_len=2048, batch=3072, dtype="bfloat16"),
 }
 
 _INIT = nn.initializers.normal(stddev=0.02)
