@@ -8,8 +8,8 @@ leaves every device with a partial sum of the whole output: the output spec carr
 - If the output has at most one consumer, the partial sum is left pending: the edge to the consumer pays
   the cheapest reduction the consumer's spec allows (all-reduce to replicate it, reduce-scatter to split
   it: the ZeRO / sequence-parallel choice), or the consumer is linear and passes it on.
-- With several consumers, each edge would pay the reduction again, so the op reduces itself: an
-  all-reduce inside the op, output no longer partial.
+- With several consumers, each edge would pay the reduction again, so the op reduces itself, once: an
+  all-reduce, or a reduce-scatter into a split output (``registry.settle_partial``).
 
 Megatron's column-parallel layer is (x: R, W: S(model) on its free dim) -> S(model) on the output's free
 dim; the row-parallel layer is (x: S(model) on contracting, W: S(model) on contracting) -> P(model).
@@ -23,22 +23,16 @@ from __future__ import annotations
 
 import itertools
 
-from autoshard.strategies.registry import Candidate, RuleContext, assignments, register
+from autoshard.strategies.registry import Candidate, RuleContext, assignments, register, settle_partial
 from autoshard.trace.graph import Op
 from cost_models import ShardingSpec
 
 
 def _finish(ctx: RuleContext, op: Op, lhs: ShardingSpec, rhs: ShardingSpec, out_dims: list[tuple[str, ...]],
-            contract_axes: tuple[str, ...]) -> Candidate:
+            contract_axes: tuple[str, ...]) -> list[Candidate]:
     partial = frozenset(contract_axes)
     work = frozenset(a for d in out_dims for a in d) | partial
-    out_tid = op.outputs[0]
-    if partial and ctx.fanout(out_tid) > 1:
-        out = ShardingSpec(dims=tuple(out_dims))
-        per_device = ctx.graph.tensors[out_tid].nbytes / max(1, out.num_shards(ctx.mesh))
-        return Candidate((lhs, rhs), (out,), comm=(("all_reduce", tuple(contract_axes), per_device),),
-                         work_axes=work)
-    return Candidate((lhs, rhs), (ShardingSpec(dims=tuple(out_dims), partial=partial),), work_axes=work)
+    return settle_partial(op, ctx, (lhs, rhs), ShardingSpec(dims=tuple(out_dims), partial=partial), work)
 
 
 @register("dot_general")
@@ -76,7 +70,7 @@ def dot_general(op: Op, ctx: RuleContext) -> list[Candidate]:
                 out_dims[o] = axes
             else:
                 contract.extend(axes)
-        cands.append(
+        cands.extend(
             _finish(ctx, op, ShardingSpec(dims=tuple(lhs_dims)), ShardingSpec(dims=tuple(rhs_dims)), out_dims,
                     tuple(contract))
         )
@@ -103,7 +97,7 @@ def conv(op: Op, ctx: RuleContext) -> list[Candidate]:
         lhs_dims[batch_dim], out_dims[out_batch] = b_axes, b_axes
         rhs_dims[out_feat_rhs], out_dims[out_feat] = f_axes, f_axes
         lhs_dims[in_feat_dim], rhs_dims[in_feat_rhs] = c_axes, c_axes
-        cands.append(
+        cands.extend(
             _finish(ctx, op, ShardingSpec(dims=tuple(lhs_dims)), ShardingSpec(dims=tuple(rhs_dims)), out_dims,
                     tuple(itertools.chain(c_axes)))
         )

@@ -10,7 +10,7 @@ accumulation (``add_any``) reduce once instead of once per term.
 
 from __future__ import annotations
 
-from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, register
+from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, register, settle_partial
 from autoshard.trace.costs import ELEMENTWISE
 from autoshard.trace.graph import Op
 from cost_models import ShardingSpec
@@ -42,17 +42,17 @@ def _partial_variants(op: Op, ctx: RuleContext, base: ShardingSpec, ins: list[tu
         p = ShardingSpec(dims=base.dims, partial=frozenset({a}))
         plain = [operand_spec(base, out_shape, s) for s in ins]
         if name in _LINEAR_ALL and all(s == out_shape for s in ins):
-            out.append(Candidate(tuple(p for _ in ins), (p,)))
+            out += settle_partial(op, ctx, tuple(p for _ in ins), p)
         elif name in _LINEAR_UNARY and len(ins) == 1 and ins[0] == out_shape:
-            out.append(Candidate((p,), (p,)))
+            out += settle_partial(op, ctx, (p,), p)
         elif name in _LINEAR_FIRST and ins[0] == out_shape:
-            out.append(Candidate((p, *plain[1:]), (p,)))
+            out += settle_partial(op, ctx, (p, *plain[1:]), p)
         elif name in _LINEAR_ANY and len(ins) == 2:
             for k in (0, 1):
                 if ins[k] == out_shape:
                     specs = list(plain)
                     specs[k] = p
-                    out.append(Candidate(tuple(specs), (p,)))
+                    out += settle_partial(op, ctx, tuple(specs), p)
     return out
 
 

@@ -12,19 +12,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, passthrough, register
+from autoshard.strategies.registry import (
+    Candidate,
+    RuleContext,
+    enumerate_specs,
+    passthrough,
+    register,
+    settle_partial,
+)
 from autoshard.trace.graph import Op
 from cost_models import ShardingSpec
 
 
-def _with_partials(ctx: RuleContext, cands: list[Candidate]) -> list[Candidate]:
+def _with_partials(op: Op, ctx: RuleContext, cands: list[Candidate]) -> list[Candidate]:
     out = list(cands)
     for c in cands:
         (i,), (o,) = c.in_specs, c.out_specs
         for a in ctx.axes:
             if a not in i.axes_used and a not in o.axes_used:
                 p = frozenset({a})
-                out.append(Candidate((ShardingSpec(i.dims, p),), (ShardingSpec(o.dims, p),)))
+                out += settle_partial(op, ctx, (ShardingSpec(i.dims, p),), ShardingSpec(o.dims, p))
     return out
 
 
@@ -36,7 +43,7 @@ def transpose(op: Op, ctx: RuleContext) -> list[Candidate]:
         Candidate((spec,), (ShardingSpec(dims=tuple(spec.dims[p] for p in perm)),))
         for spec in enumerate_specs(in_shape, ctx)
     ]
-    return _with_partials(ctx, cands)
+    return _with_partials(op, ctx, cands)
 
 
 def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
@@ -103,7 +110,7 @@ def reshape(op: Op, ctx: RuleContext) -> list[Candidate]:
         src = _map_spec(spec, back, out_shape, in_shape, ctx)
         if src is not None:
             cands.append(Candidate((src, *extra), (spec,)))
-    return _with_partials(ctx, cands) if not extra else cands
+    return _with_partials(op, ctx, cands) if not extra else cands
 
 
 @register("broadcast_in_dim")

@@ -8,7 +8,14 @@ needs it (softmax denominators, losses, the gradient of a broadcast). ``reduce_m
 
 from __future__ import annotations
 
-from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, passthrough, register
+from autoshard.strategies.registry import (
+    Candidate,
+    RuleContext,
+    enumerate_specs,
+    passthrough,
+    register,
+    settle_partial,
+)
 from autoshard.trace.graph import Op
 from cost_models import ShardingSpec
 
@@ -26,7 +33,7 @@ def reduce_sum(op: Op, ctx: RuleContext) -> list[Candidate]:
         kept = tuple(d for i, d in enumerate(spec.dims) if i not in red)
         partial = frozenset(a for i, d in enumerate(spec.dims) if i in red for a in d)
         out = ShardingSpec(dims=kept, partial=partial)
-        cands.append(Candidate((spec,), (out,), work_axes=spec.axes_used))
+        cands += settle_partial(op, ctx, (spec,), out, work_axes=spec.axes_used)
     return cands
 
 

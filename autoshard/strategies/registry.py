@@ -143,6 +143,34 @@ def assignments(
     return out
 
 
+def settle_partial(op: Op, ctx: RuleContext, in_specs: tuple[ShardingSpec, ...], out: ShardingSpec,
+                   work_axes: frozenset[str] | None = None) -> list[Candidate]:
+    """Candidates for an op whose one output is a partial sum over ``out.partial`` (a matmul's contracting
+    split, a reduction over a split dimension, a linear op passing a pending sum on).
+
+    With at most one reader the sum stays pending: the edge to the reader pays the reduction its layout
+    asks for (all-reduce to replicate, reduce-scatter to split), or a linear reader passes it on. With
+    several readers each edge would pay that reduction again, where the compiled program reduces once and
+    shares the result (an Adam gradient is read by both moments' updates). So the op reduces its output
+    itself, once: an all-reduce to ``out.dims``, or a reduce-scatter that also splits one more output
+    dimension over the partial axes (ZeRO-2's sharded gradient, sequence parallel's activations), one
+    candidate per dimension they divide."""
+    if not out.partial or ctx.fanout(op.outputs[0]) <= 1:
+        return [Candidate(in_specs, (out,), work_axes=work_axes)]
+    axes = tuple(a for a in ctx.mesh.axis_names if a in out.partial)
+    shape = ctx.graph.tensors[op.outputs[0]].shape
+    whole = ShardingSpec(dims=out.dims)
+    nbytes = ctx.graph.tensors[op.outputs[0]].nbytes / max(1, whole.num_shards(ctx.mesh))
+    work = work_axes if work_axes is not None else frozenset(a for d in out.dims for a in d) | out.partial
+    cands = [Candidate(in_specs, (whole,), comm=(("all_reduce", axes, nbytes),), work_axes=work)]
+    for i, d in enumerate(out.dims):
+        if not d and shape[i] % ctx.size(axes) == 0:
+            dims = tuple(axes if j == i else e for j, e in enumerate(out.dims))
+            cands.append(Candidate(in_specs, (ShardingSpec(dims=dims),), comm=(("reduce_scatter", axes, nbytes),),
+                                   work_axes=work))
+    return cands
+
+
 def enumerate_specs(shape: Sequence[int], ctx: RuleContext) -> list[ShardingSpec]:
     """All non-partial specs of a tensor of ``shape`` whose split dimensions divide evenly."""
     return [ShardingSpec(dims=dims) for dims in assignments(list(shape), ctx)]
