@@ -32,7 +32,8 @@ def _finish(ctx: RuleContext, op: Op, lhs: ShardingSpec, rhs: ShardingSpec, out_
             contract_axes: tuple[str, ...]) -> list[Candidate]:
     partial = frozenset(contract_axes)
     work = frozenset(a for d in out_dims for a in d) | partial
-    return settle_partial(op, ctx, (lhs, rhs), ShardingSpec(dims=tuple(out_dims), partial=partial), work)
+    return settle_partial(op, ctx, (lhs, rhs), ShardingSpec(dims=tuple(out_dims), partial=partial), work,
+                          pending=False)
 
 
 @register("dot_general")

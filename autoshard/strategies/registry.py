@@ -144,7 +144,7 @@ def assignments(
 
 
 def settle_partial(op: Op, ctx: RuleContext, in_specs: tuple[ShardingSpec, ...], out: ShardingSpec,
-                   work_axes: frozenset[str] | None = None) -> list[Candidate]:
+                   work_axes: frozenset[str] | None = None, *, pending: bool = True) -> list[Candidate]:
     """Candidates for an op whose one output is a partial sum over ``out.partial`` (a matmul's contracting
     split, a reduction over a split dimension, a linear op passing a pending sum on).
 
@@ -154,7 +154,9 @@ def settle_partial(op: Op, ctx: RuleContext, in_specs: tuple[ShardingSpec, ...],
     shares the result (an Adam gradient is read by both moments' updates). So the op reduces its output
     itself, once: an all-reduce to ``out.dims``, or a reduce-scatter that also splits one more output
     dimension over the partial axes (ZeRO-2's sharded gradient, sequence parallel's activations), one
-    candidate per dimension they divide."""
+    candidate per dimension they divide. With ``pending`` (not for matmuls, which always reduced a shared
+    sum themselves) the pending sum stays a candidate too: right when the readers are linear and pass it
+    on."""
     if not out.partial or ctx.fanout(op.outputs[0]) <= 1:
         return [Candidate(in_specs, (out,), work_axes=work_axes)]
     axes = tuple(a for a in ctx.mesh.axis_names if a in out.partial)
@@ -162,7 +164,8 @@ def settle_partial(op: Op, ctx: RuleContext, in_specs: tuple[ShardingSpec, ...],
     whole = ShardingSpec(dims=out.dims)
     nbytes = ctx.graph.tensors[op.outputs[0]].nbytes / max(1, whole.num_shards(ctx.mesh))
     work = work_axes if work_axes is not None else frozenset(a for d in out.dims for a in d) | out.partial
-    cands = [Candidate(in_specs, (whole,), comm=(("all_reduce", axes, nbytes),), work_axes=work)]
+    cands = [Candidate(in_specs, (out,), work_axes=work_axes)] if pending else []
+    cands.append(Candidate(in_specs, (whole,), comm=(("all_reduce", axes, nbytes),), work_axes=work))
     for i, d in enumerate(out.dims):
         if not d and shape[i] % ctx.size(axes) == 0:
             dims = tuple(axes if j == i else e for j, e in enumerate(out.dims))
