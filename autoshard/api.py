@@ -26,7 +26,7 @@ from autoshard.pipeline import (
 )
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import Plan, PlanError
-from autoshard.planner.planning import plan_graph
+from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
 from autoshard.planner.shares import SHARES
 from autoshard.target import (
     BudgetLike,
@@ -58,6 +58,7 @@ def plan(
     max_stages: int | None = None,
     stage_shape: tuple[int, int] | None = None,
     num_chunks: int = 2,
+    recompute: str = "auto",
 ) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
@@ -74,18 +75,26 @@ def plan(
     cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
     the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
     ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one.
+
+    ``recompute`` (``planner.recompute``): ``"auto"`` (the default) rematerialises the step's repeated blocks
+    only when no layout fits without it (selective first, then full); ``"none"``, ``"selective"`` or
+    ``"full"`` fix it. The plan says which (``Plan.recompute``) and ``parallelize`` emits it so; the model is
+    not edited. Pipelined plans do not recompute yet.
     """
+    check_recompute(recompute)
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
                               max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks)
-    return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s, roles=roles)[0]
+    return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s, roles=roles,
+                    recompute=recompute)[0]
 
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
-             *, time_budget_s: float | None, roles: Mapping[str, str] | None = None
+             *, time_budget_s: float | None, roles: Mapping[str, str] | None = None, recompute: str = "auto",
              ) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
-    """``plan`` on a resolved target, also returning the traces it made: (plan, the step's graph, the
-    microbatch-sized graph or None), so that ``parallelize`` emits from them instead of tracing again."""
+    """``plan`` on a resolved target, also returning the traces it made: (plan, the graph it plans (the
+    step's, rewritten when the plan recomputes), the microbatch-sized graph or None), so that
+    ``parallelize`` emits from them instead of tracing again."""
     check_time_budget(time_budget_s)
     t0 = time.perf_counter()
     graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
@@ -102,8 +111,9 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     intra_error: Exception | None = None
     if not options.pipeline:
         try:
-            intra = plan_graph(graph, cost, hardware=target.hardware, memory_budget=budget, time_budget_s=intra_s,
-                               includes_build=True)
+            intra, planned = plan_recomputing(graph, cost, recompute=recompute, hardware=target.hardware,
+                                              memory_budget=budget, time_budget_s=intra_s, includes_build=True)
+            graph = planned
         except PlanError as e:
             if not options.planned:
                 raise
@@ -281,6 +291,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         stage_shape: tuple[int, int] | None = None,
         num_chunks: int = 2,
         plan: Plan | PipelinePlan | str | Path | None = None,
+        recompute: str = "auto",
     ) -> None:
         self.fn = fn
         self.given_plan = load_plan(plan) if isinstance(plan, str | Path) else plan
@@ -293,6 +304,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
                                        num_layers=num_layers, max_stages=max_stages, stage_shape=stage_shape,
                                        num_chunks=num_chunks)
         self.time_budget_s = time_budget_s
+        self.recompute = check_recompute(recompute)
         self.roles = roles
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
@@ -339,10 +351,12 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         elif distributed.multiprocess():  # planned on process 0, agreed by all: autoshard.distributed
             return _Compiled(*distributed.compile_everywhere(
                 self.fn, args, self.roles, self.options, device_mesh,
-                lambda graph: plan_for(graph, (), self.target, self.options, time_budget_s=self.time_budget_s)[0]))
+                lambda graph: plan_for(graph, (), self.target, self.options, time_budget_s=self.time_budget_s,
+                                       recompute=self.recompute)[0]))
         else:
             the_plan, graph, micro = plan_for(self.fn, args, self.target, self.options,
-                                              time_budget_s=self.time_budget_s, roles=self.roles)
+                                              time_budget_s=self.time_budget_s, roles=self.roles,
+                                              recompute=self.recompute)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh))
         assert micro is not None
@@ -355,6 +369,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         _check_mesh(the_plan, mesh)
         graph = trace(self.fn, *args, roles=self.roles)
         if isinstance(the_plan, Plan):
+            graph = recomputed(graph, the_plan.recompute)
             the_plan.verify(graph)
             return the_plan, graph, None
         micro = trace(self.fn, *microbatch_args(args, graph, None, the_plan.num_microbatches), roles=self.roles)

@@ -175,6 +175,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-shape", metavar="HxD", help="every stage on a submesh of H hosts x D devices")
     p.add_argument("--layers", type=_count, metavar="L", help="layers the pipeline planner cuts the model into")
     p.add_argument("--max-stages", type=_count, metavar="S", help="at most S pipeline stages")
+    p.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"],
+                   help="rematerialise the repeated blocks' activations in the backward pass: 'auto' (default) "
+                        "only when the step does not fit without it")
 
 
 def _plan_run(args: argparse.Namespace) -> int:
@@ -193,7 +196,8 @@ def _plan_run(args: argparse.Namespace) -> int:
                               num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape))
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
-    the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget)[0]
+    the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget,
+                        recompute=args.recompute)[0]
     elapsed = time.perf_counter() - t0
     print(f"{example.name} preset={example.preset} planned in {elapsed:.1f} s (trace, build, solve)")
     if isinstance(the_plan, Plan):

@@ -35,6 +35,7 @@ import numpy as np
 from autoshard.emit import EmittedStep, emit
 from autoshard.errors import AutoshardError
 from autoshard.planner.plan import Plan
+from autoshard.planner.recompute import recomputed
 from autoshard.target import PipelineOptions
 from autoshard.trace import Graph, Role, trace
 from autoshard.trace import roles as _roles
@@ -161,7 +162,7 @@ def agreed_plan(graph: Graph, make: Callable[[], Plan]) -> Plan:
     if "error" in got:
         raise DistributedError(f"process 0 could not plan the step: {got['error']}")
     plan = Plan.from_dict(got["plan"])
-    plan.verify(graph)
+    plan.verify(recomputed(graph, plan.recompute))
     check_agreement("plan", json.dumps(plan.to_dict(), sort_keys=True))
     return plan
 
@@ -255,4 +256,5 @@ def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Map
             "repeated layers as an SPMD pipeline with autoshard.pipeline.spmd.spmd_pipeline")
     graph = trace_global(fn, args, roles)
     plan = agreed_plan(graph, lambda: make(graph))
+    graph = recomputed(graph, plan.recompute)  # the plan's rewrite, applied alike on every process
     return graph, plan, GlobalStep(emit(graph, plan.specs, mesh), fn, roles)

@@ -28,7 +28,6 @@ are bound unchanged: no constraint reaches inside them, and this is logged once 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,23 +46,6 @@ try:  # private, stable for years; used to turn a rebuilt body's constvars into 
     from jax._src.interpreters.partial_eval import convert_constvars_jaxpr as _convert_constvars
 except ImportError:  # pragma: no cover
     _convert_constvars = None
-
-try:  # name stacks and tracebacks of re-bound equations (readable HLO metadata); optional
-    from jax._src import source_info_util as _siu
-except ImportError:  # pragma: no cover
-    _siu = None
-
-
-def _eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
-    stack = contextlib.ExitStack()
-    if _siu is not None:
-        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-        stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=name_stack))
-    ctx = getattr(eqn, "ctx", None)
-    if ctx is not None and getattr(ctx, "manager", None) is not None:
-        stack.enter_context(ctx.manager)
-    return stack
-
 
 class Interpreter:
     """Re-binds a Graph's ops with the spec map's constraints; one instance per emitted program."""
@@ -173,7 +155,7 @@ class Interpreter:
         rule = _REBUILD.get(name)
         if rule is None and name in jc.REMAT:
             rule = Interpreter._remat
-        with _eqn_context(eqn):
+        with jc.eqn_context(eqn):
             if op.bodies and rule is not None and _convert_constvars is not None:
                 outs = rule(self, op, key, invals)
             else:

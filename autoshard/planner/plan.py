@@ -33,6 +33,11 @@ class PlanError(AutoshardError, ValueError):
     """A plan that does not fit its graph or mesh, or a file that is not a plan."""
 
 
+class DoesNotFit(PlanError):
+    """No layout of the step fits the memory budget (proven by the solver): more devices, microbatches or
+    recompute may."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SolverReport:
     """How a plan was found. Times in seconds (building the problem, the seed portfolio, the final solve); ``objective`` is what the solver minimised (the step time
@@ -106,6 +111,9 @@ class Plan:
     # how many collectives of each "kind(axes)" of time_breakdown one step issues, before XLA combines
     # small ones (``readback.collective_counts``); empty in plans saved before it was recorded
     collective_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # block (layer tag) -> recompute mode, for the blocks the planned graph recomputes
+    # (``trace.remat``): the step is emitted with that rewrite applied; empty: as traced
+    recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     # ---- checks ------------------------------------------------------------------------------------
 
@@ -156,6 +164,7 @@ class Plan:
             "solver": self.solver.to_dict(),
             "versions": dict(self.versions),
             "collective_counts": dict(self.collective_counts),
+            "recompute": dict(self.recompute),
         }
 
     @classmethod
@@ -180,6 +189,7 @@ class Plan:
             solver=SolverReport.from_dict(d["solver"]),
             versions=dict(d["versions"]),
             collective_counts={k: int(v) for k, v in d.get("collective_counts", {}).items()},
+            recompute=dict(d.get("recompute", {})),
         )
 
     def save(self, path: str | Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from autoshard.planner import readback
 from autoshard.planner.build import BuiltProblem, build_problem
 from autoshard.planner.pins import fixed_ids, pin
-from autoshard.planner.plan import Plan, PlanError, SolverReport, encode_choice, versions
+from autoshard.planner.plan import DoesNotFit, Plan, SolverReport, encode_choice, versions
 from autoshard.planner.seeds import seeds as seed_portfolio
 from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
@@ -110,7 +110,7 @@ def plan_graph(
         _, least = problem.usage_at_points(problem.min_memory())
         needed = float(least.max()) if least.size else 0.0
         hint = recompute_advice(graph, needed, memory_budget)
-        raise PlanError(
+        raise DoesNotFit(
             f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} {what} "
             f"(it needs at least {needed:.3g}). {hint[:1].upper()}{hint[1:]} (wrap each block "
             "in jax.checkpoint / nn.remat). Or use more devices, a smaller batch or microbatches (microbatches=B, "

@@ -30,6 +30,12 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
         f"predicted step time {human_time(plan.predicted_step_time)}   peak memory per device "
         f"{human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
+    ]
+    if plan.recompute:
+        modes = sorted(set(plan.recompute.values()))
+        lines.append(f"recompute: {'/'.join(modes)} on {len(plan.recompute)} blocks (their forward ops run again "
+                     "in the backward pass; counted in compute)")
+    lines += [
         "",
         "time by category",
     ]

@@ -36,6 +36,7 @@ jaxpr (and its variables) between the call sites, which is why the tracer keeps 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -268,3 +269,24 @@ def remat_params(eqn: Any, body: Jaxpr) -> dict[str, Any]:
     p = dict(eqn.params)
     p["jaxpr"] = body
     return p
+
+
+# ---- re-binding equations -----------------------------------------------------------------------------
+
+try:  # name stacks and tracebacks of re-bound equations (readable HLO metadata); optional
+    from jax._src import source_info_util as _siu
+except ImportError:  # pragma: no cover
+    _siu = None
+
+
+def eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
+    """Bind ``eqn``'s primitive again under its name stack, traceback and context manager (what the
+    emitter and ``trace.remat`` do), so the new jaxpr keeps the scopes and source lines tracing found."""
+    stack = contextlib.ExitStack()
+    if _siu is not None:
+        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=name_stack))
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and getattr(ctx, "manager", None) is not None:
+        stack.enter_context(ctx.manager)
+    return stack

@@ -30,7 +30,7 @@ from autoshard.trace.buffers import Buffers, buffers
 from autoshard.trace.graph import Graph, Op, Tensor
 
 MODES = ("none", "selective", "full")
-_SAVED_BY_SELECTIVE = frozenset({"dot_general", "conv_general_dilated"})
+SAVED_BY_SELECTIVE = frozenset({"dot_general", "conv_general_dilated"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,7 +85,7 @@ def estimate(graph: Graph, mode: str, nbytes: Callable[[Tensor], float] | None =
                 continue
             for tid in tids:
                 t = graph.tensors[tid]
-                if mode == "selective" and graph.ops[t.producer].primitive in _SAVED_BY_SELECTIVE:  # type: ignore[index]
+                if mode == "selective" and graph.ops[t.producer].primitive in SAVED_BY_SELECTIVE:  # type: ignore[index]
                     continue
                 start, end = live[tid]
                 fwd_end = max([c + 1 for c in t.consumers if graph.ops[c].phase == "forward"] + [start + 1])
@@ -96,7 +96,7 @@ def estimate(graph: Graph, mode: str, nbytes: Callable[[Tensor], float] | None =
         for op in graph.ops:
             if op.phase != "forward" or op.layer not in blocks:
                 continue
-            if mode == "selective" and op.primitive in _SAVED_BY_SELECTIVE:
+            if mode == "selective" and op.primitive in SAVED_BY_SELECTIVE:
                 continue
             extra_flops += op.flops
             extra_bytes += op.bytes_in + op.bytes_out

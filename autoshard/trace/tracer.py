@@ -431,11 +431,18 @@ def trace(
     out_names = [_roles.leaf_name("out", p) for p in out_paths]
     aliases = _roles.output_aliases(in_paths, out_paths, closed.in_avals, closed.out_avals, single)
 
+    return graph_of_jaxpr(closed, in_names, role_list, out_names, aliases, in_tree, out_tree)
+
+
+def graph_of_jaxpr(closed: ClosedJaxpr, in_names: Sequence[str], roles: Sequence[Role], out_names: Sequence[str],
+                   aliases: Mapping[int, int], in_tree: Any = None, out_tree: Any = None) -> Graph:
+    """The Graph of a closed jaxpr whose inputs and outputs are already named (``trace`` names them from
+    the function's pytrees; ``trace.remat`` keeps a traced step's names for its rewritten jaxpr)."""
     b = _Builder()
     env: dict[Any, int] = {}
     b.bind_consts(closed, env)
     inputs = []
-    for v, n, r in zip(closed.jaxpr.invars, in_names, role_list, strict=True):
+    for v, n, r in zip(closed.jaxpr.invars, in_names, roles, strict=True):
         env[v] = b.tensor(v.aval, r, n, None)
         inputs.append(env[v])
     b.walk(closed.jaxpr, env, _Ctx())

@@ -1,0 +1,92 @@
+"""Recompute as a planning decision: which blocks rematerialise their activations, chosen with the layouts.
+
+``plan_recomputing(graph, cost, recompute=...)`` returns a plan and the graph it was made for:
+
+- ``"none"``: the step as traced;
+- ``"selective"`` / ``"full"``: every block rewritten by ``trace.remat`` with that mode (selective keeps
+  matmul outputs and replays the elementwise ops, Korthikanti et al. 2022; full keeps only what enters
+  the block), then planned like any step: the ILP sees the replayed ops' compute at every layout and the
+  shorter live ranges in its memory rows, so sharding and recompute are priced by one objective;
+- ``"auto"`` (the default): recompute only when the step does not fit without it. Plan the step as
+  traced; when the solver proves that no layout fits (``DoesNotFit``), plan the selective rewrite, then
+  the full one, and return the first that fits. Selective replays a fraction of full's work (the
+  elementwise ops, no matmuls), so when both fit it is the faster, and a plan that fits as traced is
+  never slowed by recompute.
+
+Formally, with ``G_m`` the step rewritten with mode ``m`` on every block and ``T(G)`` the optimal step
+time of ``G`` under the budget (``+inf`` when nothing fits), ``auto`` returns
+``argmin_{m ∈ (none, selective, full)} T(G_m)`` under the order above: it stops at the first finite one,
+since ``T(G_none) <= T(G_selective) <= T(G_full)`` whenever they are finite (each adds work and frees
+memory). Not searched yet: recomputing only some blocks (the first ``k``), which would fit between two
+modes.
+
+The plan records the blocks and modes (``Plan.recompute``); ``parallelize`` applies the same rewrite to
+its trace before emitting, so the program runs what was planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from autoshard.planner.plan import DoesNotFit, Plan, PlanError
+from autoshard.planner.planning import plan_graph
+from autoshard.trace.graph import Graph
+from autoshard.trace.recompute import MODES
+from autoshard.trace.remat import rematerialize, uniform
+from cost_models import CostModel
+
+log = logging.getLogger("autoshard")
+
+RECOMPUTE_CHOICES: tuple[str, ...] = ("auto", *MODES)
+
+
+def check_recompute(recompute: str) -> str:
+    if recompute not in RECOMPUTE_CHOICES:
+        raise PlanError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE_CHOICES)} ('auto' "
+                        "recomputes only when the step does not fit without it)")
+    return recompute
+
+
+def recomputed(graph: Graph, modes: dict[str, str] | Any) -> Graph:
+    """``graph`` with a plan's recompute applied (``Plan.recompute``), or ``graph`` itself when none."""
+    return rematerialize(graph, modes) if modes else graph
+
+
+def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", time_budget_s: float | None = None,
+                     **kw: Any) -> tuple[Plan, Graph]:
+    """Plan ``graph`` with the recompute setting ``recompute`` (see the module docstring); ``kw`` go to
+    ``plan_graph``. Returns the plan and the graph it is a plan of (rewritten when it recomputes)."""
+    check_recompute(recompute)
+    t0 = time.perf_counter()
+    modes = ("none", "selective", "full") if recompute == "auto" else (recompute,)
+    first: DoesNotFit | None = None
+    for mode in modes:
+        left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
+                                                      0.25 * time_budget_s)
+        config = uniform(graph, mode) if mode != "none" else {}
+        target = recomputed(graph, {b: m for b, m in config.items() if m != "none"})
+        if mode != "none" and target is graph:
+            if recompute == "auto":
+                break  # nothing to recompute: the step as traced was the only candidate
+            log.warning("autoshard: recompute=%r: the step has no repeated blocks to recompute; planned as "
+                        "traced", recompute)
+        try:
+            plan = plan_graph(target, cost, time_budget_s=left, **kw)
+        except DoesNotFit as e:
+            if recompute != "auto":
+                raise
+            first = first or e
+            log.info("autoshard: the step does not fit with recompute %s; trying more", mode)
+            continue
+        if mode != "none":
+            log.info("autoshard: recompute %s on %d blocks makes the step fit", mode, len(config))
+        return (plan if target is graph else _with_recompute(plan, config)), target
+    assert first is not None
+    raise first
+
+
+def _with_recompute(plan: Plan, config: dict[str, str]) -> Plan:
+    return dataclasses.replace(plan, recompute={b: m for b, m in config.items() if m != "none"})

@@ -1,0 +1,166 @@
+"""Recompute applied to a traced step: a Graph rewritten so that chosen blocks rematerialise their stash.
+
+The traced step is forward and backward already differentiated, so ``jax.checkpoint`` cannot be applied
+to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does inside AD. For each block
+(a layer tag, ``Op.layer``) given a mode (``trace.recompute.MODES``):
+
+- the *recomputed set* ``R`` is the block's stash (``recompute.stashes``: held values a forward op of the
+  block makes and the backward pass reads), less what the mode keeps (``selective``: matmul and
+  convolution outputs) and less any value a backward op reads *before* the block's own backward pass
+  begins (the block's output, read by the next block's backward first: it stays, as a checkpoint's
+  input would);
+- the *replay* is the block's forward ops that produce ``R`` or the values ``R`` is computed from, back to
+  the values that stay (the block's inputs, what the mode keeps, anything made outside the block);
+- at the block's first backward op, the replay runs again on the values that stay, passed through
+  ``jax.lax.optimization_barrier`` together with a value the backward op reads (the incoming cotangent),
+  so that XLA neither merges the copy with the forward (CSE) nor runs it before the backward needs it;
+  every backward op from there reads the replayed values. The forward's copies die after their last
+  forward reader.
+
+The result is an ordinary Graph (traced again from the rewritten jaxpr, with the step's input and output
+names, roles and pytrees), so the planner prices the extra forward work and the shorter live ranges with
+its own rules (``trace.buffers``: the replayed values live only during the block's backward), and the
+emitter emits it like any step: numerics are those of the original step (the replay computes the same
+values).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.extend.core import Literal
+
+from autoshard.errors import TraceError
+from autoshard.trace import jaxpr_compat as jc
+from autoshard.trace.buffers import buffers
+from autoshard.trace.graph import Graph, Op
+from autoshard.trace.recompute import MODES, SAVED_BY_SELECTIVE, stashes
+from autoshard.trace.tracer import graph_of_jaxpr
+
+log = logging.getLogger("autoshard")
+
+
+def blocks(graph: Graph) -> list[str]:
+    """The step's recomputable blocks (layer tags with a stash), in forward order."""
+    return list(stashes(graph))
+
+
+def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], set[int]]]:
+    """First backward op of each recomputed block -> (replay op ids in order, recomputed tensor ids)."""
+    buf = buffers(graph)
+    stash = stashes(graph, buf)
+    first_bwd: dict[str, int] = {}
+    for op in graph.ops:
+        if op.phase == "backward" and op.layer and op.layer not in first_bwd:
+            first_bwd[op.layer] = op.id
+    outputs = set(graph.outputs)
+    out: dict[int, tuple[list[int], set[int]]] = {}
+    for layer, mode in modes.items():
+        if mode not in MODES:
+            raise TraceError(f"recompute mode {mode!r} for block {layer!r}: expected one of {', '.join(MODES)}")
+        if mode == "none" or layer not in stash or layer not in first_bwd:
+            continue
+        again = first_bwd[layer]
+
+        def kept(tid: int, layer: str = layer, mode: str = mode) -> bool:
+            t = graph.tensors[tid]
+            if t.producer is None:
+                return True
+            op = graph.ops[t.producer]
+            return (op.layer != layer or op.phase != "forward"
+                    or (mode == "selective" and op.primitive in SAVED_BY_SELECTIVE))
+
+        recomputed = set()
+        for tid in stash[layer]:
+            t = graph.tensors[tid]
+            early = any(graph.ops[c].phase == "backward" and c < again for c in t.consumers)
+            if not kept(tid) and not early and tid not in outputs:
+                recomputed.add(tid)
+        if not recomputed:
+            continue
+        replay: set[int] = set()
+        todo = [graph.tensors[t].producer for t in recomputed]
+        while todo:
+            o = todo.pop()
+            if o is None or o in replay:
+                continue
+            replay.add(o)
+            todo += [graph.tensors[i].producer for i in graph.ops[o].inputs if not kept(i)]
+        produced = {t for o in replay for t in graph.ops[o].outputs}
+        out[again] = (sorted(replay), produced)
+    return out
+
+
+def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
+    """``graph`` with each block of ``modes`` (block tag -> ``none``/``selective``/``full``) recomputed in
+    its backward pass (see the module docstring). Blocks not named, and ``none``, are left as traced."""
+    plan = _plan(graph, modes)
+    if not plan:
+        return graph
+    ops = graph.ops
+    consts = graph.constants
+
+    def bind(op: Op, invals: list[Any]) -> list[Any]:
+        eqn = op.eqn
+        subfuns, params = jc.bind_params(eqn)
+        with jc.eqn_context(eqn):
+            outs = eqn.primitive.bind(*subfuns, *invals, **params)
+        return list(outs) if eqn.primitive.multiple_results else [outs]
+
+    def step(*args: Any) -> list[Any]:
+        env: dict[int, Any] = dict(zip(graph.inputs, args, strict=True))
+        again: dict[int, Any] = {}  # replayed values, read by backward ops
+
+        def read(tid: int, atom: Any, backward: bool) -> Any:
+            if isinstance(atom, Literal):
+                return atom.val
+            if backward and tid in again:
+                return again[tid]
+            if tid in env:
+                return env[tid]
+            return consts[tid]
+
+        for op in ops:
+            backward = op.phase == "backward"
+            if op.id in plan:
+                replay, produced = plan[op.id]
+                anchor = next((read(t, a, True) for t, a in zip(op.inputs, op.eqn.invars, strict=True)
+                               if not isinstance(a, Literal) and graph.tensors[t].producer is not None
+                               and ops[graph.tensors[t].producer].phase == "backward"), None)
+                stay = sorted({t for o in replay for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)
+                               if t not in produced and not isinstance(a, Literal)})
+                vals = [read(t, None, False) for t in stay]
+                if anchor is not None:
+                    *vals, _ = jax.lax.optimization_barrier((*vals, anchor))
+                else:
+                    vals = list(jax.lax.optimization_barrier(tuple(vals)))
+                local = dict(zip(stay, vals, strict=True))
+                for o in replay:
+                    rop = ops[o]
+                    ins = [a.val if isinstance(a, Literal) else local[t] if t in local else again[t]
+                           if t in again else read(t, a, False) for t, a in zip(rop.inputs, rop.eqn.invars, strict=True)]
+                    for t, x in zip(rop.outputs, bind(rop, ins), strict=True):
+                        again[t] = x
+            invals = [read(t, a, backward) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
+            for t, x in zip(op.outputs, bind(op, invals), strict=True):
+                env[t] = x
+        return [env[t] if t in env else consts[t] for t in graph.outputs]
+
+    closed = jax.make_jaxpr(step)(*graph.jaxpr.in_avals)
+    names = [graph.tensors[t].name for t in graph.inputs]
+    roles = [graph.tensors[t].role for t in graph.inputs]
+    out = graph_of_jaxpr(closed, names, roles, graph.output_names, graph.output_aliases, graph.in_tree,
+                         graph.out_tree)
+    log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan),
+             sum(len(r) for r, _ in plan.values()))
+    return out
+
+
+def uniform(graph: Graph, mode: str, first: int | None = None) -> dict[str, str]:
+    """``mode`` for every block (or the ``first`` ones in forward order), ``none`` for the rest."""
+    names = blocks(graph)
+    k = len(names) if first is None else first
+    return {b: (mode if i < k else "none") for i, b in enumerate(names)}
