@@ -52,6 +52,8 @@ BOUND_SHARE = 0.1
 PRESOLVE_SHARE = 0.5
 # A core with more memory rows than this gets them by row generation (``rowgen``) instead of all at once.
 ROWGEN_MIN_ROWS = 2000
+# At most this share of the budget is kept back for expanding and checking the answer.
+RESERVE_CAP = 0.1
 
 
 def solve_intra_op(
@@ -87,8 +89,11 @@ def solve_intra_op(
     if verify:
         problem.verify()
     # what is left at the end: expanding the core answer and checking it (about 1 s per 20k nodes here,
-    # twice that when the machine is busy)
-    work_deadline = deadline - 0.02 * time_budget_s - problem.num_nodes / 10_000
+    # twice that when the machine is busy), at most ``RESERVE_CAP`` of the budget: a short solve of a large
+    # problem (a planner seed: 10k nodes, 1 s) would otherwise have no time left at all, and would return
+    # its least-memory start; its overrun is then set-up, which no budget can skip
+    reserve = min(0.02 * time_budget_s + problem.num_nodes / 10_000, RESERVE_CAP * time_budget_s)
+    work_deadline = deadline - reserve
     try:
         reduced = presolve(problem, ties, deadline=start + PRESOLVE_SHARE * time_budget_s)
     except InfeasibleError as err:
