@@ -129,8 +129,9 @@ def solve_intra_op(
     columns = ilp_columns(core)
     one_ilp = columns <= max_ilp_columns and ilp_fits(columns, work_deadline - time.perf_counter())
     # starts: 15% of what is left for a large core, 5% when one ILP will follow
-    share = (0.05 if one_ilp else 0.15) * max(0.0, work_deadline - time.perf_counter())
-    incumbent = _starts(core, ls, share, None if initial is None else _core_choice(reduced, np.asarray(initial)))
+    left = max(0.0, work_deadline - time.perf_counter())
+    share = (0.05 if one_ilp else 0.15) * left
+    incumbent = _starts(core, ls, share, left, None if initial is None else _core_choice(reduced, np.asarray(initial)))
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
@@ -199,12 +200,16 @@ def solve_intra_op(
                    False, verify)
 
 
-def _starts(core: Core, ls: LocalSearch, share: float, initial: np.ndarray | None) -> np.ndarray | None:
+def _starts(core: Core, ls: LocalSearch, share: float, left: float,
+            initial: np.ndarray | None) -> np.ndarray | None:
     """The cheapest memory-feasible start among: exact DP over a spanning forest with memory priced in
     (``tree_dp``), least memory everywhere, and ``initial``; each improved by ICM. Takes about ``share``
-    seconds. None when none fits memory."""
-    # the forest DP costs about 0.1 ms a node to set up: skip it when the share would not even pay for that
-    start_dp = lagrangian_start(core, time.perf_counter() + share) if share > 2e-4 * core.num_nodes else None
+    seconds (the forest DP at least its set-up when ``left``, the time to the work deadline, allows it).
+    None when none fits memory."""
+    # the forest DP costs about 0.1 ms a node to set up: skip it only when the time left would not even pay
+    # for that (a short solve of a small core, a planner seed, gets it: it is often the best start there)
+    setup = 2e-4 * core.num_nodes
+    start_dp = lagrangian_start(core, time.perf_counter() + max(share, setup)) if left > setup else None
     ls.start_min_memory()
     if ls.feasible():
         ls.improve(time.perf_counter() + 0.5 * share)
