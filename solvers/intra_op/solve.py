@@ -10,7 +10,8 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
   by row generation (``rowgen``) when it has more than ``ROWGEN_MIN_ROWS`` of them (production cores:
   a few hundred nodes, tens of thousands of rows), else all at once (``ilp``), until optimal or the
   deadline.
-* A larger core: exact moves of whole induced trees (``tree_dp.block_descent``), the exact ILP over a few
+* A larger core: exact moves of whole induced trees (``tree_dp.block_descent``), Lagrangian local search
+  with memory priced per row (``lagrange_search``), the exact ILP over a few
   strategies per node (``restrict``), then exact re-solves of windows (``lns``) until the deadline, and a
   Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from solvers.intra_op.bound import lagrangian_bound
 from solvers.intra_op.ilp import highs_available, ilp_columns, ilp_fits, solve_ilp
+from solvers.intra_op.lagrange_search import improve_by_prices
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core, Reduced, presolve
@@ -43,6 +45,14 @@ __all__ = ["solve_intra_op"]
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
 # found nothing more. Half of that when the restricted ILP follows.
 BLOCK_DESCENT_SHARE = 0.6
+# Then Lagrangian local search (``lagrange_search``: memory priced per row, repaired, ICM) gets up to this
+# share of what is left (it stops earlier once it stalls): on IOPDDL K, whose memory binds hard, it takes
+# the block-descent answer from 2.27 to 1.50 of the best known in 20 s, where windows had reached 2.02.
+PRICES_SHARE = 0.5
+# ... when at least this many seconds are left: its rounds (0.2-0.5 s on K's 5k-node core) need tens of
+# rounds to pay; with less, block descent and windows do better (GPT-1.3B 8x8 at 30 s: 70.6 ms with the
+# prices in its 1-10 s solves, 65.0 ms without).
+PRICES_MIN_SECONDS = 20.0
 # Then the exact ILP over a few strategies per node (``restrict``; only when at least ``MIN_WIDTH`` fit)
 # gets up to this share of what is left; windows (``lns``) the rest.
 RESTRICTION_SHARE = 0.7
@@ -52,6 +62,8 @@ BOUND_SHARE = 0.1
 PRESOLVE_SHARE = 0.5
 # A core with more memory rows than this gets them by row generation (``rowgen``) instead of all at once.
 ROWGEN_MIN_ROWS = 2000
+# At most this share of the budget is kept back for expanding and checking the answer.
+RESERVE_CAP = 0.1
 
 
 def solve_intra_op(
@@ -87,8 +99,11 @@ def solve_intra_op(
     if verify:
         problem.verify()
     # what is left at the end: expanding the core answer and checking it (about 1 s per 20k nodes here,
-    # twice that when the machine is busy)
-    work_deadline = deadline - 0.02 * time_budget_s - problem.num_nodes / 10_000
+    # twice that when the machine is busy), at most ``RESERVE_CAP`` of the budget: a short solve of a large
+    # problem (a planner seed: 10k nodes, 1 s) would otherwise have no time left at all, and would return
+    # its least-memory start; its overrun is then set-up, which no budget can skip
+    reserve = min(0.02 * time_budget_s + problem.num_nodes / 10_000, RESERVE_CAP * time_budget_s)
+    work_deadline = deadline - reserve
     try:
         reduced = presolve(problem, ties, deadline=start + PRESOLVE_SHARE * time_budget_s)
     except InfeasibleError as err:
@@ -124,8 +139,9 @@ def solve_intra_op(
     columns = ilp_columns(core)
     one_ilp = columns <= max_ilp_columns and ilp_fits(columns, work_deadline - time.perf_counter())
     # starts: 15% of what is left for a large core, 5% when one ILP will follow
-    share = (0.05 if one_ilp else 0.15) * max(0.0, work_deadline - time.perf_counter())
-    incumbent = _starts(core, ls, share, None if initial is None else _core_choice(reduced, np.asarray(initial)))
+    left = max(0.0, work_deadline - time.perf_counter())
+    share = (0.05 if one_ilp else 0.15) * left
+    incumbent = _starts(core, ls, share, left, None if initial is None else _core_choice(reduced, np.asarray(initial)))
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
         float(m[np.isfinite(m)].min(initial=np.inf)) for m in core.edge_costs
@@ -145,6 +161,9 @@ def solve_intra_op(
             ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
             if not ls.feasible() or ls.objective() >= inc_obj:
                 ls.start_from(incumbent)
+            left = work_deadline - time.perf_counter()
+            if left >= PRICES_MIN_SECONDS:
+                improve_by_prices(core, ls, time.perf_counter() + PRICES_SHARE * left)
             if restricted:
                 improve_by_restriction(core, ls, time.perf_counter()
                                        + RESTRICTION_SHARE * max(0.0, work_deadline - time.perf_counter()))
@@ -194,12 +213,16 @@ def solve_intra_op(
                    False, verify)
 
 
-def _starts(core: Core, ls: LocalSearch, share: float, initial: np.ndarray | None) -> np.ndarray | None:
+def _starts(core: Core, ls: LocalSearch, share: float, left: float,
+            initial: np.ndarray | None) -> np.ndarray | None:
     """The cheapest memory-feasible start among: exact DP over a spanning forest with memory priced in
     (``tree_dp``), least memory everywhere, and ``initial``; each improved by ICM. Takes about ``share``
-    seconds. None when none fits memory."""
-    # the forest DP costs about 0.1 ms a node to set up: skip it when the share would not even pay for that
-    start_dp = lagrangian_start(core, time.perf_counter() + share) if share > 2e-4 * core.num_nodes else None
+    seconds (the forest DP at least its set-up when ``left``, the time to the work deadline, allows it).
+    None when none fits memory."""
+    # the forest DP costs about 0.1 ms a node to set up: skip it only when the time left would not even pay
+    # for that (a short solve of a small core, a planner seed, gets it: it is often the best start there)
+    setup = 2e-4 * core.num_nodes
+    start_dp = lagrangian_start(core, time.perf_counter() + max(share, setup)) if left > setup else None
     ls.start_min_memory()
     if ls.feasible():
         ls.improve(time.perf_counter() + 0.5 * share)
