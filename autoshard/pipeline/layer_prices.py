@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,16 +83,19 @@ def submesh_cost(cost: CostModel, shape: tuple[int, int]) -> CostModel:
 
 
 def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, budget: float | None,
-             time_budget_s: float, activation_weight: float = 1.0, reductions_per_call: float = 1.0) -> Priced:
+             time_budget_s: float, activation_weight: float = 1.0, reductions_per_call: float = 1.0,
+             starts: Sequence[Mapping[str, ShardingSpec]] = ()) -> Priced:
     """Plan some ops; ``memory`` is the plan's peak with activations counted ``activation_weight`` times.
     ``reductions_per_call``: how often per call the pending sums the ops return are reduced (``1/B`` for a
-    microbatch's gradients); their whole reduction is ``Priced.reduce``, and ``time`` leaves it out."""
+    microbatch's gradients); their whole reduction is ``Priced.reduce``, and ``time`` leaves it out.
+    ``starts``: layouts of some inputs (by name) the solve also starts from (``planning.plan_graph``)."""
     if not ops:
         return NOTHING
     sub = subgraph(graph, ops)
     try:
         plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s,
-                          activation_weight=activation_weight, reduction_weight=reductions_per_call)
+                          activation_weight=activation_weight, reduction_weight=reductions_per_call,
+                          starts=[x for x in starts if x])
     except PlanError:
         return Priced(math.inf, math.inf, None, sub)
     reduce = output_reduction(sub.graph, plan, cost)
@@ -114,26 +117,53 @@ def output_reduction(graph: Graph, plan: Plan, cost: CostModel) -> float:
 
 def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int], cost: CostModel, hardware: str,
               budget: float | None, time_budget_s: float, inflight: float, fallback: float | None = None,
-              microbatches: int = 1) -> Part:
+              microbatches: int = 1, starts: tuple[Mapping[str, ShardingSpec], Mapping[str, ShardingSpec]] = ({}, {}),
+              ) -> Part:
     """The update ops planned under ``budget``, then the microbatched ops under what they leave, with
     their activations counted ``inflight`` times and their pending-sum results reduced once per
     ``microbatches``. With ``fallback`` (a larger budget), a part that does not fit is priced again under
-    it, so that the stage DP sees what it would cost rather than nothing."""
+    it, so that the stage DP sees what it would cost rather than nothing. ``starts``: input layouts the
+    microbatch and the update solves also start from (``layouts_of_layers``)."""
     per_call = 1.0 / max(1, microbatches)
-    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s)
+    mstart, ustart = (starts[0],), (starts[1],)
+    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s, starts=ustart)
     solves = 1
     if not update.feasible and fallback is not None:
-        update = plan_ops(graph, update_ops, cost, hardware, fallback, time_budget_s)
+        update = plan_ops(graph, update_ops, cost, hardware, fallback, time_budget_s, starts=ustart)
         solves += 1
     rest = None if budget is None else budget - update.memory
     micro = INFEASIBLE
     if rest is None or rest > 0:
-        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight, per_call)
+        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight, per_call, mstart)
         solves += 1
     if not micro.feasible and fallback is not None and math.isfinite(update.memory):
-        micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight, per_call)
+        micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight, per_call, mstart)
         solves += 1
     return Part(micro, update, solves)
+
+
+def layouts_of_layers(graph: Graph, priced: Sequence[Priced], layer_ops: Sequence[Sequence[int]],
+                      stage_ops: Sequence[int]) -> dict[str, ShardingSpec]:
+    """The layouts the layers' own plans (``priced``, one per layer, possibly made on an identical layer)
+    give the inputs of a stage made of them (``stage_ops``), by name: where the whole-stage solve starts,
+    so that a stage plan is never worse than its layers' plans the stage DP summed (up to resharding
+    between them) however little time the larger solve has."""
+    if not stage_ops:
+        return {}
+    stage = subgraph(graph, stage_ops)
+    names = [graph.tensors[t].name for t in stage.tensors[:len(stage.graph.inputs)]]
+    wanted = {n for n in names if n and names.count(n) == 1}
+    out: dict[str, ShardingSpec] = {}
+    for p, ops in zip(priced, layer_ops, strict=True):
+        if p.plan is None or not ops:
+            continue
+        sub = subgraph(graph, ops)
+        table = p.plan.specs.get((), {})
+        for k, tid in enumerate(sub.tensors[:len(sub.graph.inputs)]):
+            spec, name = table.get(k), graph.tensors[tid].name
+            if spec is not None and not spec.partial and name in wanted:
+                out[name] = spec
+    return out
 
 
 def reuse(graph: Graph, priced: Priced, ops: Sequence[int]) -> Priced | None:
@@ -190,6 +220,7 @@ class LayerPrices:
     update_memory: np.ndarray
     solves: int
     distinct: int
+    parts: tuple[tuple[Part, ...], ...] = ()  # [layer][shape]: the plans behind the prices
 
 
 def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
@@ -209,6 +240,7 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     seconds = time_budget_s / max(1, 2 * distinct * num_shapes)  # solver seconds per layer plan
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
+    parts: list[list[Part]] = [[] for _ in range(num_layers)]
     solves = 0
     for ell in range(num_layers):
         for m, cost in enumerate(costs):
@@ -222,6 +254,7 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
                 solves += part.solves
                 cache[key] = (part, weight)
             part, weight = cache[key]
+            parts[ell].append(part)
             out[0][ell, m], out[1][ell, m] = part.micro.time, part.micro.memory / weight
             out[2][ell, m], out[3][ell, m] = part.once, part.update.memory
-    return LayerPrices(*out, solves=solves, distinct=distinct)
+    return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts))
