@@ -2,11 +2,14 @@
 
 (a) identical layers -> equal stages; (b) one layer 3x heavier -> it gets a stage, or more devices, of its
 own; (c) a slow inter-node axis and a model too big for one node -> pipeline across the nodes, shard
-inside them (Megatron's 3-D layout) rather than shard across the nodes.
+inside them (Megatron's 3-D layout) rather than shard across the nodes, with the gradients reduced once
+per step (accumulated unreduced over the microbatches).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -17,7 +20,8 @@ from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard.pipeline import PipelinePlan, microbatch_args, plan_pipeline
-from cost_models import CostModel
+from autoshard.pipeline.partition import UPDATE, split_step
+from cost_models import CostModel, ShardingSpec
 
 
 class _Block(nn.Module):
@@ -104,7 +108,7 @@ def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d() -> None:
     # weights, ~13 GB with gradients and Adam moments) on 4096 examples. Across the nodes, data parallel
     # all-reduces the gradients and tensor parallel all-reduces big activations at every block; a
     # pipeline sends one activation per microbatch over the slow link and shards inside each node.
-    step, args, _ = _traced([4096] * 12, 4096, 4096, 8)
+    step, args, g = _traced([4096] * 12, 4096, 4096, 8)
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("node", "gpu"), num_hosts=2,
                           devices_per_host=4)
     assert cost.mesh.links[0].bandwidth < cost.mesh.links[1].bandwidth
@@ -119,3 +123,33 @@ def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d() -> None:
     for st in plan.stages:
         used = {a for table in st.specs.values() for spec in table.values() for a in spec.axes_used}
         assert used <= {"gpu"} and used, used
+    # gradients are reduced once per step: each stage's once-per-step time holds the reduction of the
+    # pending sums its microbatches accumulate, and the step pays it once, not once per microbatch
+    reductions = _gradient_reductions(plan, g, cost)
+    assert any(r > 0 for r in reductions), "expected data parallel inside some stage"
+    for st, r in zip(plan.stages, reductions, strict=True):
+        assert st.update_time >= r, (st.update_time, r)
+    times = [st.micro_time for st in plan.stages]
+    once = max(st.update_time for st in plan.stages)
+    expected = sum(times) + (plan.num_microbatches - 1) * max(times) + once
+    assert math.isclose(plan.predicted_step_time, expected, rel_tol=1e-9)
+
+
+def _gradient_reductions(plan: PipelinePlan, graph, cost: CostModel) -> list[float]:
+    """Per stage, seconds to reduce the pending sums its microbatched ops hand to its update ops."""
+    kind, stage_of = split_step(graph).kind, plan.stage_of_op()
+    out = [0.0] * len(plan.stages)
+    for op in graph.ops:
+        if kind[op.id] == UPDATE:
+            continue
+        st = plan.stages[stage_of[op.id]]
+        table = st.specs.get((), {})
+        for t in op.outputs:
+            spec = table.get(t)
+            read_by_update = any(kind[c] == UPDATE for c in graph.tensors[t].consumers)
+            if spec is not None and spec.partial and read_by_update:
+                ten = graph.tensors[t]
+                stage_cost = dataclasses.replace(cost, mesh=st.mesh)
+                out[stage_of[op.id]] += stage_cost.reshard_time(ten.shape, ten.dtype, spec,
+                                                                ShardingSpec(dims=spec.dims))
+    return out

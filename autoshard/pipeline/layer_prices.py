@@ -3,7 +3,10 @@
 ``plan_part`` plans a stage's (or a layer's) ops the way a pipeline runs them: its update ops (run once
 per step: parameters, gradients, optimizer state) first, then its microbatched ops (forward and backward,
 run once per microbatch) in the memory the update leaves, their activations counted once per microbatch
-in flight. ``price_layers`` gives the stage DP its tables: every layer on every submesh shape, layers
+in flight. The microbatched ops' results that leave as pending sums (data-parallel weight gradients)
+are accumulated unreduced and reduced once per step (``pipeline.unreduced``): the microbatch plan is
+solved with that reduction weighted ``1/B``, and its price is split off the microbatch time into
+``Part.reduce``, paid once per step beside the update. ``price_layers`` gives the stage DP its tables: every layer on every submesh shape, layers
 with the same ops priced once per shape.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,7 @@ class Priced:
     memory: float
     plan: Plan | None
     sub: Any
+    reduce: float = 0.0  # seconds to reduce the pending sums it returns, once (not counted in ``time``)
 
     @property
     def feasible(self) -> bool:
@@ -53,7 +57,13 @@ class Part:
 
     @property
     def time(self) -> float:
+        """Seconds per microbatch (forward and backward, the gradient reduction excluded)."""
         return self.micro.time
+
+    @property
+    def once(self) -> float:
+        """Seconds once per step: reducing the accumulated gradients, then the update."""
+        return self.micro.reduce + self.update.time
 
     @property
     def memory(self) -> float:
@@ -73,48 +83,97 @@ def submesh_cost(cost: CostModel, shape: tuple[int, int]) -> CostModel:
 
 
 def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, budget: float | None,
-             time_budget_s: float, activation_weight: float = 1.0) -> Priced:
-    """Plan some ops; ``memory`` is the plan's peak with activations counted ``activation_weight`` times."""
+             time_budget_s: float, activation_weight: float = 1.0, reductions_per_call: float = 1.0,
+             starts: Sequence[Mapping[str, ShardingSpec]] = ()) -> Priced:
+    """Plan some ops; ``memory`` is the plan's peak with activations counted ``activation_weight`` times.
+    ``reductions_per_call``: how often per call the pending sums the ops return are reduced (``1/B`` for a
+    microbatch's gradients); their whole reduction is ``Priced.reduce``, and ``time`` leaves it out.
+    ``starts``: layouts of some inputs (by name) the solve also starts from (``planning.plan_graph``)."""
     if not ops:
         return NOTHING
     sub = subgraph(graph, ops)
     try:
         plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s,
-                          activation_weight=activation_weight)
+                          activation_weight=activation_weight, reduction_weight=reductions_per_call,
+                          starts=[x for x in starts if x])
     except PlanError:
         return Priced(math.inf, math.inf, None, sub)
-    return Priced(plan.predicted_step_time, plan.peak_memory, plan, sub)
+    reduce = output_reduction(sub.graph, plan, cost)
+    return Priced(plan.predicted_step_time - reductions_per_call * reduce, plan.peak_memory, plan, sub, reduce)
+
+
+def output_reduction(graph: Graph, plan: Plan, cost: CostModel) -> float:
+    """Seconds to reduce the pending sums among ``graph``'s results under ``plan`` (all-reduce, or what
+    ``CostModel.reshard_time`` prices for leaving them partial to materialised, as ``planner.build`` does)."""
+    table = plan.specs.get((), {})
+    total = 0.0
+    for tid in dict.fromkeys(graph.outputs):
+        spec = table.get(tid)
+        if spec is not None and spec.partial:
+            t = graph.tensors[tid]
+            total += cost.reshard_time(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims))
+    return total
 
 
 def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int], cost: CostModel, hardware: str,
-              budget: float | None, time_budget_s: float, inflight: float, fallback: float | None = None) -> Part:
+              budget: float | None, time_budget_s: float, inflight: float, fallback: float | None = None,
+              microbatches: int = 1, starts: tuple[Mapping[str, ShardingSpec], Mapping[str, ShardingSpec]] = ({}, {}),
+              ) -> Part:
     """The update ops planned under ``budget``, then the microbatched ops under what they leave, with
-    their activations counted ``inflight`` times. With ``fallback`` (a larger budget), a part that does not
-    fit is priced again under it, so that the stage DP sees what it would cost rather than nothing."""
-    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s)
+    their activations counted ``inflight`` times and their pending-sum results reduced once per
+    ``microbatches``. With ``fallback`` (a larger budget), a part that does not fit is priced again under
+    it, so that the stage DP sees what it would cost rather than nothing. ``starts``: input layouts the
+    microbatch and the update solves also start from (``layouts_of_layers``)."""
+    per_call = 1.0 / max(1, microbatches)
+    mstart, ustart = (starts[0],), (starts[1],)
+    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s, starts=ustart)
     solves = 1
     if not update.feasible and fallback is not None:
-        update = plan_ops(graph, update_ops, cost, hardware, fallback, time_budget_s)
+        update = plan_ops(graph, update_ops, cost, hardware, fallback, time_budget_s, starts=ustart)
         solves += 1
     rest = None if budget is None else budget - update.memory
     micro = INFEASIBLE
     if rest is None or rest > 0:
-        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight)
+        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight, per_call, mstart)
         solves += 1
     if not micro.feasible and fallback is not None and math.isfinite(update.memory):
-        micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight)
+        micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight, per_call, mstart)
         solves += 1
     return Part(micro, update, solves)
+
+
+def layouts_of_layers(graph: Graph, priced: Sequence[Priced], layer_ops: Sequence[Sequence[int]],
+                      stage_ops: Sequence[int]) -> dict[str, ShardingSpec]:
+    """The layouts the layers' own plans (``priced``, one per layer, possibly made on an identical layer)
+    give the inputs of a stage made of them (``stage_ops``), by name: where the whole-stage solve starts,
+    so that a stage plan is never worse than its layers' plans the stage DP summed (up to resharding
+    between them) however little time the larger solve has."""
+    if not stage_ops:
+        return {}
+    stage = subgraph(graph, stage_ops)
+    names = [graph.tensors[t].name for t in stage.tensors[:len(stage.graph.inputs)]]
+    wanted = {n for n in names if n and names.count(n) == 1}
+    out: dict[str, ShardingSpec] = {}
+    for p, ops in zip(priced, layer_ops, strict=True):
+        if p.plan is None or not ops:
+            continue
+        sub = subgraph(graph, ops)
+        table = p.plan.specs.get((), {})
+        for k, tid in enumerate(sub.tensors[:len(sub.graph.inputs)]):
+            spec, name = table.get(k), graph.tensors[tid].name
+            if spec is not None and not spec.partial and name in wanted:
+                out[name] = spec
+    return out
 
 
 def reuse(graph: Graph, priced: Priced, ops: Sequence[int]) -> Priced | None:
     """The plan of an identical set of ops, carried over to ``ops`` (their sub-graphs number tensors the
     same way: inputs by first use, then results in schedule order); None if the numbering differs."""
     if priced.plan is None or not ops:
-        return Priced(priced.time, priced.memory, priced.plan, None)
+        return Priced(priced.time, priced.memory, priced.plan, None, priced.reduce)
     sub = subgraph(graph, ops)
     same = [(t.shape, t.dtype) for t in sub.graph.tensors] == [(t.shape, t.dtype) for t in priced.sub.graph.tensors]
-    return Priced(priced.time, priced.memory, priced.plan, sub) if same else None
+    return Priced(priced.time, priced.memory, priced.plan, sub, priced.reduce) if same else None
 
 
 def remap(priced: Priced) -> dict[Scope, dict[int, ShardingSpec]]:
@@ -153,7 +212,7 @@ def signature(graph: Graph, ops: Sequence[int]) -> str:
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerPrices:
     """Per layer and submesh shape: seconds per microbatch, bytes of one microbatch's activations, seconds
-    and bytes of the update. ``solves``: intra-op solves spent; ``distinct``: layers with different ops."""
+    once per step (the accumulated gradients' reduction and the update) and bytes of the update. ``solves``: intra-op solves spent; ``distinct``: layers with different ops."""
 
     micro_time: np.ndarray
     micro_memory: np.ndarray
@@ -161,24 +220,27 @@ class LayerPrices:
     update_memory: np.ndarray
     solves: int
     distinct: int
+    parts: tuple[tuple[Part, ...], ...] = ()  # [layer][shape]: the plans behind the prices
 
 
 def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
                  costs: Sequence[CostModel], hardware: str, memory_budget: float | None, time_budget_s: float,
-                 inflight: Sequence[int], num_devices: int) -> LayerPrices:
+                 inflight: Sequence[int], num_devices: int, num_microbatches: int = 1) -> LayerPrices:
     """Every layer on every submesh (``costs``: one cost model per shape), each planned with ``plan_part``.
 
     A layer is planned under its share of a stage's memory: on a submesh of ``n`` devices the cluster
     holds about ``num_devices / n`` stages of ``num_layers · n / num_devices`` layers each, the first of
     which keeps ``inflight[stages - 1]`` microbatches in flight; its activations count that many times (so
     that the layer picks layouts a full stage can hold). A layer that cannot fit its share is priced again
-    under the whole budget. ``time_budget_s`` is shared by the distinct layers' plans, two per shape."""
+    under the whole budget. Gradients are reduced once per ``num_microbatches`` (``plan_part``).
+    ``time_budget_s`` is shared by the distinct layers' plans, two per shape."""
     num_layers, num_shapes = len(micro_ops), len(costs)
     signatures = [signature(graph, micro_ops[ell]) + signature(graph, update_ops[ell]) for ell in range(num_layers)]
     distinct = len(set(signatures))
     seconds = time_budget_s / max(1, 2 * distinct * num_shapes)  # solver seconds per layer plan
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
+    parts: list[list[Part]] = [[] for _ in range(num_layers)]
     solves = 0
     for ell in range(num_layers):
         for m, cost in enumerate(costs):
@@ -188,10 +250,11 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
                 weight = float(inflight[min(stages, len(inflight)) - 1])
                 share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
                 part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share, seconds, weight,
-                                 fallback=memory_budget)
+                                 fallback=memory_budget, microbatches=num_microbatches)
                 solves += part.solves
                 cache[key] = (part, weight)
             part, weight = cache[key]
+            parts[ell].append(part)
             out[0][ell, m], out[1][ell, m] = part.micro.time, part.micro.memory / weight
-            out[2][ell, m], out[3][ell, m] = part.update.time, part.update.memory
-    return LayerPrices(*out, solves=solves, distinct=distinct)
+            out[2][ell, m], out[3][ell, m] = part.once, part.update.memory
+    return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts))

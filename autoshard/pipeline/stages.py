@@ -5,11 +5,16 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
 
 1. ``partition.split_step`` and ``assign_layers`` give every op a layer ``ℓ ∈ [0, L)``.
 2. For every layer ``ℓ`` and Alpa submesh shape ``m`` (``(1, 2^k)`` and ``(h, D)``), the intra-op planner
-   plans the layer's microbatched ops and, separately, its update ops on a mesh of that shape. Layers
-   with the same op signature (a stack of identical blocks) are planned once per shape. The stage tables
-   of ``solvers.inter_op`` are then additive over layers:
+   plans the layer's microbatched ops and, separately, its update ops on a mesh of that shape
+   (``layer_prices.plan_part``). Gradients are accumulated unreduced over the ``B`` microbatches and
+   reduced once per step (``pipeline.unreduced``): the microbatch plan is solved with the reduction of
+   its pending-sum results weighted ``1/B`` (the trade-off it really faces), and the reduction's price
+   ``R(ℓ, m)`` is split off the microbatch time and paid once per step beside the update ``U(ℓ, m)``.
+   Layers with the same op signature (a stack of identical blocks) are planned once per shape. The stage
+   tables of ``solvers.inter_op`` are then additive over layers:
 
        t[i, j, m] = Σ_{ℓ=i..j} T_micro(ℓ, m) + 2·X(i) / β            (forward activations in, cotangents out)
+       u[i, j, m] = Σ_{ℓ=i..j} (R(ℓ, m) + U(ℓ, m))                   (once per step: reduce, then update)
        σ[i, j, m] = Σ_{ℓ=i..j} M_update(ℓ, m)                        (parameters, gradients, optimizer state)
        α[i, j, m] = Σ_{ℓ=i..j} M_micro(ℓ, m)                         (one microbatch in flight)
 
@@ -17,26 +22,30 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    mesh's slowest link (``layer_prices.price_layers``). Each layer is planned under its share of a
    stage's memory (``budget · N / (n_m · L)``: on shape ``m`` about ``N / n_m`` stages of ``L·n_m / N``
    layers) with its activations counted ``inflight`` times (the first stage's), so that it picks layouts
-   a whole stage can hold; a layer that cannot fit its share is priced under the whole budget. Summing per-layer plans ignores
-   resharding between layers inside a stage; the chosen stages are re-planned whole in step 4 (update
-   ops first, then the microbatched ops in what memory is left, activations counted ``inflight(s)``
-   times), and those plans give the reported times. Identical stages are planned once.
-3. ``solvers.solve_inter_op`` picks stage boundaries and submeshes minimising
-   ``Σ_s t_s + (B − 1)·max_s t_s`` under ``σ + inflight(r)·α <= budget``.
-4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh. The predicted
-   step time is ``Σ_s t_s + (B − 1)·max_s t_s + max_s T_update(s)``.
+   a whole stage can hold; a layer that cannot fit its share is priced under the whole budget. Summing
+   per-layer plans ignores resharding between layers inside a stage; the chosen stages are re-planned
+   whole in step 4, and those plans give the reported times. Identical stages are planned once.
+3. The step time of stages ``s`` is ``T = Σ_s t_s + (B − 1)·max_s t_s + max_s u_s`` (the once-per-step
+   work of every stage runs after its last backward, in parallel across stages). ``solvers.solve_inter_op``
+   minimises ``Σ_s t'_s + (B − 1)·max_s t'_s`` with ``t' = t + u / B`` under ``σ + inflight(r)·α <=
+   budget``: when one stage has both the largest ``t`` and the largest ``u`` (balanced stages) its
+   objective is ``T + (Σ_s u_s − max_s u_s) / B``, so it never drops the update and never charges a
+   gradient reduction more than once per step (before, ``R`` sat inside ``t``: ``B`` times).
+4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh, with the same
+   ``1/B`` weighting, its solve started from the layouts its layers' plans give its inputs
+   (``layer_prices.layouts_of_layers``): a stage's ILP is ``L/S`` times a layer's and gets less time
+   per node, and alone it can end far above the sum the DP saw (GPT-39B on 8x8: 810 ms planned whole
+   against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is ``T`` above with these plans' ``t_s`` and ``u_s``.
 
 Interleaved 1F1B (``v`` model chunks per stage, Narayanan et al. 2021 §2.2) runs on a given stage layout
 (``stage_shape``: ``S`` equal submeshes): step 3 becomes a linear-partition DP cutting the layers into
-``V = v·S`` contiguous virtual stages minimising the slowest ``t``, virtual stage ``u`` on submesh
+``V = v·S`` contiguous virtual stages minimising the slowest ``t'``, virtual stage ``u`` on submesh
 ``u mod S``; each virtual stage is planned whole as in step 4 (activations counted as the schedule's
 chunk-microbatches in flight), and the step time is the schedule's simulated makespan (backward = 2 ×
-forward) plus the largest per-stage sum of its chunks' update times.
+forward) plus the largest per-stage sum of its chunks' once-per-step times.
 
-Known limits: the runtime reduces a data-parallel stage's gradients once per step
-(``autoshard.pipeline.unreduced``), but the stage prices here still count that reduction once per
-microbatch (the intra-op plan of a layer's microbatched ops includes it); a ``scan`` over layers is
-one forward op, so a scanned stack is one layer (trace with the layers unrolled to pipeline them).
+Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
+layers unrolled to pipeline them).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import numpy as np
 
 from autoshard.pipeline.layer_prices import (
     Part,
+    layouts_of_layers,
     plan_part,
     price_layers,
     remap,
@@ -67,6 +77,7 @@ from autoshard.pipeline.partition import (
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, inflight_rule, schedule
 from autoshard.planner.shares import SHARES
+from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from cost_models import CostModel
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
@@ -123,8 +134,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
 
     # ---- the stage problem ----
     prices = price_layers(graph, micro_ops, update_ops, costs, hardware, memory_budget,
-                          SHARES.layer_pricing * time_budget_s, inflight, n_devices)
-    stage_time = _stage_times(prices.micro_time, into, slow)
+                          SHARES.layer_pricing * time_budget_s, inflight, n_devices, num_microbatches)
+    # the DP's time per microbatch: t' = t + u / B (the module docstring, step 3)
+    stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, slow)
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     if interleaved:
@@ -165,16 +177,26 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         part = _reused(graph, done.get(keys[s]), mops, uops)
         if part is None:
             # the stage's own budget: its update state once, its activations once per microbatch in flight
+            # started from the layers' own plans, the layouts behind the stage DP's prices
+            ells = range(first, last + 1)
+            starts = (layouts_of_layers(graph, [prices.parts[ell][m].micro for ell in ells],
+                                        [micro_ops[ell] for ell in ells], mops),
+                      layouts_of_layers(graph, [prices.parts[ell][m].update for ell in ells],
+                                        [update_ops[ell] for ell in ells], uops))
             part = done[keys[s]] = plan_part(graph, mops, uops, costs[m], hardware, memory_budget,
-                                             seconds, float(held[s]))
-        log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned", s, first, last, *shape)
+                                             seconds, float(held[s]), microbatches=num_microbatches,
+                                             starts=starts)
+        log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
+                 "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / slow),
+                 human_time(float(stage_time[first, last, m] - prices.update_time[first:last + 1, m].sum()
+                                  / num_microbatches)))
         if part.micro.plan is None and mops:
             raise PipelineError(f"stage {s} (layers {first}..{last}) on {shape} did not plan "
                                 "within the memory budget when planned whole")
         stages.append(StagePlan(
             layers=(first, last), submesh=shape, origin=placement[s],
             mesh=costs[m].mesh, micro_time=part.time + 2 * into[first] / slow,
-            update_time=part.update.time, memory=part.memory, specs=remap(part.micro),
+            update_time=part.once, memory=part.memory, specs=remap(part.micro),
             update_specs=remap(part.update),
         ))
     times = [st.micro_time for st in stages]

@@ -120,8 +120,10 @@ class BuiltProblem:
 
 
 class _Build:
-    def __init__(self, graph: Graph, cost: CostModel, activation_weight: float = 1.0) -> None:
+    def __init__(self, graph: Graph, cost: CostModel, activation_weight: float = 1.0,
+                 reduction_weight: float = 1.0) -> None:
         self.activation_weight = activation_weight
+        self.reduction_weight = reduction_weight
         self.root = graph
         self.cost = cost
         self.mesh = cost.mesh
@@ -463,7 +465,8 @@ class _Build:
             src, dst = ((), g.outputs[o]), ((), g.inputs[i])
             if dst in self.producer and src in self.producer and self.producer[src] != self.producer[dst]:
                 self.add_tie(src, dst, 1.0, "state", edge_u, edge_v, mats)
-        # A result leaves the step materialised: a pending sum is reduced before it is returned.
+        # A result leaves the step materialised: a pending sum is reduced before it is returned (weighted:
+        # a microbatch's gradients are reduced once per step of B microbatches, ``reduction_weight`` 1/B).
         for tid in dict.fromkeys(g.outputs):
             u = self.producer.get(((), tid))
             if u is None:
@@ -472,7 +475,8 @@ class _Build:
             for s in range(node.k):
                 spec = node.produced(((), tid), s)
                 if spec.partial:
-                    extra = self.cost.reshard_time(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims))
+                    extra = self.reduction_weight * self.cost.reshard_time(t.shape, t.dtype, spec,
+                                                                           ShardingSpec(dims=spec.dims))
                     node.cost[s] += extra
                     node.comm[s] += extra
         # Tie-break toward less memory: holding a byte costs 1% of reading it once. Between layouts of
@@ -556,13 +560,15 @@ class _Build:
 
 
 def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None, *,
-                  activation_weight: float = 1.0) -> BuiltProblem:
+                  activation_weight: float = 1.0, reduction_weight: float = 1.0) -> BuiltProblem:
     """The solver problem for ``graph`` on ``cost.mesh`` (see the module docstring).
 
     ``activation_weight``: the activations the forward pass keeps for the backward pass count this many
     times against the memory limit, everything else once (a pipeline stage holds the stashed activations
-    of several microbatches at once, but runs one microbatch's pass at a time; see ``_Build.stashed``)."""
-    built = _Build(graph, cost, activation_weight).build()
+    of several microbatches at once, but runs one microbatch's pass at a time; see ``_Build.stashed``).
+    ``reduction_weight``: the reduction of a pending sum the graph returns costs this fraction of its
+    time (a microbatch's gradients, accumulated unreduced and reduced once per step of ``B``: ``1/B``)."""
+    built = _Build(graph, cost, activation_weight, reduction_weight).build()
     problem = dataclasses.replace(built.problem, memory_limit=memory_budget)
     return dataclasses.replace(built, problem=problem)
 

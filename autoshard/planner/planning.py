@@ -41,11 +41,13 @@ class ProblemCache:
     graph: Graph
     _built: dict[Any, tuple[Any, BuiltProblem]] = dataclasses.field(default_factory=dict)
 
-    def get(self, cost: CostModel, memory_budget: float | None, activation_weight: float = 1.0) -> BuiltProblem:
-        key = (id(cost.profile), cost.mesh, activation_weight)
+    def get(self, cost: CostModel, memory_budget: float | None, activation_weight: float = 1.0,
+            reduction_weight: float = 1.0) -> BuiltProblem:
+        key = (id(cost.profile), cost.mesh, activation_weight, reduction_weight)
         hit = self._built.get(key)
         if hit is None or hit[0] is not cost.profile:
-            hit = (cost.profile, build_problem(self.graph, cost, None, activation_weight=activation_weight))
+            hit = (cost.profile, build_problem(self.graph, cost, None, activation_weight=activation_weight,
+                                               reduction_weight=reduction_weight))
             self._built[key] = hit
         built = hit[1]
         return dataclasses.replace(built, problem=dataclasses.replace(built.problem, memory_limit=memory_budget))
@@ -61,6 +63,7 @@ def plan_graph(
     fixed: Mapping[str, ShardingSpec] | None = None,
     problems: ProblemCache | None = None,
     activation_weight: float = 1.0,
+    reduction_weight: float = 1.0,
     starts: Sequence[Any] = (),
     includes_build: bool = False,
 ) -> Plan:
@@ -69,7 +72,8 @@ def plan_graph(
     ``fixed``: input tensor name -> layout, held as given while the solver places everything else (the
     best completion of a hand-written layout). ``problems``: reuse problems already built for ``graph``.
     ``activation_weight``: see ``build_problem`` (the peak memory reported counts activations that many
-    times; a pipeline stage holds several microbatches' at once).
+    times; a pipeline stage holds several microbatches' at once). ``reduction_weight``: see
+    ``build_problem`` (the price of reducing the pending sums the graph returns is scaled by it).
     ``starts``: other starting points for the solve, each a Plan of this graph (its recorded choice) or a
     hand layout (``layouts.HandLayout`` or a mapping input name -> layout), which is completed first with
     the inputs pinned.
@@ -82,7 +86,7 @@ def plan_graph(
     if problems is None:
         problems = ProblemCache(graph)
     pins = fixed_ids(graph, fixed, cost.mesh)
-    built = problems.get(cost, memory_budget, activation_weight)
+    built = problems.get(cost, memory_budget, activation_weight, reduction_weight)
     problem = pin(graph, built, pins)
     assert problem is not None
     t_build = time.perf_counter() - t0
