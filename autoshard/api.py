@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,7 +17,6 @@ import numpy as np
 
 from autoshard import distributed
 from autoshard.emit import emit
-from autoshard.errors import AutoshardError
 from autoshard.pipeline import (
     PipelinePlan,
     build_pipelined_step,
@@ -24,6 +24,9 @@ from autoshard.pipeline import (
     microbatch_args,
     plan_pipeline,
 )
+from autoshard.pipeline.microbatches import candidates as microbatch_candidates
+from autoshard.pipeline.microbatches import search as search_microbatches
+from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
@@ -41,6 +44,9 @@ from autoshard.target import (
 from autoshard.trace import Graph, trace
 
 log = logging.getLogger("autoshard")
+
+# an intra-operator plan whose peak is above this share of the budget was shaped by memory (``_cramped``)
+CRAMPED = 0.9
 
 
 def plan(
@@ -74,7 +80,10 @@ def plan(
     with ``num_chunks`` chunks per stage, ``num_layers`` layers to
     cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
     the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
-    ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one.
+    ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one. With no
+    ``microbatches``, a step that does not fit unpipelined as traced (nothing fits, or only with recompute)
+    is also pipelined with a count the planner picks (``pipeline.microbatches``: powers of two dividing the
+    batch, each planned, the fastest kept), and the faster plan is returned; ``microbatches=B`` overrides it.
 
     ``recompute`` (``planner.recompute``): ``"auto"`` (the default) rematerialises the step's repeated blocks
     only when no layout fits without it (selective first, then full); ``"none"``, ``"selective"`` or
@@ -109,39 +118,61 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     cost, budget = target.cost, target.memory_budget
     intra: Plan | None = None
     intra_error: Exception | None = None
+    # no microbatch count given: a step cramped unpipelined (``_cramped``) is also pipelined, with a count the
+    # planner picks (``pipeline.microbatches``), and the faster plan kept
+    auto = options.microbatches is None and options.pipeline is not False and not isinstance(step_fn, Graph)
     if not options.pipeline:
         try:
             intra, planned = plan_recomputing(graph, cost, recompute=recompute, hardware=target.hardware,
                                               memory_budget=budget, time_budget_s=intra_s, includes_build=True)
             graph = planned
         except PlanError as e:
-            if not options.planned:
+            if not options.planned and not auto:
                 raise
             intra_error = e
         if intra is not None:
             intra = dataclasses.replace(intra, solver=dataclasses.replace(intra.solver, trace_seconds=t_trace))
-    if not options.planned:
-        assert intra is not None
+    if not options.planned and intra is not None and not (auto and _cramped(intra, recompute, budget)):
         return intra, graph, None
     if isinstance(step_fn, Graph):
         raise PlanningError("a pipelined plan traces the step at microbatch size: pass the step function and "
                             "its arguments, not a Graph")
-    micro = trace(step_fn, *microbatch_args(args, graph, None, options.microbatches), roles=roles)
     pipe_s = None if left is None else max(time_budget_s - (time.perf_counter() - t0), SHARES.min_solve * left)
-    log.info("autoshard: planning a pipeline of %d microbatches", options.microbatches)
-    try:
-        piped = plan_pipeline(micro, cost, hardware=target.hardware, memory_budget=budget,
-                              num_microbatches=options.microbatches, schedule_name=options.schedule,
-                              num_layers=options.num_layers, time_budget_s=pipe_s,
-                              max_stages=options.max_stages, stage_shape=options.stage_shape,
-                              num_chunks=options.num_chunks)
-    except AutoshardError as e:
+    traced: dict[int, Graph] = {}
+
+    def plan_one(count: int, seconds: float | None) -> PipelinePlan:
+        micro = traced[count] = trace(step_fn, *microbatch_args(args, graph, None, count), roles=roles)
+        log.info("autoshard: planning a pipeline of %d microbatches", count)
+        return plan_pipeline(micro, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
+                             schedule_name=options.schedule, num_layers=options.num_layers, time_budget_s=seconds,
+                             max_stages=options.max_stages, stage_shape=options.stage_shape,
+                             num_chunks=options.num_chunks)
+
+    counts = ([options.microbatches] if options.microbatches else
+              microbatch_candidates(_batch_rows(graph), cluster_of(cost.mesh)[0]))
+    if not counts:
+        if intra is not None:
+            return intra, graph, None
+        assert intra_error is not None
+        raise intra_error
+    if pipe_s is None and len(counts) > 1:  # the search shares one budget, as one pipeline plan would have
+        pipe_s = SHARES.auto_seconds(len(graph.ops))
+    piped, tried = search_microbatches(counts, plan_one, pipe_s, time.perf_counter)
+    if piped is None:
+        e: Exception = tried[-1][1] if tried else PlanningError("no time left to plan a pipeline")
+        if not options.microbatches:
+            e = PlanningError("no pipeline fits: " + "; ".join(f"{c} microbatches: {x}" for c, x in tried))
         if intra is not None and options.pipeline is None:
             log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
-            return intra, graph, micro
+            return intra, graph, traced.get(counts[0])
         if intra_error is not None:
             raise PlanningError(f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}") from None
-        raise
+        raise e
+    if len(tried) > 1:
+        log.info("autoshard: microbatches chosen: %d (%s)", piped.num_microbatches,
+                 ", ".join(f"{c}: {x.predicted_step_time:.3f} s" if isinstance(x, PipelinePlan) else f"{c}: no plan"
+                           for c, x in tried))
+    micro = traced[piped.num_microbatches]
     if intra is not None and options.pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
         solver = dataclasses.replace(intra.solver, pipeline_step_time=piped.predicted_step_time)
         return dataclasses.replace(intra, solver=solver), graph, micro
@@ -151,6 +182,26 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     elif intra_error is not None:
         other = f"no plan: {str(intra_error).splitlines()[0]}"
     return dataclasses.replace(piped, solver=dataclasses.replace(piped.solver, intra_op_step_time=other)), graph, micro
+
+
+def _cramped(intra: Plan, recompute: str, budget: float | None) -> bool:
+    """Whether an intra-operator plan was shaped by memory, so that microbatches (a pipeline holds one
+    microbatch's activations at a time, a few in flight) may buy a faster plan: it fits only with the
+    recompute ``recompute="auto"`` chose, or its peak is within ``CRAMPED`` of the budget (layouts chosen
+    for memory, not time)."""
+    if recompute == "auto" and intra.recompute:
+        return True
+    return budget is not None and intra.peak_memory > CRAMPED * budget
+
+
+def _batch_rows(graph: Graph) -> int:
+    """The rows the step's batch inputs share (dimension 0), 0 if it has none."""
+    rows = 0
+    for tid in graph.inputs:
+        t = graph.tensors[tid]
+        if t.role.value == "batch" and t.shape:
+            rows = math.gcd(rows, t.shape[0])
+    return rows
 
 
 def _warn_undivided_batch(graph: Graph, target: Target) -> None:

@@ -81,9 +81,11 @@ def test_auto_recomputes_only_when_the_step_does_not_fit() -> None:
     # between full's and selective's: full
     tighter, _ = plan_recomputing(graph, cost, memory_budget=(full.peak_memory + sel.peak_memory) / 2, **kw)
     assert set(tighter.recompute.values()) == {"full"}
-    # below full's: the error is the one of the step as traced, and says it does not fit
-    with pytest.raises(DoesNotFit):
+    # below full's: the error says what each setting needs
+    with pytest.raises(DoesNotFit, match=r"recompute or not \(as traced at least .* GB, with selective "
+                       r"recompute at least .* GB, with full recompute at least .* GB, of its 4 blocks\)") as e:
         plan_recomputing(graph, cost, memory_budget=0.5 * full.peak_memory, **kw)
+    assert e.value.needed is not None and e.value.needed > 0.5 * full.peak_memory
     # recompute="none" never rewrites, even when it does not fit
     with pytest.raises(DoesNotFit):
         plan_recomputing(graph, cost, recompute="none", memory_budget=(sel.peak_memory + roomy.peak_memory) / 2,

@@ -35,7 +35,11 @@ class PlanError(AutoshardError, ValueError):
 
 class DoesNotFit(PlanError):
     """No layout of the step fits the memory budget (proven by the solver): more devices, microbatches or
-    recompute may."""
+    recompute may. ``needed``: the least bytes per device the solver found the step needs (None: unknown)."""
+
+    def __init__(self, message: str, needed: float | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -116,10 +116,10 @@ def plan_graph(
         hint = recompute_advice(graph, needed, memory_budget)
         raise DoesNotFit(
             f"{e}\nThe step does not fit in {memory_budget:.3g} bytes per device on mesh {cost.mesh} {what} "
-            f"(it needs at least {needed:.3g}). {hint[:1].upper()}{hint[1:]} (wrap each block "
-            "in jax.checkpoint / nn.remat). Or use more devices, a smaller batch or microbatches (microbatches=B, "
-            "--microbatches B), or plan without a memory limit (memory_budget=None, --memory-budget none) to "
-            "see what it would need."
+            f"(it needs at least {needed:.3g}). {hint[:1].upper()}{hint[1:]} (recompute='auto', "
+            "--recompute auto, the default, tries it). Or use more devices, a smaller batch or microbatches "
+            "(microbatches=B, --microbatches B), or plan without a memory limit (memory_budget=None, "
+            "--memory-budget none) to see what it would need.", needed=needed,
         ) from None
     specs, inputs, outputs = readback.layouts(graph, built, sol.choice, pins)
     breakdown = readback.breakdown(built, sol.choice, cost)

@@ -35,7 +35,7 @@ from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.planning import plan_graph
 from autoshard.trace.graph import Graph
 from autoshard.trace.recompute import MODES
-from autoshard.trace.remat import rematerialize, uniform
+from autoshard.trace.remat import blocks, rematerialize, uniform
 from cost_models import CostModel
 
 log = logging.getLogger("autoshard")
@@ -63,6 +63,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     t0 = time.perf_counter()
     modes = ("none", "selective", "full") if recompute == "auto" else (recompute,)
     first: DoesNotFit | None = None
+    needs: dict[str, float | None] = {}
     for mode in modes:
         left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
                                                       0.25 * time_budget_s)
@@ -79,13 +80,28 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             if recompute != "auto":
                 raise
             first = first or e
+            needs[mode] = e.needed
             log.info("autoshard: the step does not fit with recompute %s; trying more", mode)
             continue
         if mode != "none":
             log.info("autoshard: recompute %s on %d blocks makes the step fit", mode, len(config))
         return (plan if target is graph else _with_recompute(plan, config)), target
     assert first is not None
-    raise first
+    if len(needs) == 1:
+        raise first
+    budget = kw.get("memory_budget")
+    tried = ", ".join(f"{'as traced' if m == 'none' else f'with {m} recompute'} at least {_gb(n)}"
+                      for m, n in needs.items())
+    raise DoesNotFit(
+        f"the step does not fit in {_gb(budget)} per device on mesh {cost.mesh}, recompute or not ({tried}, "
+        f"of its {len(blocks(graph))} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
+        "a pipeline holds a microbatch's activations), or a smaller batch; or plan without a memory limit "
+        "(memory_budget=None, --memory-budget none) to see what it would need.",
+        needed=needs.get("full", first.needed)) from None
+
+
+def _gb(n: float | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.3g} GB"
 
 
 def _with_recompute(plan: Plan, config: dict[str, str]) -> Plan:

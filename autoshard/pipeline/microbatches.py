@@ -1,0 +1,68 @@
+"""The microbatch count as a planner decision, when the user gives none.
+
+A pipeline of ``S`` stages running ``B`` microbatches under 1F1B idles a fraction
+``(S − 1) / (B + S − 1)`` of its step (the bubble). Across ``H`` hosts joined by slow links the stage DP
+cuts at the hosts (``S ≈ H``), so the first candidate is the smallest power of two ``B`` dividing the
+batch with ``(S − 1) / (B + S − 1) <= β`` (``β = bubble``, 10%), i.e. ``B >= (S − 1)(1 − β) / β``, with
+``S = max(2, H)``. Larger counts are tried after it, doubling: a smaller microbatch keeps less activation
+memory per microbatch in flight, which lets a stage take faster layouts, while every microbatch pays
+its fixed per-microbatch costs (and the microbatch's matmuls get thinner). Which wins depends on the
+model and the mesh, so each candidate is planned for real: the layer prices at microbatch size
+are not linear in the count (layouts change with the memory a microbatch leaves), so the step is traced
+again at each microbatch size rather than scaled. ``search`` keeps the best plan, stops once a larger
+count is slower than the best so far, and leaves the rest of the time budget unspent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from autoshard.errors import AutoshardError
+
+BUBBLE = 0.1  # the bubble fraction the first candidate keeps under
+MAX_CANDIDATES = 3
+
+
+def candidates(batch: int, hosts: int, *, bubble: float = BUBBLE, limit: int = MAX_CANDIDATES) -> list[int]:
+    """Microbatch counts to try for a batch of ``batch`` rows on ``hosts`` hosts, in order (see the module
+    docstring): powers of two dividing ``batch``, from the smallest that keeps the 1F1B bubble of
+    ``max(2, hosts)`` stages under ``bubble``, at most ``limit`` of them. If the batch is too small for
+    that bound, its largest power-of-two divisor (> 1) alone."""
+    if batch < 2:
+        return []
+    stages = max(2, hosts)
+    least = math.ceil((stages - 1) * (1 - bubble) / bubble)
+    powers = [1 << k for k in range(1, batch.bit_length()) if batch % (1 << k) == 0]
+    if not powers:
+        return []
+    above = [b for b in powers if b >= least]
+    return above[:limit] if above else powers[-1:]
+
+
+def search(counts: list[int], plan_one: Callable[[int, float | None], Any], seconds: float | None,
+           clock: Callable[[], float]) -> tuple[Any, list[tuple[int, Any]]]:
+    """Plan each count in ``counts`` with ``plan_one(count, seconds)`` (which returns an object with
+    ``predicted_step_time`` or raises an AutoshardError), splitting ``seconds`` (None: each plan scales its own) between the
+    counts left; stop at the first count slower than the best so far. Returns the best plan (None if
+    none planned) and every (count, plan or exception) tried."""
+    best, tried = None, []
+    start = clock()
+    for n, count in enumerate(counts):
+        share = None
+        if seconds is not None:
+            share = (seconds - (clock() - start)) / (len(counts) - n)
+            if share <= 0:
+                break
+        try:
+            plan = plan_one(count, share)
+        except AutoshardError as e:  # recorded; the caller reports it when nothing planned
+            tried.append((count, e))
+            continue
+        tried.append((count, plan))
+        if best is not None and plan.predicted_step_time >= best.predicted_step_time:
+            break
+        if best is None or plan.predicted_step_time < best.predicted_step_time:
+            best = plan
+    return best, tried

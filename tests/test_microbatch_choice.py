@@ -1,0 +1,115 @@
+"""The microbatch count as a planner decision (``autoshard.pipeline.microbatches``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import autoshard
+from autoshard.pipeline import PipelinePlan
+from autoshard.pipeline.microbatches import candidates, search
+from autoshard.pipeline.partition import PipelineError
+from autoshard.planner.plan import Plan
+
+
+def test_candidates_are_powers_of_two_dividing_the_batch_from_the_bubble_bound() -> None:
+    # 8 hosts: 7 stages' bubble 7 / (B + 7) <= 10% needs B >= 63
+    assert candidates(1024, 8) == [64, 128, 256]
+    for b in candidates(1024, 8, limit=10):
+        assert 1024 % b == 0 and b & (b - 1) == 0
+        assert 7 / (b + 7) <= 0.1
+    # one host: two stages, B >= 9
+    assert candidates(96, 1) == [16, 32]
+    # a batch too small for the bound: its largest power-of-two divisor
+    assert candidates(24, 8) == [8]
+    assert candidates(1, 8) == []
+    assert candidates(7, 2) == []
+
+
+@dataclasses.dataclass
+class _Plan:
+    num_microbatches: int
+    predicted_step_time: float
+
+
+def test_search_keeps_the_fastest_and_stops_once_a_larger_count_is_slower() -> None:
+    times = {64: 30.0, 128: 20.0, 256: 25.0, 512: 10.0}
+    asked = []
+
+    def plan_one(count: int, seconds: float | None) -> _Plan:
+        asked.append(count)
+        return _Plan(count, times[count])
+
+    best, tried = search([64, 128, 256, 512], plan_one, None, lambda: 0.0)
+    assert best.num_microbatches == 128
+    assert asked == [64, 128, 256]  # 512 not planned: 256 was already slower than 128
+    assert [c for c, _ in tried] == asked
+
+
+def test_search_skips_counts_that_do_not_plan_and_splits_the_time_budget() -> None:
+    shares, now = [], [0.0]
+
+    def plan_one(count: int, seconds: float | None) -> _Plan:
+        shares.append(seconds)
+        now[0] += seconds  # each plan spends its whole share
+        if count == 8:
+            raise PipelineError("does not fit")
+        return _Plan(count, 100.0 / count)
+
+    best, tried = search([8, 16, 32], plan_one, 30.0, lambda: now[0])
+    assert best.num_microbatches == 32
+    assert isinstance(tried[0][1], PipelineError)
+    assert shares == pytest.approx([10.0, 10.0, 10.0])
+
+
+def test_search_passes_unspent_time_on() -> None:
+    shares = []
+
+    def plan_one(count: int, seconds: float | None) -> _Plan:
+        shares.append(seconds)
+        return _Plan(count, 100.0 / count)
+
+    search([8, 16, 32], plan_one, 30.0, lambda: 0.0)  # no time spent: what is left is shared again
+    assert shares == pytest.approx([10.0, 15.0, 30.0])
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i in range(4):
+            x = jnp.tanh(nn.Dense(24, name=f"dense_{i}")(x))
+        return jnp.mean(x**2)
+
+
+def _step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
+    with jax.numpy_dtype_promotion("standard"):
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def test_a_step_cramped_unpipelined_is_pipelined_with_a_count_the_planner_picks() -> None:
+    """2048 rows of a 4-layer MLP on 8 devices: with room, the intra-operator plan is kept and no pipeline
+    planned; under a budget that only ZeRO-style layouts meet unpipelined (peak within 10% of it), the
+    planner also plans pipelines of the candidate counts and returns the faster plan, which fits."""
+    model = _MLP()
+    x = jax.ShapeDtypeStruct((2048, 16), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2)), params)
+    roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=None, time_budget_s=10)
+    assert isinstance(roomy, Plan) and roomy.solver.pipeline_step_time is None
+    budget = 0.15 * roomy.peak_memory
+    tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, time_budget_s=10)
+    assert isinstance(tight, PipelinePlan)
+    assert tight.num_microbatches in candidates(2048, 1)
+    assert max(st.memory for st in tight.stages) <= budget
+    assert isinstance(tight.solver.intra_op_step_time, float)  # the intra-operator plan it beat
+    assert tight.predicted_step_time < tight.solver.intra_op_step_time
+    given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, microbatches=8, pipeline=True,
+                           time_budget_s=10)
+    assert given.num_microbatches == 8
