@@ -28,7 +28,7 @@ from autoshard.pipeline.microbatches import candidates as microbatch_candidates
 from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.planner.explain import explain_plan
-from autoshard.planner.plan import Plan, PlanError
+from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
 from autoshard.planner.shares import SHARES
 from autoshard.target import (
@@ -166,7 +166,10 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
             log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
             return intra, graph, traced.get(counts[0])
         if intra_error is not None:
-            raise PlanningError(f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}") from None
+            message = f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}"
+            if isinstance(intra_error, DoesNotFit):
+                raise DoesNotFit(message, needed=intra_error.needed) from None
+            raise PlanError(message) from None
         raise e
     if len(tried) > 1:
         log.info("autoshard: microbatches chosen: %d (%s)", piped.num_microbatches,

@@ -4,6 +4,7 @@ Python leaves in the state, saved plans, and arguments that are refused with a m
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import jax
@@ -257,8 +258,15 @@ def test_a_saved_plan_runs_without_planning_again(tmp_path: Path, caplog) -> Non
 
 
 def test_does_not_fit_says_which_recompute_setting_would() -> None:
-    from autoshard.planner.plan import PlanError
+    from autoshard.planner.plan import DoesNotFit
 
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", abstract=True)
-    with pytest.raises(PlanError, match=r"needs at least .*recompute.*blocks needs about .*microbatches"):
+    with pytest.raises(DoesNotFit) as caught:
         autoshard.plan(ex.train_step, *ex.args, mesh=(2,), memory_budget=2e5, time_budget_s=3)
+    message = str(caught.value)
+    # what each recompute setting needs, that pipelines were tried, and what to do next
+    assert re.search(r"as traced at least [\d.]+ GB, with selective recompute at least [\d.]+ GB, "
+                     r"with full recompute at least [\d.]+ GB", message), message
+    assert "microbatches" in message and "does not fit" in message.split("pipeline:")[1], message
+    assert "stage_time" not in message, message  # the user's terms, not the stage DP's
+    assert caught.value.needed is not None and caught.value.needed > 2e5

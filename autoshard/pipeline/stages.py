@@ -139,6 +139,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, slow)
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
+    _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     if interleaved:
         chosen, placement, dp_cost = _interleaved(stage_time[:, :, 0], limit, chunks, cluster, submeshes[0])
         dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
@@ -278,6 +279,22 @@ def _range_sums(per_layer: np.ndarray) -> np.ndarray:
     for i in range(layers):
         out[i, i:] = np.cumsum(per_layer[i:], axis=0)
     return out
+
+
+def _refuse_hopeless_layers(prices: Any, submeshes: Sequence[tuple[int, int]], memory_budget: float | None,
+                            inflight: Sequence[int]) -> None:
+    """A layer that fits on no submesh even as a stage of its own (its plans infeasible under the whole
+    budget on every shape) makes every pipeline infeasible: say so in the user's terms, not the DP's."""
+    ok = np.isfinite(prices.micro_time) & np.isfinite(prices.update_time)
+    hopeless = [ell for ell in range(ok.shape[0]) if not ok[ell].any()]
+    if not hopeless:
+        return
+    largest = max(submeshes, key=lambda s: s[0] * s[1])
+    where = "" if memory_budget is None else f" in {memory_budget / 1e9:.4g} GB per device"
+    raise PipelineError(
+        f"layer {hopeless[0]} of {ok.shape[0]} ({len(hopeless)} such layers) does not fit{where} on any submesh, "
+        f"even as a stage of its own on {largest[0]}x{largest[1]} devices with {min(inflight)} microbatch(es) in "
+        "flight; use more devices, more microbatches (smaller ones), or recompute")
 
 
 def _stage_times(micro_time: np.ndarray, into: np.ndarray, slow: float) -> np.ndarray:
