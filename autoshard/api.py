@@ -31,6 +31,7 @@ from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
 from autoshard.planner.shares import SHARES
+from autoshard.planner.utilization import model_flops
 from autoshard.target import (
     BudgetLike,
     HardwareLike,
@@ -110,6 +111,16 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
     if t_trace is not None:
         log.info("autoshard: traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
+    flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
+    the_plan, planned, micro = _choose(step_fn, args, graph, t0, t_trace, target, options,
+                                       time_budget_s=time_budget_s, roles=roles, recompute=recompute)
+    return dataclasses.replace(the_plan, model_flops=flops), planned, micro
+
+
+def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: Graph, t0: float,
+            t_trace: float | None, target: Target, options: PipelineOptions, *, time_budget_s: float | None,
+            roles: Mapping[str, str] | None, recompute: str) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+    """``plan_for`` after tracing: the intra-operator plan, pipelined plans, or both and the faster."""
     if not isinstance(step_fn, Graph):
         _refuse_lost_updates(args, graph)
     _warn_undivided_batch(graph, target)

@@ -58,6 +58,7 @@ PASSES = (
     "autoshard.trace",
     "autoshard.strategies",
     "autoshard.planner.build",
+    "autoshard.planner.utilization",
     "autoshard.planner.plan",
     "autoshard.planner.summary",
     "autoshard.planner.readback",

@@ -13,6 +13,7 @@ from typing import Any
 
 from autoshard.pipeline.partition import PipelineError
 from autoshard.planner.plan import PlanError, specs_from_json, specs_to_json
+from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
 
@@ -92,6 +93,14 @@ class PipelinePlan:
     solver: PipelineReport
     graph_digest: str  # of the microbatch-sized trace the op ids refer to
     num_chunks: int = 1  # model chunks per physical stage (interleaved schedule); see the class docstring
+    # 3x the whole step's forward matmul flops and their peak (``planner.utilization``); None: not recorded
+    model_flops: ModelFlops | None = None
+
+    @property
+    def mfu(self) -> float | None:
+        """Predicted model FLOP utilization over the whole mesh (``planner.utilization``), or None."""
+        return None if self.model_flops is None else self.model_flops.mfu(self.predicted_step_time,
+                                                                          math.prod(self.mesh.shape))
 
     @property
     def num_physical_stages(self) -> int:
@@ -159,6 +168,7 @@ class PipelinePlan:
             "memory_budget": self.memory_budget,
             "solver": self.solver.to_dict(),
             "graph_digest": self.graph_digest,
+            **({} if self.model_flops is None else {"model_flops": self.model_flops.to_dict()}),
         }
 
     @classmethod
@@ -178,7 +188,8 @@ class PipelinePlan:
                    num_layers=int(d["num_layers"]), stages=stages, layer_of_op=tuple(d["layer_of_op"]),
                    predicted_step_time=float(d["predicted_step_time"]),
                    bubble_fraction=float(d["bubble_fraction"]), peak_memory=float(d["peak_memory"]),
-                   memory_budget=d["memory_budget"], solver=PipelineReport.from_dict(d["solver"]), graph_digest=d["graph_digest"])
+                   memory_budget=d["memory_budget"], solver=PipelineReport.from_dict(d["solver"]), graph_digest=d["graph_digest"],
+                   model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None)
         plan.verify()
         return plan
 

@@ -4,7 +4,7 @@ the bubble) and ``explain_pipeline`` (that, with the step time split into stage 
 from __future__ import annotations
 
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.planner.summary import human_time
+from autoshard.planner.summary import human_time, mfu_line
 from autoshard.trace.summary import human_bytes
 
 
@@ -18,6 +18,7 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"predicted step time {human_time(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
+        *([mfu_line(plan.mfu, plan.model_flops)] if plan.mfu is not None else []),
         "",
         f"  {'stage':<6}{'layers':<10}{'submesh':<10}{'devices':<16}{'fwd+bwd/microbatch':>20}{'update':>12}"
         f"{'memory/device':>16}",

@@ -22,6 +22,7 @@ import numpy as np
 
 from autoshard._version import __version__
 from autoshard.errors import AutoshardError
+from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
 
@@ -118,6 +119,14 @@ class Plan:
     # block (layer tag) -> recompute mode, for the blocks the planned graph recomputes
     # (``trace.remat``): the step is emitted with that rewrite applied; empty: as traced
     recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # 3x the step's forward matmul flops and their peak (``planner.utilization``); None: not recorded
+    model_flops: ModelFlops | None = None
+
+    @property
+    def mfu(self) -> float | None:
+        """Predicted model FLOP utilization (``planner.utilization``), or None when not recorded."""
+        return None if self.model_flops is None else self.model_flops.mfu(self.predicted_step_time,
+                                                                          self.mesh.num_devices)
 
     # ---- checks ------------------------------------------------------------------------------------
 
@@ -169,6 +178,7 @@ class Plan:
             "versions": dict(self.versions),
             "collective_counts": dict(self.collective_counts),
             "recompute": dict(self.recompute),
+            **({} if self.model_flops is None else {"model_flops": self.model_flops.to_dict()}),
         }
 
     @classmethod
@@ -194,6 +204,7 @@ class Plan:
             versions=dict(d["versions"]),
             collective_counts={k: int(v) for k, v in d.get("collective_counts", {}).items()},
             recompute=dict(d.get("recompute", {})),
+            model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
         )
 
     def save(self, path: str | Path) -> None:

@@ -6,6 +6,7 @@ import re
 from collections import defaultdict
 
 from autoshard.planner.plan import Plan
+from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.summary import human_bytes
 
 _LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)")
@@ -17,6 +18,13 @@ def human_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e6:.1f} us"
+
+
+def mfu_line(mfu: float, flops: ModelFlops | None) -> str:
+    """``predicted MFU 41.2% (model flops 3.1 PFLOP a step at a 989 TFLOP/s peak per device)``."""
+    assert flops is not None
+    return (f"predicted MFU {100 * mfu:.1f}% (model flops {flops.flops / 1e15:.4g} PFLOP a step, 3x the forward "
+            f"matmuls, at a {flops.peak / 1e12:.4g} TFLOP/s peak per device)")
 
 
 def tensor_class(name: str) -> str:
@@ -31,6 +39,8 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
         f"{human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
     ]
+    if plan.mfu is not None:
+        lines.append(mfu_line(plan.mfu, plan.model_flops))
     if plan.recompute:
         modes = sorted(set(plan.recompute.values()))
         lines.append(f"recompute: {'/'.join(modes)} on {len(plan.recompute)} blocks (their forward ops run again "
