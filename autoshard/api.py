@@ -27,6 +27,7 @@ from autoshard.pipeline import (
 from autoshard.pipeline.microbatches import candidates as microbatch_candidates
 from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.pipeline_plan import cluster_of
+from autoshard.pipeline.recompute import plan_pipeline_recomputing
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
@@ -89,7 +90,8 @@ def plan(
     ``recompute`` (``planner.recompute``): ``"auto"`` (the default) rematerialises the step's repeated blocks
     only when no layout fits without it (selective first, then full); ``"none"``, ``"selective"`` or
     ``"full"`` fix it. The plan says which (``Plan.recompute``) and ``parallelize`` emits it so; the model is
-    not edited. Pipelined plans do not recompute yet.
+    not edited. Pipelines recompute alike (``pipeline.recompute``: the microbatch trace rewritten, each
+    block's replay in its stage's backward program); ``"auto"`` only when no cut into stages fits without.
     """
     check_recompute(recompute)
     target = Target.of(mesh, hardware, memory_budget)
@@ -152,12 +154,17 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     traced: dict[int, Graph] = {}
 
     def plan_one(count: int, seconds: float | None) -> PipelinePlan:
-        micro = traced[count] = trace(step_fn, *microbatch_args(args, graph, None, count), roles=roles)
+        micro = trace(step_fn, *microbatch_args(args, graph, None, count), roles=roles)
         log.info("autoshard: planning a pipeline of %d microbatches", count)
-        return plan_pipeline(micro, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
-                             schedule_name=options.schedule, num_layers=options.num_layers, time_budget_s=seconds,
-                             max_stages=options.max_stages, stage_shape=options.stage_shape,
-                             num_chunks=options.num_chunks)
+
+        def stages(g: Graph, s: float | None) -> PipelinePlan:
+            return plan_pipeline(g, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
+                                 schedule_name=options.schedule, num_layers=options.num_layers, time_budget_s=s,
+                                 max_stages=options.max_stages, stage_shape=options.stage_shape,
+                                 num_chunks=options.num_chunks)
+
+        the_plan, traced[count] = plan_pipeline_recomputing(micro, stages, recompute=recompute, time_budget_s=seconds)
+        return the_plan
 
     counts = ([options.microbatches] if options.microbatches else
               microbatch_candidates(_batch_rows(graph), cluster_of(cost.mesh)[0]))
@@ -438,6 +445,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             the_plan.verify(graph)
             return the_plan, graph, None
         micro = trace(self.fn, *microbatch_args(args, graph, None, the_plan.num_microbatches), roles=self.roles)
+        micro = recomputed(micro, the_plan.recompute)
         the_plan.verify(micro)
         return the_plan, graph, micro
 

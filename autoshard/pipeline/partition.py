@@ -44,6 +44,10 @@ class PipelineError(AutoshardError, ValueError):
     """The step cannot be pipelined as written (the message says why and what to change)."""
 
 
+class PipelineDoesNotFit(PipelineError):
+    """No cut into stages fits the memory budget (recompute, more microbatches or devices may)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class StepParts:
     """Which ops run per microbatch and which tensors are accumulated across microbatches."""

@@ -95,6 +95,9 @@ class PipelinePlan:
     num_chunks: int = 1  # model chunks per physical stage (interleaved schedule); see the class docstring
     # 3x the whole step's forward matmul flops and their peak (``planner.utilization``); None: not recorded
     model_flops: ModelFlops | None = None
+    # block (layer tag) -> recompute mode for the blocks the microbatch graph recomputes (``trace.remat``,
+    # applied to the microbatch-sized trace before it is cut into stages); empty: as traced
+    recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def mfu(self) -> float | None:
@@ -169,6 +172,7 @@ class PipelinePlan:
             "solver": self.solver.to_dict(),
             "graph_digest": self.graph_digest,
             **({} if self.model_flops is None else {"model_flops": self.model_flops.to_dict()}),
+            "recompute": dict(self.recompute),
         }
 
     @classmethod
@@ -189,7 +193,8 @@ class PipelinePlan:
                    predicted_step_time=float(d["predicted_step_time"]),
                    bubble_fraction=float(d["bubble_fraction"]), peak_memory=float(d["peak_memory"]),
                    memory_budget=d["memory_budget"], solver=PipelineReport.from_dict(d["solver"]), graph_digest=d["graph_digest"],
-                   model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None)
+                   model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
+                   recompute=dict(d.get("recompute", {})))
         plan.verify()
         return plan
 

@@ -19,6 +19,8 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
         *([mfu_line(plan.mfu, plan.model_flops)] if plan.mfu is not None else []),
+        *([f"recompute: {'/'.join(sorted(set(plan.recompute.values())))} on {len(plan.recompute)} blocks (replayed "
+           "in each stage's backward program; counted in its time)"] if plan.recompute else []),
         "",
         f"  {'stage':<6}{'layers':<10}{'submesh':<10}{'devices':<16}{'fwd+bwd/microbatch':>20}{'update':>12}"
         f"{'memory/device':>16}",

@@ -69,6 +69,7 @@ from autoshard.pipeline.layer_prices import (
 )
 from autoshard.pipeline.partition import (
     UPDATE,
+    PipelineDoesNotFit,
     PipelineError,
     assign_layers,
     forward_sequence,
@@ -152,7 +153,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         try:
             sol = solve_inter_op(problem)
         except InterOpInfeasibleError as e:
-            raise PipelineError(f"no pipeline of {layers} layers fits: {e}") from None
+            raise PipelineDoesNotFit(f"no pipeline of {layers} layers fits: {e}") from None
         if sol.placement is None:
             raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the cluster "
                                 f"{cluster}")
@@ -240,7 +241,8 @@ def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: 
                 if val < best[k, j]:
                     best[k, j], cut[k, j] = val, i
     if not np.isfinite(best[V, layers]):
-        raise PipelineError(f"no cut of {layers} layers into {V} virtual stages has finite times on {shape}")
+        raise PipelineDoesNotFit(f"no cut of {layers} layers into {V} virtual stages fits on {shape}: some layer "
+                                 "has no plan within the memory budget there")
     bounds, j = [], layers
     for k in range(V, 0, -1):
         bounds.append((int(cut[k, j]), j - 1, 0))
@@ -291,7 +293,7 @@ def _refuse_hopeless_layers(prices: Any, submeshes: Sequence[tuple[int, int]], m
         return
     largest = max(submeshes, key=lambda s: s[0] * s[1])
     where = "" if memory_budget is None else f" in {memory_budget / 1e9:.4g} GB per device"
-    raise PipelineError(
+    raise PipelineDoesNotFit(
         f"layer {hopeless[0]} of {ok.shape[0]} ({len(hopeless)} such layers) does not fit{where} on any submesh, "
         f"even as a stage of its own on {largest[0]}x{largest[1]} devices with {min(inflight)} microbatch(es) in "
         "flight; use more devices, more microbatches (smaller ones), or recompute")

@@ -4,7 +4,8 @@
 
 - ``"none"``: the step as traced;
 - ``"selective"`` / ``"full"``: every block rewritten by ``trace.remat`` with that mode (selective keeps
-  matmul outputs and replays the elementwise ops, Korthikanti et al. 2022; full keeps only what enters
+  the weight products' outputs and replays the attention core and the elementwise ops, Korthikanti et
+  al. 2022; full keeps only what enters
   the block), then planned like any step: the ILP sees the replayed ops' compute at every layout and the
   shorter live ranges in its memory rows, so sharding and recompute are priced by one objective;
 - ``"auto"`` (the default): recompute only when the step does not fit without it. Plan the step as
@@ -12,6 +13,11 @@
   the full one, and return the first that fits. Selective replays a fraction of full's work (the
   elementwise ops, no matmuls), so when both fit it is the faster, and a plan that fits as traced is
   never slowed by recompute.
+
+A mode is not solved when it cannot fit whatever the layouts: the step's peak with that mode, unsharded
+(``trace.recompute.estimate``), spread perfectly over the mesh's devices, already exceeds the budget.
+That bound is what the solver proves for the step as traced on large meshes (GPT-39B at batch 1024 on
+8x8: 844 GB bound, 844 GB proven); skipping saves a whole solve (20 s there) on a mode that cannot fit.
 
 Formally, with ``G_m`` the step rewritten with mode ``m`` on every block and ``T(G)`` the optimal step
 time of ``G`` under the budget (``+inf`` when nothing fits), ``auto`` returns
@@ -34,7 +40,7 @@ from typing import Any
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.planning import plan_graph
 from autoshard.trace.graph import Graph
-from autoshard.trace.recompute import MODES
+from autoshard.trace.recompute import MODES, estimate
 from autoshard.trace.remat import blocks, rematerialize, uniform
 from cost_models import CostModel
 
@@ -64,9 +70,17 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     modes = ("none", "selective", "full") if recompute == "auto" else (recompute,)
     first: DoesNotFit | None = None
     needs: dict[str, float | None] = {}
+    budget = kw.get("memory_budget")
     for mode in modes:
         left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
                                                       0.25 * time_budget_s)
+        if recompute == "auto" and mode != "none" and budget is not None:
+            bound = estimate(graph, mode).peak_bytes / cost.mesh.num_devices
+            if bound > budget:
+                needs[mode] = bound
+                log.info("autoshard: recompute %s cannot fit: at least %s per device even sharded perfectly",
+                         mode, _gb(bound))
+                continue
         config = uniform(graph, mode) if mode != "none" else {}
         target = recomputed(graph, {b: m for b, m in config.items() if m != "none"})
         if mode != "none" and target is graph:
@@ -89,7 +103,6 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     assert first is not None
     if len(needs) == 1:
         raise first
-    budget = kw.get("memory_budget")
     tried = ", ".join(f"{'as traced' if m == 'none' else f'with {m} recompute'} at least {_gb(n)}"
                       for m, n in needs.items())
     raise DoesNotFit(

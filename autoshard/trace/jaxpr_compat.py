@@ -279,11 +279,37 @@ except ImportError:  # pragma: no cover
     _siu = None
 
 
-def eqn_context(eqn: Any) -> contextlib.AbstractContextManager:
+_PHASE_TRANSFORM = {"forward": "jvp", "backward": "transpose"}
+
+
+def phase_scope(phase: str | None, scope: str, traceback: Any = None) -> contextlib.AbstractContextManager:
+    """Bind under the name stack ``<transform>(<scope>)`` that the tracer reads back as ``scope`` in
+    ``phase`` (``jvp`` for forward, ``transpose`` for backward, nothing for other); a no-op where JAX's
+    name stacks are not reachable."""
+    if _siu is None:
+        return contextlib.nullcontext()
+    name_stack = _siu.current_name_stack()
+    transform = _PHASE_TRANSFORM.get(phase or "")
+    if transform is not None:
+        name_stack = name_stack.transform(transform)
+    for part in scope.split("/"):
+        if part:
+            name_stack = name_stack.extend(part)
+    return _siu.user_context(traceback, name_stack=name_stack)
+
+
+def eqn_context(eqn: Any, phase: str | None = None, scope: str | None = None) -> contextlib.AbstractContextManager:
     """Bind ``eqn``'s primitive again under its name stack, traceback and context manager (what the
-    emitter and ``trace.remat`` do), so the new jaxpr keeps the scopes and source lines tracing found."""
+    emitter and ``trace.remat`` do), so the new jaxpr keeps the scopes and source lines tracing found.
+
+    ``phase`` and ``scope``: what the tracer gave the op (``Op.phase``, ``Op.scope``). An op inside a
+    ``pjit`` inherits both from the call's name stack, which re-binding the flat op loses; given them, the
+    op is bound under the name stack ``<transform>(<scope>)`` that the tracer reads back as the same scope
+    and phase (``jvp`` for forward, ``transpose`` for backward; other transform wrappers are dropped)."""
     stack = contextlib.ExitStack()
-    if _siu is not None:
+    if scope is not None:
+        stack.enter_context(phase_scope(phase, scope, eqn.source_info.traceback))
+    elif _siu is not None:
         name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
         stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=name_stack))
     ctx = getattr(eqn, "ctx", None)

@@ -5,10 +5,10 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
 (a layer tag, ``Op.layer``) given a mode (``trace.recompute.MODES``):
 
 - the *recomputed set* ``R`` is the block's stash (``recompute.stashes``: held values a forward op of the
-  block makes and the backward pass reads), less what the mode keeps (``selective``: matmul and
-  convolution outputs) and less any value a backward op reads *before* the block's own backward pass
-  begins (the block's output, read by the next block's backward first: it stays, as a checkpoint's
-  input would);
+  block makes and the backward pass reads), less what the mode keeps (``selective``: the weight
+  products' outputs, ``recompute.saved_by_selective``) and less any value a backward op reads *before*
+  the block's own backward pass begins (the block's output, read by the next block's backward first: it
+  stays, as a checkpoint's input would);
 - the *replay* is the block's forward ops that produce ``R`` or the values ``R`` is computed from, back to
   the values that stay (the block's inputs, what the mode keeps, anything made outside the block);
 - at the block's first backward op, the replay runs again on the values that stay, passed through
@@ -37,7 +37,7 @@ from autoshard.errors import TraceError
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import buffers
 from autoshard.trace.graph import Graph, Op
-from autoshard.trace.recompute import MODES, SAVED_BY_SELECTIVE, stashes
+from autoshard.trace.recompute import MODES, saved_by_selective, stashes
 from autoshard.trace.tracer import graph_of_jaxpr
 
 log = logging.getLogger("autoshard")
@@ -71,7 +71,7 @@ def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], 
                 return True
             op = graph.ops[t.producer]
             return (op.layer != layer or op.phase != "forward"
-                    or (mode == "selective" and op.primitive in SAVED_BY_SELECTIVE))
+                    or (mode == "selective" and saved_by_selective(op)))
 
         recomputed = set()
         for tid in stash[layer]:
@@ -103,10 +103,12 @@ def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
     ops = graph.ops
     consts = graph.constants
 
-    def bind(op: Op, invals: list[Any]) -> list[Any]:
+    def bind(op: Op, invals: list[Any], phase: str | None = None) -> list[Any]:
+        """``op`` bound again with its scope and phase (``phase`` overrides it: a replayed forward op runs
+        in the backward pass, and a pipeline puts it in the backward program by its phase)."""
         eqn = op.eqn
         subfuns, params = jc.bind_params(eqn)
-        with jc.eqn_context(eqn):
+        with jc.eqn_context(eqn, phase or op.phase, op.scope):
             outs = eqn.primitive.bind(*subfuns, *invals, **params)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
@@ -133,16 +135,17 @@ def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
                 stay = sorted({t for o in replay for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)
                                if t not in produced and not isinstance(a, Literal)})
                 vals = [read(t, None, False) for t in stay]
-                if anchor is not None:
-                    *vals, _ = jax.lax.optimization_barrier((*vals, anchor))
-                else:
-                    vals = list(jax.lax.optimization_barrier(tuple(vals)))
+                with jc.phase_scope("backward", op.layer or op.scope):
+                    if anchor is not None:
+                        *vals, _ = jax.lax.optimization_barrier((*vals, anchor))
+                    else:
+                        vals = list(jax.lax.optimization_barrier(tuple(vals)))
                 local = dict(zip(stay, vals, strict=True))
                 for o in replay:
                     rop = ops[o]
                     ins = [a.val if isinstance(a, Literal) else local[t] if t in local else again[t]
                            if t in again else read(t, a, False) for t, a in zip(rop.inputs, rop.eqn.invars, strict=True)]
-                    for t, x in zip(rop.outputs, bind(rop, ins), strict=True):
+                    for t, x in zip(rop.outputs, bind(rop, ins, "backward"), strict=True):
                         again[t] = x
             invals = [read(t, a, backward) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
             for t, x in zip(op.outputs, bind(op, invals), strict=True):

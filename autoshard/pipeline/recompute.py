@@ -1,0 +1,68 @@
+"""Recompute in pipelines: the microbatch graph rewritten (``trace.remat``) before it is cut into stages.
+
+A pipeline stage holds one microbatch's activations per microbatch in flight, so recompute buys memory
+there as it does unpipelined. The rewrite is applied to the microbatch-sized trace as a whole; the
+replayed ops carry their block's scope and the ``backward`` phase, so the partition puts each block's
+replay in the backward program of the stage that holds the block, and every price (layer, stage, DP)
+sees the extra forward work and the shorter live ranges.
+
+``recompute`` as for intra-operator plans (``planner.recompute``): ``"none"``, ``"selective"``, ``"full"``
+fix it; ``"auto"`` plans the pipeline as traced and recomputes only when no cut into stages fits
+(``PipelineDoesNotFit``), selective first, then full, keeping the first that fits. A mode that cannot fit
+even a stage of its own on the largest submesh is found out by the planner's first pass over the layers
+(``stages._refuse_hopeless_layers``), at the price of pricing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from autoshard.pipeline.partition import PipelineDoesNotFit
+from autoshard.pipeline.pipeline_plan import PipelinePlan
+from autoshard.planner.recompute import check_recompute, recomputed
+from autoshard.trace.graph import Graph
+from autoshard.trace.remat import uniform
+
+log = logging.getLogger("autoshard")
+
+
+def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None], PipelinePlan], *,
+                              recompute: str = "auto", time_budget_s: float | None = None,
+                              ) -> tuple[PipelinePlan, Graph]:
+    """``plan(graph, seconds)`` (a pipeline planner bound to its target) on ``micro`` with the recompute
+    setting ``recompute`` (module docstring). Returns the plan and the microbatch graph it is a plan of
+    (rewritten when it recomputes)."""
+    check_recompute(recompute)
+    t0 = time.perf_counter()
+    modes = ("none", "selective", "full") if recompute == "auto" else (recompute,)
+    errors: list[tuple[str, PipelineDoesNotFit]] = []
+    for n, mode in enumerate(modes):
+        left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
+                                                      0.25 * time_budget_s / (len(modes) - n))
+        config = {b: m for b, m in uniform(micro, mode).items() if m != "none"} if mode != "none" else {}
+        graph = recomputed(micro, config)
+        if mode != "none" and graph is micro and recompute == "auto":
+            break  # no block to recompute
+        try:
+            the_plan = plan(graph, left)
+        except PipelineDoesNotFit as e:
+            if recompute != "auto":
+                raise
+            errors.append((mode, e))
+            log.info("autoshard: no pipeline fits with recompute %s; trying more", mode)
+            continue
+        if config:
+            log.info("autoshard: recompute %s on %d blocks makes the pipeline fit", mode, len(config))
+            the_plan = dataclasses.replace(the_plan, recompute=config)
+        return the_plan, graph
+    assert errors
+    if len(errors) == 1:
+        raise errors[0][1]
+    raise PipelineDoesNotFit("no pipeline fits, recompute or not: "
+                             + "; ".join(f"{'as traced' if m == 'none' else f'with {m} recompute'}: {e}"
+                                         for m, e in errors)) from None
+
+
