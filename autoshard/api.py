@@ -167,7 +167,8 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         return the_plan
 
     counts = ([options.microbatches] if options.microbatches else
-              microbatch_candidates(_batch_rows(graph), cluster_of(cost.mesh)[0]))
+              microbatch_candidates(_batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
+                                    activations=getattr(intra_error, "as_traced", None)))
     if not counts:
         if intra is not None:
             return intra, graph, None

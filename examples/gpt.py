@@ -63,7 +63,9 @@ PRESETS: dict[str, Config] = {
     "2.6b": _gpt3(32, 2560, 32),
     "6.7b": _gpt3(32, 4096, 32),
     "15b": _gpt3(48, 5120, 40),
-    "39b": _gpt3(48, 8192, 64),
+    # Alpa's and Megatron's GPT-39B benchmark setting: batch 1024 x 1024 tokens, mixed precision (bf16 matmuls
+    # and activations, fp32 parameters and optimizer state)
+    "39b": dataclasses.replace(_gpt3(48, 8192, 64), dtype="bfloat16"),
     # Megatron-LM's GPT-1T (Narayanan et al. SC'21, Table 1: 128 layers, hidden 25600, 160 heads, sequence
     # 2048, batch 3072, mixed precision): the largest model of the paper, trained on 3072 A100s.
     "1t": dataclasses.replace(_gpt3(128, 25600, 160), seq_len=2048, batch=3072, dtype="bfloat16"),

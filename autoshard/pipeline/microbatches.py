@@ -4,7 +4,10 @@ A pipeline of ``S`` stages running ``B`` microbatches under 1F1B idles a fractio
 ``(S − 1) / (B + S − 1)`` of its step (the bubble). Across ``H`` hosts joined by slow links the stage DP
 cuts at the hosts (``S ≈ H``), so the first candidate is the smallest power of two ``B`` dividing the
 batch with ``(S − 1) / (B + S − 1) <= β`` (``β = bubble``, 10%), i.e. ``B >= (S − 1)(1 − β) / β``, with
-``S = max(2, H)``. Larger counts are tried after it, doubling: a smaller microbatch keeps less activation
+``S = max(2, H)``. When the step's memory is known (``activations``: the bytes per device the step as
+traced needs unpipelined, over the budget), the first candidate also holds what a stage would: a stage of
+``1/S`` of the layers on ``D/S`` devices with up to ``S`` microbatches in flight keeps about ``S/B`` of
+that per device, so ``B >= S · activations / budget``. Larger counts are tried after it, doubling: a smaller microbatch keeps less activation
 memory per microbatch in flight, which lets a stage take faster layouts, while every microbatch pays
 its fixed per-microbatch costs (and the microbatch's matmuls get thinner). Which wins depends on the
 model and the mesh, so each candidate is planned for real: the layer prices at microbatch size
@@ -25,15 +28,19 @@ BUBBLE = 0.1  # the bubble fraction the first candidate keeps under
 MAX_CANDIDATES = 3
 
 
-def candidates(batch: int, hosts: int, *, bubble: float = BUBBLE, limit: int = MAX_CANDIDATES) -> list[int]:
+def candidates(batch: int, hosts: int, *, bubble: float = BUBBLE, limit: int = MAX_CANDIDATES,
+               activations: float | None = None, budget: float | None = None) -> list[int]:
     """Microbatch counts to try for a batch of ``batch`` rows on ``hosts`` hosts, in order (see the module
     docstring): powers of two dividing ``batch``, from the smallest that keeps the 1F1B bubble of
-    ``max(2, hosts)`` stages under ``bubble``, at most ``limit`` of them. If the batch is too small for
+    ``max(2, hosts)`` stages under ``bubble`` (and, given ``activations`` and ``budget`` in bytes per
+    device, holds a stage's share of them), at most ``limit`` of them. If the batch is too small for
     that bound, its largest power-of-two divisor (> 1) alone."""
     if batch < 2:
         return []
     stages = max(2, hosts)
     least = math.ceil((stages - 1) * (1 - bubble) / bubble)
+    if activations is not None and budget:
+        least = max(least, math.ceil(stages * activations / budget))
     powers = [1 << k for k in range(1, batch.bit_length()) if batch % (1 << k) == 0]
     if not powers:
         return []

@@ -36,11 +36,13 @@ class PlanError(AutoshardError, ValueError):
 
 class DoesNotFit(PlanError):
     """No layout of the step fits the memory budget (proven by the solver): more devices, microbatches or
-    recompute may. ``needed``: the least bytes per device the solver found the step needs (None: unknown)."""
+    recompute may. ``needed``: the least bytes per device the solver found the step needs (None: unknown);
+    ``as_traced``: that need without recompute, when it was found."""
 
-    def __init__(self, message: str, needed: float | None = None) -> None:
+    def __init__(self, message: str, needed: float | None = None, as_traced: float | None = None) -> None:
         super().__init__(message)
         self.needed = needed
+        self.as_traced = needed if as_traced is None else as_traced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

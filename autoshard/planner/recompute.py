@@ -110,7 +110,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         f"of its {len(blocks(graph))} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
         "a pipeline holds a microbatch's activations), or a smaller batch; or plan without a memory limit "
         "(memory_budget=None, --memory-budget none) to see what it would need.",
-        needed=needs.get("full", first.needed)) from None
+        needed=needs.get("full", first.needed), as_traced=needs.get("none")) from None
 
 
 def _gb(n: float | None) -> str:
