@@ -167,14 +167,17 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
                   [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
     held = [inflight[num_stages - 1 - u % num_stages] for u in range(len(chosen))]
-    # identical stages (same ops on the same submesh shape, as many microbatches in flight) are planned once
-    keys = [(signature(graph, m) + signature(graph, u), c[2], held[s])
-            for s, ((m, u), c) in enumerate(zip(stage_ops, chosen, strict=True))]
+    # Identical stages (same ops on the same submesh shape) are planned once, for the most microbatches in
+    # flight among them: fewer in flight need less memory, so that plan fits them all, and one solve with
+    # their pooled time beats several short ones (short solves of large stages vary a lot). Their memory
+    # is so an upper bound for those holding fewer.
+    keys = [(signature(graph, m) + signature(graph, u), c[2])
+            for (m, u), c in zip(stage_ops, chosen, strict=True)]
     seconds = max(SHARES.min_stage_seconds, SHARES.stage_plans * time_budget_s / (2 * len(set(keys))))
     done: dict[Any, Part] = {}
-    stages: list[StagePlan] = []
-    for s, (first, last, m) in enumerate(chosen):
-        shape = submeshes[m]
+    parts: dict[int, Part] = {}
+    for s in sorted(range(len(chosen)), key=lambda u: (-held[u], u)):
+        first, last, m = chosen[s]
         mops, uops = stage_ops[s]
         part = _reused(graph, done.get(keys[s]), mops, uops)
         if part is None:
@@ -188,6 +191,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             part = done[keys[s]] = plan_part(graph, mops, uops, costs[m], hardware, memory_budget,
                                              seconds, float(held[s]), microbatches=num_microbatches,
                                              starts=starts)
+        parts[s] = part
+    stages: list[StagePlan] = []
+    for s, (first, last, m) in enumerate(chosen):
+        shape = submeshes[m]
+        mops, part = stage_ops[s][0], parts[s]
         log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
                  "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / slow),
                  human_time(float(stage_time[first, last, m] - prices.update_time[first:last + 1, m].sum()

@@ -98,6 +98,7 @@ def plan_graph(
     log.info("autoshard: built the problem on %s: %d nodes, %d edges in %.1f s; solving for %.1f s",
              cost.mesh, problem.num_nodes, problem.num_edges, t_build, solve_s)
     try:
+        problem.check_memory_lower_bound()  # every node at its least memory overflows: no seed can fit
         with _gc_frozen():
             t_start = time.perf_counter()
             found = seed_portfolio(graph, cost, built, problem, pins, starts, SHARES.seeds * solve_s)
