@@ -74,6 +74,8 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     for mode in modes:
         left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
                                                       0.25 * time_budget_s)
+        if recompute == "auto" and mode != "none" and not blocks(graph):
+            break  # nothing to recompute: the step as traced was the only candidate
         if recompute == "auto" and mode != "none" and budget is not None:
             bound = estimate(graph, mode).peak_bytes / cost.mesh.num_devices
             if bound > budget:
@@ -109,7 +111,8 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         f"the step does not fit in {_gb(budget)} per device on mesh {cost.mesh}, recompute or not ({tried}, "
         f"of its {len(blocks(graph))} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
         "a pipeline holds a microbatch's activations), or a smaller batch; or plan without a memory limit "
-        "(memory_budget=None, --memory-budget none) to see what it would need.",
+        f"(memory_budget=None, --memory-budget none) to see what it would need.\nAs traced: "
+        f"{str(first).splitlines()[0]}",
         needed=needs.get("full", first.needed), as_traced=needs.get("none")) from None
 
 
