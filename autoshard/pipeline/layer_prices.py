@@ -225,18 +225,33 @@ class LayerPrices:
 
 def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
                  costs: Sequence[CostModel], hardware: str, memory_budget: float | None, time_budget_s: float,
-                 inflight: Sequence[int], num_devices: int, num_microbatches: int = 1) -> LayerPrices:
+                 inflight: Sequence[int], num_devices: int, num_microbatches: int = 1, chunks: int = 1,
+                 ) -> LayerPrices:
     """Every layer on every submesh (``costs``: one cost model per shape), each planned with ``plan_part``.
 
     A layer is planned under its share of a stage's memory: on a submesh of ``n`` devices the cluster
-    holds about ``num_devices / n`` stages of ``num_layers · n / num_devices`` layers each, the first of
-    which keeps ``inflight[stages - 1]`` microbatches in flight; its activations count that many times (so
-    that the layer picks layouts a full stage can hold). A layer that cannot fit its share is priced again
-    under the whole budget. Gradients are reduced once per ``num_microbatches`` (``plan_part``).
-    ``time_budget_s`` is shared by the distinct layers' plans, two per shape."""
+    holds about ``S = num_devices / n`` stages of ``num_layers · n / num_devices`` layers each. Layer
+    ``ℓ`` of ``L`` falls in (virtual) stage ``u = ⌊ℓ·S·chunks / L⌋``, on physical stage ``p = u mod S``,
+    which keeps ``inflight[S - 1 - p]`` microbatches in flight; identical layers are planned once, with
+    the largest count among their positions (the first stage's for a repeated block; a unique last layer,
+    the head, its own smaller one), and their activations count that many times, so that the layer picks
+    layouts its stage can hold. A layer that cannot fit its share is priced again under the whole budget.
+    Gradients are reduced once per ``num_microbatches`` (``plan_part``). ``time_budget_s`` is shared by
+    the distinct layers' plans, two per shape."""
     num_layers, num_shapes = len(micro_ops), len(costs)
     signatures = [signature(graph, micro_ops[ell]) + signature(graph, update_ops[ell]) for ell in range(num_layers)]
     distinct = len(set(signatures))
+
+    def held(ell: int, stages: int) -> int:
+        p = (ell * stages * chunks // num_layers) % stages
+        return inflight[min(stages - 1 - p, len(inflight) - 1)]
+
+    weights: dict[tuple[str, int], float] = {}
+    for m, cost in enumerate(costs):
+        stages = max(1, num_devices // cost.mesh.num_devices)
+        for ell in range(num_layers):
+            key = (signatures[ell], m)
+            weights[key] = max(weights.get(key, 0.0), float(held(ell, stages)))
     seconds = time_budget_s / max(1, 2 * distinct * num_shapes)  # solver seconds per layer plan
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
@@ -247,7 +262,7 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
             key = (signatures[ell], m)
             if key not in cache:
                 stages = max(1, num_devices // cost.mesh.num_devices)
-                weight = float(inflight[min(stages, len(inflight)) - 1])
+                weight = weights[key]
                 share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
                 part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share, seconds, weight,
                                  fallback=memory_budget, microbatches=num_microbatches)

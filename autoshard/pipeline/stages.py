@@ -135,7 +135,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
 
     # ---- the stage problem ----
     prices = price_layers(graph, micro_ops, update_ops, costs, hardware, memory_budget,
-                          SHARES.layer_pricing * time_budget_s, inflight, n_devices, num_microbatches)
+                          SHARES.layer_pricing * time_budget_s, inflight, n_devices, num_microbatches,
+                          chunks)
     # the DP's time per microbatch: t' = t + u / B (the module docstring, step 3)
     stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, slow)
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
@@ -188,9 +189,16 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                                         [micro_ops[ell] for ell in ells], mops),
                       layouts_of_layers(graph, [prices.parts[ell][m].update for ell in ells],
                                         [update_ops[ell] for ell in ells], uops))
-            part = done[keys[s]] = plan_part(graph, mops, uops, costs[m], hardware, memory_budget,
-                                             seconds, float(held[s]), microbatches=num_microbatches,
-                                             starts=starts)
+            part = plan_part(graph, mops, uops, costs[m], hardware, memory_budget, seconds, float(held[s]),
+                             microbatches=num_microbatches, starts=starts)
+            layer = prices.parts[first][m]
+            if first == last and layer.micro.feasible and layer.update.feasible and (
+                    not part.micro.feasible or not part.update.feasible
+                    or layer.time + layer.once < part.time + part.once):
+                # a one-layer stage is its layer: the layer's price (planned for as many microbatches in
+                # flight or more) stands when the stage's own short solve did worse or found nothing
+                part = layer
+            done[keys[s]] = part
         parts[s] = part
     stages: list[StagePlan] = []
     for s, (first, last, m) in enumerate(chosen):
@@ -221,6 +229,16 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
     per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
     step_time = pipe + max(sum(stages[u].update_time for u in us) for us in per_stage)
+    held_bytes = [sum(stages[u].memory for u in us) for us in per_stage]
+    worst = int(np.argmax(held_bytes))
+    if memory_budget is not None and held_bytes[worst] > memory_budget * (1 + 1e-6):
+        # the interleaved cut is chosen by time alone, and a stage priced from a layer planned under a
+        # fallback budget can exceed it: a plan over the budget is refused, never returned
+        what = f"its {chunks} chunks hold" if interleaved else "it holds"
+        raise PipelineDoesNotFit(
+            f"stage {worst} does not fit: {what} {held_bytes[worst] / 1e9:.4g} GB per device with "
+            f"{held[worst]} microbatch(es) in flight, over the budget of {memory_budget / 1e9:.4g} GB; use "
+            "more microbatches (smaller ones), recompute, more devices per stage, or another schedule")
     report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
                             dp_seconds=dp_seconds, dp_candidates=dp_candidates,
                             stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start)
