@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from autoshard.pipeline.partition import PipelineDoesNotFit
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.planner.recompute import check_recompute, recomputed
+from autoshard.planner.recompute import check_recompute, describe, recomputed
 from autoshard.trace.graph import Graph
 from autoshard.trace.remat import uniform
 
@@ -42,7 +42,7 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None]
     for n, mode in enumerate(modes):
         left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
                                                       0.25 * time_budget_s / (len(modes) - n))
-        config = {b: m for b, m in uniform(micro, mode).items() if m != "none"} if mode != "none" else {}
+        config = uniform(micro, mode) if mode != "none" else {}
         graph = recomputed(micro, config)
         if mode != "none" and graph is micro and recompute == "auto":
             break  # no block to recompute
@@ -62,7 +62,4 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None]
     if len(errors) == 1:
         raise errors[0][1]
     raise PipelineDoesNotFit("no pipeline fits, recompute or not: "
-                             + "; ".join(f"{'as traced' if m == 'none' else f'with {m} recompute'}: {e}"
-                                         for m, e in errors)) from None
-
-
+                             + "; ".join(f"{describe(m)}: {e}" for m, e in errors)) from None

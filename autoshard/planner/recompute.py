@@ -71,10 +71,13 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     first: DoesNotFit | None = None
     needs: dict[str, float | None] = {}
     budget = kw.get("memory_budget")
+    names: list[str] | None = None  # the step's blocks, found once a recompute mode is tried
     for mode in modes:
         left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
                                                       0.25 * time_budget_s)
-        if recompute == "auto" and mode != "none" and not blocks(graph):
+        if mode != "none" and names is None:
+            names = blocks(graph)
+        if recompute == "auto" and mode != "none" and not names:
             break  # nothing to recompute: the step as traced was the only candidate
         if recompute == "auto" and mode != "none" and budget is not None:
             bound = estimate(graph, mode).peak_bytes / cost.mesh.num_devices
@@ -105,15 +108,19 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     assert first is not None
     if len(needs) == 1:
         raise first
-    tried = ", ".join(f"{'as traced' if m == 'none' else f'with {m} recompute'} at least {_gb(n)}"
-                      for m, n in needs.items())
+    tried = ", ".join(f"{describe(m)} at least {_gb(n)}" for m, n in needs.items())
     raise DoesNotFit(
         f"the step does not fit in {_gb(budget)} per device on mesh {cost.mesh}, recompute or not ({tried}, "
-        f"of its {len(blocks(graph))} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
+        f"of its {len(names or ())} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
         "a pipeline holds a microbatch's activations), or a smaller batch; or plan without a memory limit "
         f"(memory_budget=None, --memory-budget none) to see what it would need.\nAs traced: "
         f"{str(first).splitlines()[0]}",
         needed=needs.get("full", first.needed), as_traced=needs.get("none")) from None
+
+
+def describe(mode: str) -> str:
+    """How messages name a recompute setting: ``as traced``, ``with selective recompute``."""
+    return "as traced" if mode == "none" else f"with {mode} recompute"
 
 
 def _gb(n: float | None) -> str:

@@ -55,36 +55,27 @@ class ModelFlops:
 
 def model_flops(graph: Graph, device: Device) -> ModelFlops:
     """3x the forward matmul and convolution flops of ``graph`` (module docstring), with their peak."""
-    flops, ideal = 0.0, 0.0
-
-    def go(g: Graph, times: float) -> None:
-        nonlocal flops, ideal
-        for op in g.ops:
-            if op.bodies:
-                # a scan body runs trip_count times; a cond's branches are alternatives (the largest counts);
-                # a while loop without a known count, once
-                each = float(op.trip_count or 1)
-                if op.primitive == "cond":
-                    best = max(op.bodies, key=lambda b: _forward_matmul_flops(b))
-                    go(best, times)
-                else:
-                    for b in op.bodies:
-                        go(b, times * each)
-                continue
-            if op.primitive in MATMULS and op.phase == "forward" and op.flops > 0:
-                f = 3.0 * times * op.flops
-                dtype = g.tensors[op.outputs[0]].dtype if op.outputs else "float32"
-                flops += f
-                ideal += f / device.peak_flops(_operand_dtype(g, op) or dtype)
-
-    go(graph, 1.0)
+    flops, ideal = _count(graph, device)
     return ModelFlops(flops, flops / ideal if ideal > 0 else 0.0)
 
 
-def _forward_matmul_flops(g: Graph) -> float:
-    return sum(op.flops for op in g.ops if op.primitive in MATMULS and op.phase == "forward")
-
-
-def _operand_dtype(g: Graph, op) -> str | None:  # type: ignore[no-untyped-def]
-    """The dtype a product runs in: its first operand's (a bf16 dot may accumulate into fp32)."""
-    return g.tensors[op.inputs[0]].dtype if op.inputs else None
+def _count(g: Graph, device: Device) -> tuple[float, float]:
+    """(model flops, seconds they take at peak on one device) of ``g``, its loop and branch bodies included:
+    a scan body runs ``trip_count`` times (a while loop without a known count, once); of a cond's branches,
+    the one with the most model flops counts."""
+    flops, ideal = 0.0, 0.0
+    for op in g.ops:
+        if op.primitive == "cond" and op.bodies:
+            f, i = max((_count(b, device) for b in op.bodies), key=lambda fi: fi[0])
+        elif op.bodies:
+            each = float(op.trip_count or 1)
+            f, i = (sum(x) * each for x in zip(*(_count(b, device) for b in op.bodies), strict=True))
+        elif op.primitive in MATMULS and op.phase == "forward" and op.flops > 0:
+            # a product runs in its operands' dtype (a bf16 dot may accumulate into fp32)
+            dtype = g.tensors[(op.inputs or op.outputs)[0]].dtype
+            f = 3.0 * op.flops
+            i = f / device.peak_flops(dtype)
+        else:
+            continue
+        flops, ideal = flops + f, ideal + i
+    return flops, ideal
