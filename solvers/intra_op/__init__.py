@@ -16,6 +16,8 @@ Modules, in the order a solve uses them:
 * ``ilp``: the ILP (the mathematics is in its docstring) through HiGHS, CBC as the fallback;
 * ``rowgen``: the same ILP with its memory rows added as answers break them (cores with many rows);
 * ``restrict``: the exact ILP over a few strategies per node, for cores too large for one ILP;
+* ``anneal``: simulated annealing (its loop compiled by numba in ``_anneal_kernel``) for cores too large
+  for one ILP when the budget allows;
 * ``lns``: exact re-solves of windows, for cores too large for one ILP;
 * ``bound``: a Lagrangian lower bound (forests sharing the costs, memory priced) for large cores;
 * ``watchdog``: big HiGHS solves in a child process killed at the deadline;

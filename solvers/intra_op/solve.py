@@ -10,7 +10,11 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
   by row generation (``rowgen``) when it has more than ``ROWGEN_MIN_ROWS`` of them (production cores:
   a few hundred nodes, tens of thousands of rows), else all at once (``ilp``), until optimal or the
   deadline.
-* A larger core: exact moves of whole induced trees (``tree_dp.block_descent``), Lagrangian local search
+* A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing with memory as a
+  soft constraint whose price adapts (``anneal``, compiled), then exact re-solves of windows (``lns``),
+  and the Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
+* A larger core otherwise (or without numba): exact moves of whole induced trees
+  (``tree_dp.block_descent``), Lagrangian local search
   with memory priced per row (``lagrange_search``), the exact ILP over a few
   strategies per node (``restrict``), then exact re-solves of windows (``lns``) until the deadline, and a
   Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
@@ -26,6 +30,7 @@ import time
 
 import numpy as np
 
+from solvers.intra_op import anneal as annealing
 from solvers.intra_op.bound import lagrangian_bound
 from solvers.intra_op.ilp import highs_available, ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.lagrange_search import improve_by_prices
@@ -40,6 +45,11 @@ from solvers.intra_op.tree_dp import ForestDP, block_descent, lagrangian_start
 
 __all__ = ["solve_intra_op"]
 
+# A large core with at least ``annealing.MIN_SECONDS`` left after its starts is annealed (``anneal``) for
+# this share of that time, then re-solved by windows; without numba, or with less time, the phases below.
+# IOPDDL K / L / M / N (180 s): 1.34 / 1.01 / 1.08 / 1.86 of the best known by the phases below,
+# 1.11 / 1.00 / 1.07 / 1.14 annealed (benchmarks/iopddl_results.md).
+ANNEAL_SHARE = 0.85
 # Block descent stops by itself once 8 rounds in a row change nothing; up to this share of the time left
 # is its. From a good start it is what improves a large core: GPT-6.7B on 8x8 from its best seed (224.7
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
@@ -138,9 +148,10 @@ def solve_intra_op(
     ls = LocalSearch(core)
     columns = ilp_columns(core)
     one_ilp = columns <= max_ilp_columns and ilp_fits(columns, work_deadline - time.perf_counter())
-    # starts: 15% of what is left for a large core, 5% when one ILP will follow
+    # starts: 15% of what is left for a large core, 5% when one ILP or annealing will follow
     left = max(0.0, work_deadline - time.perf_counter())
-    share = (0.05 if one_ilp else 0.15) * left
+    anneals = not one_ilp and 0.95 * left >= annealing.MIN_SECONDS and annealing.available()
+    share = (0.05 if one_ilp or anneals else 0.15) * left
     incumbent = _starts(core, ls, share, left, None if initial is None else _core_choice(reduced, np.asarray(initial)))
     inc_obj = core.objective(incumbent) if incumbent is not None else np.inf
     trivial = core.constant + sum(float(c.min()) for c in core.costs) + sum(
@@ -151,6 +162,18 @@ def solve_intra_op(
         return _finish(problem, reduced.expand(ls.choice, problem.num_nodes), trivial,
                        "no feasible assignment found (time budget reached)", "none feasible", start, stats,
                        False, False, feasible=False)
+    if anneals and incumbent is not None:
+        # too big for one ILP, and time enough to anneal: annealing, then exact re-solves of windows
+        left = work_deadline - time.perf_counter()
+        ls.start_from(annealing.anneal(core, incumbent, time.perf_counter() + ANNEAL_SHARE * left))
+        ls.improve(time.perf_counter() + 0.02 * left)
+        improve_by_windows(core, ls, work_deadline - BOUND_SHARE * max(0.0, work_deadline - time.perf_counter()))
+        choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
+        if time.perf_counter() < work_deadline:
+            trivial = max(trivial, lagrangian_bound(core, work_deadline, upper=core.objective(choice)) + core.constant)
+        return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
+                       "feasible (time budget reached; core too large for one ILP, annealed, improved by windows)",
+                       "annealing + windowed ILP", start, stats, False, verify)
     if not one_ilp and incumbent is not None:
         # too big for one ILP in the budget: exact moves of whole trees, then exact re-solves of windows
         ls.start_from(incumbent)

@@ -1,0 +1,282 @@
+"""The compiled inner loop of ``anneal`` (numba, cached on disk): imported only when a solve anneals.
+
+Kept apart so that importing ``solvers`` never needs numba, and so that numba can cache these functions
+(it caches module-level functions, not closures)."""
+
+import math
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def seg_add(mx, lz, size, lo, hi, d):
+    # iterative range add on [lo, hi) over a perfect binary tree of ``size`` leaves; mx[i] is the max
+    # of the subtree including lz[i] (lz applies to the whole subtree below i, already in mx[i])
+    l0 = lo + size
+    r0 = hi + size
+    left = l0
+    right = r0
+    while left < right:
+        if left & 1:
+            mx[left] += d
+            lz[left] += d
+            left += 1
+        if right & 1:
+            right -= 1
+            mx[right] += d
+            lz[right] += d
+        left >>= 1
+        right >>= 1
+    # pull up from the two boundary leaves
+    i = l0 >> 1
+    while i >= 1:
+        mx[i] = max(mx[2 * i], mx[2 * i + 1]) + lz[i]
+        i >>= 1
+    i = (r0 - 1) >> 1
+    while i >= 1:
+        mx[i] = max(mx[2 * i], mx[2 * i + 1]) + lz[i]
+        i >>= 1
+
+@njit(cache=True, nogil=True)
+def edge_cost(mats, moff, first, ka, kb, sa, sb):
+    # the edge seen from node a (k_a strategies) to b (k_b): row-major k_a x k_b when a is the row side
+    if first:
+        return mats[moff + sa * kb + sb]
+    return mats[moff + sb * ka + sa]
+
+@njit(cache=True, nogil=True)
+def delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats):
+    s = x[a]
+    d = cost[koff[a] + t] - cost[koff[a] + s]
+    ka = k[a]
+    for p in range(adj_off[a], adj_off[a + 1]):
+        b = adj_nbr[p]
+        kb = k[b]
+        d += edge_cost(mats, adj_moff[p], adj_first[p], ka, kb, t, x[b]) - edge_cost(
+            mats, adj_moff[p], adj_first[p], ka, kb, s, x[b])
+    return d
+
+@njit(cache=True, nogil=True)
+def best_response(b, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, buf):
+    kb = k[b]
+    for s in range(kb):
+        buf[s] = cost[koff[b] + s]
+    for p in range(adj_off[b], adj_off[b + 1]):
+        c = adj_nbr[p]
+        kc = k[c]
+        xc = x[c]
+        moff = adj_moff[p]
+        if adj_first[p]:
+            for s in range(kb):
+                buf[s] += mats[moff + s * kc + xc]
+        else:
+            for s in range(kb):
+                buf[s] += mats[moff + xc * kb + s]
+    best = 0
+    for s in range(1, kb):
+        if buf[s] < buf[best]:
+            best = s
+    return best
+
+@njit(cache=True, nogil=True)
+def apply_memory(a, s_old, s_new, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size):
+    for j in range(term_off[a], term_off[a + 1]):
+        d = usage[term_uoff[j] + s_new] - usage[term_uoff[j] + s_old]
+        if d != 0.0:
+            seg_add(mx, lz, size, term_lo[j], term_hi[j], d)
+
+@njit(cache=True, nogil=True)
+def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, lam_step,
+        k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats,
+        term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size, max_deg_follow, max_hops_log, max_moved,
+        term_node, stab_off, stab_terms, max_repair, repair_prob):
+    np.random.seed(seed)
+    n = x.shape[0]
+    kmax = 1
+    for a in range(n):
+        if k[a] > kmax:
+            kmax = k[a]
+    buf = np.empty(kmax)
+    moved_nodes = np.empty(n + max_repair + 1, np.int64)
+    moved_old = np.empty(n + max_repair + 1, np.int64)
+    ratio = t_end / t_start
+    accepted = 0
+    soft = lam[0] > 0.0
+    blocks = lam.shape[0]
+    pen_cur = penalty(mx, lz, lam) if soft else 0.0
+    for it in range(iters):
+        temp = t_start * ratio ** (it / iters)
+        if soft and (it & 1023) == 1023:
+            # strategic oscillation, per block of rows: overflowing now -> dearer, fitting -> cheaper
+            for b in range(blocks):
+                if block_max(mx, lz, blocks + b) > tol:
+                    lam[b] *= 1.0 + lam_step
+                else:
+                    lam[b] /= 1.0 + lam_step
+            pen_cur = penalty(mx, lz, lam)
+        a = np.random.randint(n)
+        if k[a] < 2:
+            continue
+        t = np.random.randint(k[a] - 1)
+        if t >= x[a]:
+            t += 1
+        m = 0
+        d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+        moved_nodes[m] = a
+        moved_old[m] = x[a]
+        m += 1
+        apply_memory(a, x[a], t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+        x[a] = t
+        if np.random.random() < compound:
+            # best responses spread outwards from a, hop by hop (up to ``hops``, at most max_moved nodes)
+            hops = 1 << np.random.randint(max_hops_log + 1)
+            head = 0
+            level_end = m
+            hop = 0
+            while head < m and m < max_moved:
+                if head == level_end:
+                    hop += 1
+                    level_end = m
+                    if hop >= hops:
+                        break
+                c = moved_nodes[head]
+                head += 1
+                for p in range(adj_off[c], adj_off[c + 1]):
+                    b = adj_nbr[p]
+                    if adj_off[b + 1] - adj_off[b] > max_deg_follow or m >= max_moved:
+                        continue
+                    r = best_response(b, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, buf)
+                    if r != x[b]:
+                        d += delta_of(b, r, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+                        moved_nodes[m] = b
+                        moved_old[m] = x[b]
+                        m += 1
+                        apply_memory(b, x[b], r, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                        x[b] = r
+        if not soft or np.random.random() < repair_prob:
+            # repair: while a row overflows, a node holding memory on the worst row gives some back, at the
+            # least extra cost among its strategies that use less there
+            for _ in range(max_repair):
+                if mx[1] <= tol:
+                    break
+                j = covering_term(worst_row(mx, size), size, stab_off, stab_terms)
+                if j < 0:
+                    break
+                b = term_node[j]
+                xb = x[b]
+                best_u = -1
+                best_d = np.inf
+                for u in range(k[b]):
+                    if usage[term_uoff[j] + u] < usage[term_uoff[j] + xb]:
+                        du = delta_of(b, u, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+                        if du < best_d:
+                            best_d = du
+                            best_u = u
+                if best_u < 0:
+                    continue
+                d += best_d
+                moved_nodes[m] = b
+                moved_old[m] = xb
+                m += 1
+                apply_memory(b, xb, best_u, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                x[b] = best_u
+        over = mx[1]
+        pen = 0.0
+        if soft:
+            # soft memory: energy = cost + Σ_blocks lam_b * (the block's largest overflow)+
+            pen = penalty(mx, lz, lam) if over > 0.0 or pen_cur > 0.0 else 0.0
+            e = d + pen - pen_cur
+            ok = e <= 0.0 or np.random.random() < math.exp(-e / temp)
+        else:
+            ok = over <= tol
+            if ok and d > 0.0:
+                ok = np.random.random() < math.exp(-d / temp)
+        if ok:
+            cur += d
+            pen_cur = pen
+            accepted += 1
+            if over <= tol and cur < best - 1e-9 * abs(best):
+                best = cur
+                best_x[:] = x
+        else:
+            for q in range(m - 1, -1, -1):
+                b = moved_nodes[q]
+                apply_memory(b, x[b], moved_old[q], term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                x[b] = moved_old[q]
+    return cur, best, accepted, lam
+
+@njit(cache=True, nogil=True)
+def block_max(mx, lz, i):
+    # the largest value under tree node i: its own mx plus the pending adds of its ancestors
+    v = mx[i]
+    j = i >> 1
+    while j >= 1:
+        v += lz[j]
+        j >>= 1
+    return v
+
+
+@njit(cache=True, nogil=True)
+def penalty(mx, lz, lam):
+    # Σ_b lam_b max(0, largest overflow in block b); the blocks are the tree nodes of one depth
+    blocks = lam.shape[0]
+    p = 0.0
+    for b in range(blocks):
+        v = block_max(mx, lz, blocks + b)
+        if v > 0.0:
+            p += lam[b] * v
+    return p
+
+
+@njit(cache=True, nogil=True)
+def worst_row(mx, size):
+    # the leaf holding the maximum: lz[i] shifts both children of i alike, so follow the larger child
+    i = 1
+    while i < size:
+        i = 2 * i if mx[2 * i] >= mx[2 * i + 1] else 2 * i + 1
+    return i - size
+
+
+@njit(cache=True, nogil=True)
+def covering_term(row, size, stab_off, stab_terms):
+    # a random memory term live at ``row``: terms are filed under the tree nodes that tile their interval,
+    # so the terms live at a row are those filed under the row's leaf and its ancestors
+    total = 0
+    i = row + size
+    while i >= 1:
+        total += stab_off[i + 1] - stab_off[i]
+        i >>= 1
+    if total == 0:
+        return -1
+    pick = np.random.randint(total)
+    i = row + size
+    while i >= 1:
+        cnt = stab_off[i + 1] - stab_off[i]
+        if pick < cnt:
+            return stab_terms[stab_off[i] + pick]
+        pick -= cnt
+        i >>= 1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def sample_uphill(x, samples, seed, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, penalty):
+    np.random.seed(seed)
+    n = x.shape[0]
+    out = np.empty(samples)
+    got = 0
+    for _ in range(20 * samples):
+        if got >= samples:
+            break
+        a = np.random.randint(n)
+        if k[a] < 2:
+            continue
+        t = np.random.randint(k[a] - 1)
+        if t >= x[a]:
+            t += 1
+        d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+        if 0.0 < d < penalty:
+            out[got] = d
+            got += 1
+    return out[:got]

@@ -1,0 +1,251 @@
+r"""Simulated annealing over a large core, with its inner loop compiled (numba, ``_anneal_kernel``).
+
+A core of 4-6k nodes with tens of strategies each and memory that binds hard (IOPDDL K, M, N) is out of
+reach of one ILP, and searches that only accept improving moves (ICM, block descent, windows) stop where
+every cheaper layout needs memory another node holds, or where a whole region has to change layout at
+once. Annealing walks through worse assignments to reach better ones.
+
+State: an assignment ``x``; its cost ``f(x) = Σ_a c_a(x_a) + Σ_(a,b) R^ab(x_a, x_b)`` (``+inf`` replaced by
+a penalty no move can pay) and its largest overflow ``o(x) = max_r (usage_r(x) − slack_r)``, kept in a
+segment tree over the rows with lazy range add (``O(terms · log R)`` per node moved). A move:
+
+1. node ``a`` to a random other strategy ``t``;
+2. with probability ``COMPOUND``, best responses spread from ``a`` hop by hop (up to ``2^h`` hops, ``h``
+   uniform in ``0..MAX_HOPS_LOG``; at most ``MAX_MOVED`` nodes; hubs of more than ``MAX_DEG_FOLLOW``
+   neighbours stay): each neighbour ``b`` of a moved node goes to ``argmin_s c_b(s) + Σ_c R^bc(s, x_c)``
+   when that differs from ``x_b``: a layout change that carries its region along;
+3. repair (always in hard mode, with probability ``REPAIR_PROB`` in soft mode): while a row overflows,
+   up to ``MAX_REPAIR`` times, a random memory term live on the worst row (terms are filed under the tree
+   nodes that tile their interval) gives memory back: its node takes, of its strategies that use less
+   there, the one that adds least cost.
+
+``Δ`` is the sum of the exact cost deltas of the steps, each at the state the previous ones left. The
+move is kept by the Metropolis rule on the energy ``E = f + λ · max(o, 0)`` (soft mode, the default), or
+on ``f`` when ``o <= 0`` after it (hard mode, ``λ < 0``); otherwise it is undone in reverse. Soft memory
+lets the walk pass through overflowing states to trade memory between nodes; ``λ`` adapts (strategic
+oscillation): every 1024 moves it grows by ``1 + LAM_STEP`` when the walk spent more than half of them
+overflowing and shrinks by as much otherwise. A chunk of moves that ends overflowing goes back to the
+best point with ``λ`` doubled. Only points that fit memory are recorded.
+
+Temperature falls geometrically from ``T_0`` to ``T_0 · COOLING_SPAN`` over each of ``ROUNDS`` rounds,
+each restarting from the best point; ``T_0`` is the median uphill ``Δ`` of 2000 random single moves
+(divided by the round number plus one), and the first ``λ`` makes a median memory change cost ``T_0``.
+The clock is read between chunks of about ``CHUNK_SECONDS`` of compiled moves.
+
+Why compiled: a move costs ~0.3 µs in the compiled loop and ~50 µs as Python; annealing needs millions.
+The first call on a machine compiles the loop (3-10 s here; numba caches it on disk, loading takes
+~0.3 s afterwards), so a solve anneals only when ``MIN_SECONDS`` are left for it. Measured (IOPDDL, 60 s
+of annealing from the solve's start, 2-core machine): K 2.37 -> 1.08-1.13 of the best known, M 1.13 ->
+1.07, N 1.99 -> 1.11-1.13; the same loop with hard memory and 1-hop compound moves reached K 1.18, N 1.30.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from solvers.intra_op.presolve import Core
+
+__all__ = ["MIN_SECONDS", "anneal", "available"]
+
+log = logging.getLogger(__name__)
+
+# share of moves that carry their region along (best responses spreading from the moved node)
+COMPOUND = 0.3
+# ... up to 2^h hops, h uniform in 0..MAX_HOPS_LOG, at most MAX_MOVED nodes; hubs with more neighbours
+# than MAX_DEG_FOLLOW stay where they are. 1 hop only: K 1.13 -> 1.18 and N 1.12 -> 1.30 (60 s).
+MAX_HOPS_LOG = 3
+MAX_MOVED = 64
+MAX_DEG_FOLLOW = 64
+# soft memory (the walk may overflow, at a price per block of rows that adapts by LAM_STEP every 1024
+# moves); hard memory (every kept move fits) did worse on IOPDDL: K 1.20, N 1.17 against 1.10, 1.12
+SOFT = True
+BLOCKS = 32
+LAM_STEP = 0.05
+# repair steps after a move that overflows (always in hard mode, with this probability in soft mode)
+MAX_REPAIR = 8
+REPAIR_PROB = 0.5
+# each round cools from T_0 to T_0 times this
+COOLING_SPAN = 1e-4
+# restarts from the best point, each with a cooler start (one long round: K 1.145 against 1.08-1.13)
+ROUNDS = 3
+# below this many seconds for annealing the solve does not anneal: compiling the loop the first time on a
+# machine costs 3-10 s here (numba caches it on disk; loading it takes ~0.3 s afterwards)
+MIN_SECONDS = 20.0
+# the clock is read between chunks of about this many seconds of compiled moves
+CHUNK_SECONDS = 0.5
+# a walk that ends this many chunks in a row outside memory goes back to the best point
+STUCK_CHUNKS = 4
+
+
+def available() -> bool:
+    """Whether numba imports here (the solve falls back to its uncompiled phases when it does not)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel():
+    from solvers.intra_op import _anneal_kernel as k
+
+    return k.run, k.sample_uphill
+
+
+def _tiling(left: int, right: int) -> np.ndarray:
+    """The tree nodes that tile leaves [left, right) (indices already offset by the tree size)."""
+    out = []
+    while left < right:
+        if left & 1:
+            out.append(left)
+            left += 1
+        if right & 1:
+            right -= 1
+            out.append(right)
+        left >>= 1
+        right >>= 1
+    return np.array(out, dtype=np.int64)
+
+
+class _Flat:
+    """The core in flat arrays for the compiled loop (``+inf`` replaced by ``penalty``)."""
+
+    def __init__(self, core: Core) -> None:
+        n = core.num_nodes
+        self.k = np.array([c.shape[0] for c in core.costs], dtype=np.int64)
+        self.koff = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.k, out=self.koff[1:])
+        finite = [c[np.isfinite(c)] for c in core.costs] + [m[np.isfinite(m)] for m in core.edge_costs]
+        scale = max((float(np.abs(f).max()) for f in finite if f.size), default=1.0)
+        self.penalty = 1e3 * max(scale, 1.0) * max(n, 1)
+        cost = np.concatenate([c for c in core.costs]) if n else np.zeros(0)
+        self.cost = np.where(np.isfinite(cost), cost, self.penalty).astype(np.float64)
+        sizes = np.array([m.size for m in core.edge_costs], dtype=np.int64)
+        moff = np.zeros(len(core.edge_costs) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=moff[1:])
+        mats = np.concatenate([m.ravel() for m in core.edge_costs]) if core.edge_costs else np.zeros(0)
+        self.mats = np.where(np.isfinite(mats), mats, self.penalty).astype(np.float64)
+        ea = core.edge_nodes[:, 0].astype(np.int64)
+        eb = core.edge_nodes[:, 1].astype(np.int64)
+        m_e = ea.shape[0]
+        src = np.concatenate([ea, eb])
+        nbr = np.concatenate([eb, ea])
+        first = np.concatenate([np.ones(m_e, dtype=np.bool_), np.zeros(m_e, dtype=np.bool_)])
+        eidx = np.concatenate([np.arange(m_e), np.arange(m_e)])
+        order = np.argsort(src, kind="stable")
+        self.adj_nbr = nbr[order]
+        self.adj_first = first[order]
+        self.adj_moff = moff[:-1][eidx[order]] if m_e else np.zeros(0, dtype=np.int64)
+        self.adj_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(src, minlength=n), out=self.adj_off[1:])
+        mem_node = core.mem_node.astype(np.int64)
+        t_order = np.argsort(mem_node, kind="stable")
+        self.term_off = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(mem_node, minlength=n), out=self.term_off[1:])
+        self.term_lo = core.mem_lo.astype(np.int64)[t_order]
+        self.term_hi = core.mem_hi.astype(np.int64)[t_order]
+        usages = [core.mem_usage[j] for j in t_order.tolist()]
+        ulen = np.array([u.shape[0] for u in usages], dtype=np.int64)
+        uoff = np.zeros(len(usages) + 1, dtype=np.int64)
+        np.cumsum(ulen, out=uoff[1:])
+        self.term_uoff = uoff[:-1]
+        self.usage = np.concatenate(usages).astype(np.float64) if usages else np.zeros(0)
+        self.term_node = mem_node[t_order]
+        rows = core.slack.shape[0]
+        self.size = 1
+        while self.size < max(rows, 1):
+            self.size *= 2
+        self.slack = core.slack.astype(np.float64)
+        # each term filed under the tree nodes that tile [lo, hi) (for "a term live at row r")
+        owners: list[np.ndarray] = []
+        filed: list[np.ndarray] = []
+        for j, (lo, hi) in enumerate(zip(self.term_lo.tolist(), self.term_hi.tolist(), strict=True)):
+            nodes = _tiling(lo + self.size, hi + self.size)
+            owners.append(nodes)
+            filed.append(np.full(nodes.shape[0], j, dtype=np.int64))
+        owner = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
+        order = np.argsort(owner, kind="stable")
+        self.stab_terms = (np.concatenate(filed) if filed else np.zeros(0, dtype=np.int64))[order]
+        self.stab_off = np.zeros(2 * self.size + 1, dtype=np.int64)
+        np.cumsum(np.bincount(owner, minlength=2 * self.size), out=self.stab_off[1:])
+        self.tol = 1e-9 * max(1.0, float(np.abs(core.slack).max(initial=1.0)))
+
+    def tree(self, core: Core, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Segment tree of usage − slack per row at ``x`` (padding rows at −inf)."""
+        mx = np.full(2 * self.size, -np.inf)
+        rows = self.slack.shape[0]
+        if rows:
+            mx[self.size:self.size + rows] = core.usage(x) - self.slack
+        for i in range(self.size - 1, 0, -1):
+            mx[i] = max(mx[2 * i], mx[2 * i + 1])
+        return mx, np.zeros(2 * self.size)
+
+
+def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> np.ndarray:
+    """The cheapest memory-feasible assignment seen while annealing from ``start`` (which must fit
+    memory) until ``deadline`` (perf_counter); never worse than ``start``."""
+    run, sample_uphill = _kernel()
+    flat = _Flat(core)
+    best_x = np.asarray(start, dtype=np.int64).copy()
+    best_obj = core.objective(best_x)
+    if not np.isfinite(best_obj) or core.num_nodes == 0:
+        return best_x
+    graph = (flat.k, flat.koff, flat.cost, flat.adj_off, flat.adj_nbr, flat.adj_moff, flat.adj_first, flat.mats)
+    memory = (flat.term_off, flat.term_lo, flat.term_hi, flat.term_uoff, flat.usage)
+    moved = min(MAX_MOVED, core.num_nodes)
+    repair = (flat.term_node, flat.stab_off, flat.stab_terms, MAX_REPAIR, REPAIR_PROB)
+    # compile (or load from numba's disk cache) before the clock is shared out: a no-op call of each
+    sample_uphill(best_x, 0, 0, *graph, flat.penalty)
+    run(best_x.copy(), best_x, 0.0, 0.0, 1.0, 1.0, 0, 0, flat.tol, COMPOUND, np.full(1, -1.0), LAM_STEP, *graph, *memory,
+        *flat.tree(core, best_x), flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
+    du = np.concatenate([u - u.min() for u in core.mem_usage]) if core.mem_usage else np.zeros(0)
+    du = du[du > 0]
+    lam_per_t0 = 1.0 / float(np.median(du)) if du.size else 0.0  # a typical overflow first costs about T_0
+    rng = np.random.default_rng(seed)
+    for rnd in range(ROUNDS):
+        begin = time.perf_counter()
+        end = begin + (deadline - begin) / (ROUNDS - rnd)
+        if deadline - begin <= 0.05:
+            break
+        x = best_x.copy()
+        cur = core.objective(x)
+        best = best_obj
+        ups = sample_uphill(x, 2000, int(rng.integers(2**31)), *graph, flat.penalty)
+        if ups.size == 0:
+            break  # no move can make anything worse than the penalty: nothing to anneal
+        t0 = float(np.median(ups)) / (1.0 + rnd)  # T_0 / 5 for one round: K 1.145, N 1.135 (no better)
+        lam = np.full(min(BLOCKS, flat.size), lam_per_t0 * t0 if SOFT else -1.0)
+        mx, lz = flat.tree(core, x)
+        # the temperature follows the clock: a chunk of moves covers the part of the cooling that its
+        # expected duration (at the rate measured so far) takes of the round
+        span = max(end - begin, 1e-9)
+        rate, chunks, resets, overflowing = None, 0, 0, 0
+        while (now := time.perf_counter()) < end:
+            iters = 20_000 if rate is None else int(max(1000, min(rate * CHUNK_SECONDS, rate * (end - now))))
+            frac = (now - begin) / span
+            frac_end = min(1.0, frac + (iters / rate if rate else 0.01) / span)
+            cur, best, _, _ = run(x, best_x, cur, best, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end,
+                                    iters, int(rng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, *graph,
+                                    *memory, mx, lz, flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
+            rate = iters / max(time.perf_counter() - now, 1e-6)
+            chunks += 1
+            overflowing = overflowing + 1 if mx[1] > flat.tol else 0
+            if overflowing:
+                lam *= 2.0  # the adaptation inside the chunk was too slow to bring the walk back
+            if overflowing >= STUCK_CHUNKS:
+                # still outside memory: go on from the best point
+                x[:] = best_x
+                cur = best
+                mx, lz = flat.tree(core, x)
+                overflowing = 0
+                resets += 1
+        true_best = core.objective(best_x)
+        log.debug("anneal round %d: T0 %.3g, median price %.3g, %d chunks (%d back to the best), %.3g moves/s, "
+                  "best %.6g", rnd, t0, float(np.median(lam)), chunks, resets, rate or 0.0, true_best)
+        if not true_best <= best_obj:
+            break
+        best_obj = true_best
+    return best_x
