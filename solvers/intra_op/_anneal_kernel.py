@@ -167,10 +167,13 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 xb = x[b]
                 best_u = -1
                 best_d = np.inf
+                best_score = np.inf
                 for u in range(k[b]):
-                    if usage[term_uoff[j] + u] < usage[term_uoff[j] + xb]:
+                    freed = usage[term_uoff[j] + xb] - usage[term_uoff[j] + u]
+                    if freed > 0.0:
                         du = delta_of(b, u, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
-                        if du < best_d:
+                        if du / freed < best_score:
+                            best_score = du / freed
                             best_d = du
                             best_u = u
                 if best_u < 0:
