@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from autoshard._examples import Example
+    from autoshard.megatron import GridPoint
     from autoshard.target import Target
 
 
@@ -278,6 +280,17 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     _add_example_arguments(p)
     _add_mesh_arguments(p, time_budget=30.0, per_plan=True)
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    g = p.add_argument_group("pipelined hand layouts (Megatron's grid)")
+    g.add_argument("--megatron", action="store_true",
+                   help="price Megatron-style pipelines (stage shape x microbatches x schedule x recompute) beside "
+                        "the automatic plan, instead of the intra-operator layouts")
+    g.add_argument("--stage-shapes", nargs="+", metavar="HxD",
+                   help="stage submeshes (default: one host, half a host, two hosts)")
+    g.add_argument("--microbatches", nargs="+", type=_count, default=[64, 128], metavar="B")
+    g.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"])
+    g.add_argument("--chunks", type=_count, default=2, metavar="V", help="model chunks per stage (interleaved)")
+    g.add_argument("--recompute", nargs="+", default=["none", "selective"], choices=["none", "selective", "full"])
+    g.add_argument("--no-auto", action="store_true", help="skip the automatic plan")
 
 
 def _compare_run(args: argparse.Namespace) -> int:
@@ -290,6 +303,8 @@ def _compare_run(args: argparse.Namespace) -> int:
 
     target = _target(args)
     example = load_example(args.model, args.preset, args.overrides, abstract=True)
+    if args.megatron:
+        return _megatron_run(args, target, example)
     graph = trace(example.train_step, *example.args)
     result = compare(graph, target.cost, hardware=target.hardware, memory_budget=target.memory_budget,
                      time_budget_s=args.time_budget,
@@ -297,6 +312,41 @@ def _compare_run(args: argparse.Namespace) -> int:
     print(result.text())
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+    return 0
+
+
+def _megatron_run(args: argparse.Namespace, target: Target, example: Example) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    from autoshard.api import plan_for
+    from autoshard.megatron import grid_table, megatron_grid
+    from autoshard.target import PipelineOptions
+
+    def say(point: GridPoint) -> None:
+        if not args.quiet:
+            what = f"{point.step_time:.4g} s" if point.plan is not None else point.error
+            print(f"  priced {point.name}: {what} ({point.seconds:.0f} s)", file=sys.stderr, flush=True)
+
+    auto, t_auto = None, 0.0
+    if not args.no_auto:
+        t0 = time.perf_counter()
+        auto, _, _ = plan_for(example.train_step, example.args, target, PipelineOptions(), time_budget_s=None)
+        t_auto = time.perf_counter() - t0
+    shapes = [_stage_shape(s) for s in args.stage_shapes] if args.stage_shapes else None
+    points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
+                           microbatches=args.microbatches, recompute=args.recompute, schedules=args.schedules,
+                           num_chunks=args.chunks, time_budget_s=args.time_budget, log=say)
+    print(grid_table(points, auto, t_auto))
+    if args.json:
+        rows = [{"stage_shape": p.stage_shape, "microbatches": p.microbatches, "schedule": p.schedule,
+                 "recompute": p.recompute, "step_time": None if p.plan is None else p.step_time,
+                 "mfu": None if p.plan is None else p.plan.mfu, "error": p.error, "seconds": p.seconds}
+                for p in points]
+        auto_row = None if auto is None else {"step_time": auto.predicted_step_time, "mfu": auto.mfu,
+                                              "seconds": t_auto}
+        Path(args.json).write_text(json.dumps({"automatic": auto_row, "grid": rows}, indent=1))
     return 0
 
 

@@ -85,6 +85,7 @@ PASSES = (
     "autoshard._examples",
     "autoshard.distributed",
     "autoshard.api",
+    "autoshard.megatron",
     "autoshard.cli",
     "autoshard",
 )
