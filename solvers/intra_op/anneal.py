@@ -62,8 +62,9 @@ MAX_HOPS_LOG = 3
 MAX_MOVED = 64
 MAX_DEG_FOLLOW = 64
 # soft memory (the walk may overflow, at a price per block of rows that adapts by LAM_STEP every 1024
-# moves); hard memory (every kept move fits) did worse on IOPDDL: K 1.20, N 1.17 against 1.10, 1.12
-SOFT = True
+# moves) or hard (every kept move fits), per walk: soft did better on IOPDDL (K 1.10, N 1.12 against 1.20,
+# 1.17 at 60 s), hard on a random loopy core whose rows all bind (test_intra_op_anneal: 7060 against 7396)
+MEMORY_MODES = (True, False)
 BLOCKS = 32
 LAM_STEP = 0.05
 # repair steps after a move that overflows (always in hard mode, with this probability in soft mode)
@@ -71,7 +72,8 @@ MAX_REPAIR = 8
 REPAIR_PROB = 0.5
 # each round cools from T_0 to T_0 times this
 COOLING_SPAN = 1e-4
-# walks side by side (threads; the compiled loop releases the GIL), best of them kept each round
+# walks side by side (threads; the compiled loop releases the GIL), one per memory mode, the best of them
+# kept each round
 WALKS = 2
 # restarts from the best point, each with a cooler start (one long round: K 1.145 against 1.08-1.13)
 ROUNDS = 3
@@ -212,12 +214,13 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
     lam_per_t0 = 1.0 / float(np.median(du)) if du.size else 0.0  # a typical overflow first costs about T_0
     rng = np.random.default_rng(seed)
 
-    def walk(x: np.ndarray, t0: float, begin: float, end: float, walk_seed: int) -> tuple[np.ndarray, dict]:
+    def walk(x: np.ndarray, t0: float, begin: float, end: float, walk_seed: int, soft: bool
+             ) -> tuple[np.ndarray, dict]:
         """One round of one walk from ``x``: the best point it saw (``x`` itself when nothing cheaper)."""
         wrng = np.random.default_rng(walk_seed)
         best_w = x.copy()
         cur = best = core.objective(x)
-        lam = np.full(min(BLOCKS, flat.size), lam_per_t0 * t0 if SOFT else -1.0)
+        lam = np.full(min(BLOCKS, flat.size), lam_per_t0 * t0 if soft else -1.0)
         mx, lz = flat.tree(core, x)
         # the temperature follows the clock: a chunk of moves covers the part of the cooling that its
         # expected duration (at the rate measured so far) takes of the round
@@ -255,8 +258,8 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
             if ups.size == 0:
                 break  # no move can make anything worse than the penalty: nothing to anneal
             t0 = float(np.median(ups)) / (1.0 + rnd)  # T_0 / 5 for one round: K 1.145, N 1.135 (no better)
-            futures = [pool.submit(walk, best_x.copy(), t0, begin, end, int(rng.integers(2**31)))
-                       for _ in range(walks)]
+            futures = [pool.submit(walk, best_x.copy(), t0, begin, end, int(rng.integers(2**31)), soft)
+                       for soft in MEMORY_MODES[:walks]]
             for fut in futures:
                 x, stats = fut.result()
                 obj = core.objective(x)
