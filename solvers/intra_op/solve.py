@@ -162,22 +162,18 @@ def solve_intra_op(
         return _finish(problem, reduced.expand(ls.choice, problem.num_nodes), trivial,
                        "no feasible assignment found (time budget reached)", "none feasible", start, stats,
                        False, False, feasible=False)
-    if anneals and incumbent is not None:
-        # too big for one ILP, and time enough to anneal: annealing, then exact re-solves of windows
-        left = work_deadline - time.perf_counter()
-        ls.start_from(annealing.anneal(core, incumbent, time.perf_counter() + ANNEAL_SHARE * left))
-        ls.improve(time.perf_counter() + 0.02 * left)
-        improve_by_windows(core, ls, work_deadline - BOUND_SHARE * max(0.0, work_deadline - time.perf_counter()))
-        choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
-        if time.perf_counter() < work_deadline:
-            trivial = max(trivial, lagrangian_bound(core, work_deadline, upper=core.objective(choice)) + core.constant)
-        return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
-                       "feasible (time budget reached; core too large for one ILP, annealed, improved by windows)",
-                       "annealing + windowed ILP", start, stats, False, verify)
     if not one_ilp and incumbent is not None:
-        # too big for one ILP in the budget: exact moves of whole trees, then exact re-solves of windows
+        # too big for one ILP in the budget: annealing when there is time for it, else exact moves of whole
+        # trees; then exact re-solves of windows
         ls.start_from(incumbent)
-        if time.perf_counter() < work_deadline:
+        if anneals:
+            left = work_deadline - time.perf_counter()
+            ls.start_from(annealing.anneal(core, incumbent, time.perf_counter() + ANNEAL_SHARE * left))
+            ls.improve(time.perf_counter() + 0.02 * left)
+            how, method = "annealed, improved by windows", "annealing + windowed ILP"
+        else:
+            how, method = "improved by windows", "local search + windowed ILP"
+        if not anneals and time.perf_counter() < work_deadline:
             restricted = backend == "highs" and highs_available() and restriction_width(core) >= MIN_WIDTH
             share = BLOCK_DESCENT_SHARE * (0.5 if restricted else 1.0)
             block_descent(core, ls, time.perf_counter() + share * (work_deadline - time.perf_counter()))
@@ -190,14 +186,15 @@ def solve_intra_op(
             if restricted:
                 improve_by_restriction(core, ls, time.perf_counter()
                                        + RESTRICTION_SHARE * max(0.0, work_deadline - time.perf_counter()))
+        if time.perf_counter() < work_deadline:
             improve_by_windows(core, ls, work_deadline - BOUND_SHARE * max(0.0, work_deadline - time.perf_counter()))
         choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent
         if time.perf_counter() < work_deadline:
             lagrangian = lagrangian_bound(core, work_deadline, upper=core.objective(choice))
             trivial = max(trivial, lagrangian + core.constant)
         return _finish(problem, reduced.expand(choice, problem.num_nodes), trivial,
-                       "feasible (time budget reached; core too large for one ILP, improved by windows)",
-                       "local search + windowed ILP", start, stats, False, verify)
+                       f"feasible (time budget reached; core too large for one ILP, {how})", method, start, stats,
+                       False, verify)
 
     if backend == "highs" and highs_available() and core.slack.shape[0] > ROWGEN_MIN_ROWS:
         rg = solve_by_row_generation(core, work_deadline, incumbent=incumbent, guess=ForestDP(core).solve(),
