@@ -38,12 +38,14 @@ def seg_add(mx, lz, size, lo, hi, d):
         mx[i] = max(mx[2 * i], mx[2 * i + 1]) + lz[i]
         i >>= 1
 
+
 @njit(cache=True, nogil=True)
 def edge_cost(mats, moff, first, ka, kb, sa, sb):
     # the edge seen from node a (k_a strategies) to b (k_b): row-major k_a x k_b when a is the row side
     if first:
         return mats[moff + sa * kb + sb]
     return mats[moff + sb * ka + sa]
+
 
 @njit(cache=True, nogil=True)
 def delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats):
@@ -56,6 +58,7 @@ def delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats
         d += edge_cost(mats, adj_moff[p], adj_first[p], ka, kb, t, x[b]) - edge_cost(
             mats, adj_moff[p], adj_first[p], ka, kb, s, x[b])
     return d
+
 
 @njit(cache=True, nogil=True)
 def best_response(b, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, buf):
@@ -79,12 +82,14 @@ def best_response(b, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, ma
             best = s
     return best
 
+
 @njit(cache=True, nogil=True)
 def apply_memory(a, s_old, s_new, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size):
     for j in range(term_off[a], term_off[a + 1]):
         d = usage[term_uoff[j] + s_new] - usage[term_uoff[j] + s_old]
         if d != 0.0:
             seg_add(mx, lz, size, term_lo[j], term_hi[j], d)
+
 
 @njit(cache=True, nogil=True)
 def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, lam_step,
@@ -155,8 +160,8 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                         apply_memory(b, x[b], r, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
                         x[b] = r
         if not soft or np.random.random() < repair_prob:
-            # repair: while a row overflows, a node holding memory on the worst row gives some back, at the
-            # least extra cost among its strategies that use less there
+            # repair: while a row overflows, a node holding memory on the worst row gives some back, taking
+            # of its strategies that use less there the one that adds least cost per byte freed
             for _ in range(max_repair):
                 if mx[1] <= tol:
                     break
@@ -208,6 +213,7 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 apply_memory(b, x[b], moved_old[q], term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
                 x[b] = moved_old[q]
     return cur, best, accepted, lam
+
 
 @njit(cache=True, nogil=True)
 def block_max(mx, lz, i):
