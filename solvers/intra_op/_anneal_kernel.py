@@ -106,7 +106,6 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
     moved_nodes = np.empty(n + max_repair + 1, np.int64)
     moved_old = np.empty(n + max_repair + 1, np.int64)
     ratio = t_end / t_start
-    accepted = 0
     soft = lam[0] > 0.0
     blocks = lam.shape[0]
     pen_cur = penalty(mx, lz, lam) if soft else 0.0
@@ -120,12 +119,9 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 else:
                     lam[b] /= 1.0 + lam_step
             pen_cur = penalty(mx, lz, lam)
-        a = np.random.randint(n)
-        if k[a] < 2:
+        a, t = random_move(x, k)
+        if a < 0:
             continue
-        t = np.random.randint(k[a] - 1)
-        if t >= x[a]:
-            t += 1
         m = 0
         d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
         moved_nodes[m] = a
@@ -203,7 +199,6 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
         if ok:
             cur += d
             pen_cur = pen
-            accepted += 1
             if over <= tol and cur < best - 1e-9 * abs(best):
                 best = cur
                 best_x[:] = x
@@ -212,7 +207,7 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 b = moved_nodes[q]
                 apply_memory(b, x[b], moved_old[q], term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
                 x[b] = moved_old[q]
-    return cur, best, accepted, lam
+    return cur, best  # lam is updated in place
 
 
 @njit(cache=True, nogil=True)
@@ -270,20 +265,28 @@ def covering_term(row, size, stab_off, stab_terms):
 
 
 @njit(cache=True, nogil=True)
+def random_move(x, k):
+    # a random node and a random other strategy of it; (-1, -1) when the node has only one
+    a = np.random.randint(x.shape[0])
+    if k[a] < 2:
+        return -1, -1
+    t = np.random.randint(k[a] - 1)
+    if t >= x[a]:
+        t += 1
+    return a, t
+
+
+@njit(cache=True, nogil=True)
 def sample_uphill(x, samples, seed, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, penalty):
     np.random.seed(seed)
-    n = x.shape[0]
     out = np.empty(samples)
     got = 0
     for _ in range(20 * samples):
         if got >= samples:
             break
-        a = np.random.randint(n)
-        if k[a] < 2:
+        a, t = random_move(x, k)
+        if a < 0:
             continue
-        t = np.random.randint(k[a] - 1)
-        if t >= x[a]:
-            t += 1
         d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
         if 0.0 < d < penalty:
             out[got] = d

@@ -230,9 +230,9 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
             iters = 20_000 if rate is None else int(max(1000, min(rate * CHUNK_SECONDS, rate * (end - now))))
             frac = (now - begin) / span
             frac_end = min(1.0, frac + (iters / rate if rate else 0.01) / span)
-            cur, best, _, _ = run(x, best_w, cur, best, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end,
-                                  iters, int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, *graph,
-                                  *memory, mx, lz, flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
+            cur, best = run(x, best_w, cur, best, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end, iters,
+                            int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, *graph, *memory, mx, lz,
+                            flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
             rate = iters / max(time.perf_counter() - now, 1e-6)
             chunks += 1
             overflowing = overflowing + 1 if mx[1] > flat.tol else 0

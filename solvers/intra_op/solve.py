@@ -165,7 +165,6 @@ def solve_intra_op(
     if not one_ilp and incumbent is not None:
         # too big for one ILP in the budget: annealing when there is time for it, else exact moves of whole
         # trees; then exact re-solves of windows
-        ls.start_from(incumbent)
         if anneals:
             left = work_deadline - time.perf_counter()
             ls.start_from(annealing.anneal(core, incumbent, time.perf_counter() + ANNEAL_SHARE * left))
@@ -173,19 +172,20 @@ def solve_intra_op(
             how, method = "annealed, improved by windows", "annealing + windowed ILP"
         else:
             how, method = "improved by windows", "local search + windowed ILP"
-        if not anneals and time.perf_counter() < work_deadline:
-            restricted = backend == "highs" and highs_available() and restriction_width(core) >= MIN_WIDTH
-            share = BLOCK_DESCENT_SHARE * (0.5 if restricted else 1.0)
-            block_descent(core, ls, time.perf_counter() + share * (work_deadline - time.perf_counter()))
-            ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
-            if not ls.feasible() or ls.objective() >= inc_obj:
-                ls.start_from(incumbent)
-            left = work_deadline - time.perf_counter()
-            if left >= PRICES_MIN_SECONDS:
-                improve_by_prices(core, ls, time.perf_counter() + PRICES_SHARE * left)
-            if restricted:
-                improve_by_restriction(core, ls, time.perf_counter()
-                                       + RESTRICTION_SHARE * max(0.0, work_deadline - time.perf_counter()))
+            ls.start_from(incumbent)
+            if time.perf_counter() < work_deadline:
+                restricted = backend == "highs" and highs_available() and restriction_width(core) >= MIN_WIDTH
+                share = BLOCK_DESCENT_SHARE * (0.5 if restricted else 1.0)
+                block_descent(core, ls, time.perf_counter() + share * (work_deadline - time.perf_counter()))
+                ls.improve(time.perf_counter() + 0.05 * max(0.0, work_deadline - time.perf_counter()))
+                if not ls.feasible() or ls.objective() >= inc_obj:
+                    ls.start_from(incumbent)
+                left = work_deadline - time.perf_counter()
+                if left >= PRICES_MIN_SECONDS:
+                    improve_by_prices(core, ls, time.perf_counter() + PRICES_SHARE * left)
+                if restricted:
+                    improve_by_restriction(core, ls, time.perf_counter()
+                                           + RESTRICTION_SHARE * max(0.0, work_deadline - time.perf_counter()))
         if time.perf_counter() < work_deadline:
             improve_by_windows(core, ls, work_deadline - BOUND_SHARE * max(0.0, work_deadline - time.perf_counter()))
         choice = ls.choice.copy() if ls.feasible() and ls.objective() < inc_obj else incumbent

@@ -10,20 +10,9 @@ from solvers.intra_op import anneal as annealing
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core, presolve
 from tests.solvers.test_intra_op_budget import _large_problem
+from tests.solvers.test_intra_op_prices import _two_nodes_one_slot
 
 pytestmark = pytest.mark.skipif(not annealing.available(), reason="numba is not installed")
-
-
-def _two_nodes_one_slot() -> Core:
-    # both nodes live on the one row, which has room for one large strategy: strategy 0 is large and
-    # free, strategy 1 small and dear (node 0 saves 10 by going large, node 1 saves 1)
-    return Core(
-        nodes=np.arange(2), strategies=(np.arange(2), np.arange(2)),
-        costs=(np.array([0.0, 10.0]), np.array([0.0, 1.0])),
-        edge_nodes=np.zeros((0, 2), dtype=np.int64), edge_costs=(),
-        mem_node=np.array([0, 1]), mem_lo=np.array([0, 0]), mem_hi=np.array([1, 1]),
-        mem_usage=(np.array([5.0, 1.0]), np.array([5.0, 1.0])), slack=np.array([6.0]), constant=0.0,
-    )
 
 
 @pytest.fixture(scope="module", autouse=True)
