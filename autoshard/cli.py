@@ -317,23 +317,16 @@ def _compare_run(args: argparse.Namespace) -> int:
 
 def _megatron_run(args: argparse.Namespace, target: Target, example: Example) -> int:
     import json
-    import time
     from pathlib import Path
 
-    from autoshard.api import plan_for
-    from autoshard.megatron import grid_table, megatron_grid
-    from autoshard.target import PipelineOptions
+    from autoshard.megatron import automatic_plan, grid_table, megatron_grid
 
     def say(point: GridPoint) -> None:
         if not args.quiet:
             what = f"{point.step_time:.4g} s" if point.plan is not None else point.error
             print(f"  priced {point.name}: {what} ({point.seconds:.0f} s)", file=sys.stderr, flush=True)
 
-    auto, t_auto = None, 0.0
-    if not args.no_auto:
-        t0 = time.perf_counter()
-        auto, _, _ = plan_for(example.train_step, example.args, target, PipelineOptions(), time_budget_s=None)
-        t_auto = time.perf_counter() - t0
+    auto, t_auto = (None, 0.0) if args.no_auto else automatic_plan(example.train_step, example.args, target)
     shapes = [_stage_shape(s) for s in args.stage_shapes] if args.stage_shapes else None
     points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
                            microbatches=args.microbatches, recompute=args.recompute, schedules=args.schedules,

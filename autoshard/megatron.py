@@ -24,7 +24,7 @@ from autoshard.pipeline import PipelinePlan
 from autoshard.planner.plan import Plan
 from autoshard.target import PipelineOptions, Target
 
-__all__ = ["GridPoint", "default_stage_shapes", "grid_table", "megatron_grid"]
+__all__ = ["GridPoint", "automatic_plan", "default_stage_shapes", "grid_table", "megatron_grid"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,14 @@ def default_stage_shapes(mesh_shape: tuple[int, ...]) -> list[tuple[int, int]]:
     if hosts % 2 == 0:
         out.append((2, devices))
     return out
+
+
+def automatic_plan(step_fn: Callable[..., Any], args: tuple[Any, ...], target: Target
+                   ) -> tuple[PipelinePlan | Plan, float]:
+    """The plan ``autoshard plan`` makes with only the target given, and the seconds it took."""
+    t0 = time.perf_counter()
+    plan, _, _ = plan_for(step_fn, args, target, PipelineOptions(), time_budget_s=None)
+    return plan, time.perf_counter() - t0
 
 
 def megatron_grid(step_fn: Callable[..., Any], args: tuple[Any, ...], target: Target, *,

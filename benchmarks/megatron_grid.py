@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 
 from autoshard._examples import load_example
-from autoshard.api import plan_for
-from autoshard.megatron import grid_table, megatron_grid
-from autoshard.target import PipelineOptions, Target
+from autoshard.megatron import automatic_plan, grid_table, megatron_grid
+from autoshard.target import Target
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -47,11 +45,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     ex = load_example("examples/gpt.py", args.preset, [], abstract=True)
     target = Target.of(args.mesh, args.hardware, "auto")
-    auto, t_auto = None, 0.0
-    if not args.no_auto:
-        t0 = time.perf_counter()
-        auto, _, _ = plan_for(ex.train_step, ex.args, target, PipelineOptions(), time_budget_s=None)
-        t_auto = time.perf_counter() - t0
+    auto, t_auto = (None, 0.0) if args.no_auto else automatic_plan(ex.train_step, ex.args, target)
     points = megatron_grid(ex.train_step, ex.args, target, stage_shapes=[_shape(s) for s in args.shapes],
                            microbatches=args.microbatches, recompute=args.recompute, schedules=args.schedules,
                            time_budget_s=args.time_budget,
