@@ -15,9 +15,10 @@
   never slowed by recompute.
 
 A mode is not solved when it cannot fit whatever the layouts: the step's peak with that mode, unsharded
-(``trace.recompute.estimate``), spread perfectly over the mesh's devices, already exceeds the budget.
-That bound is what the solver proves for the step as traced on large meshes (GPT-39B at batch 1024 on
-8x8: 844 GB bound, 844 GB proven); skipping saves a whole solve (20 s there) on a mode that cannot fit.
+(``trace.recompute.estimate``), spread perfectly over the mesh's devices, already exceeds the budget
+(the step as traced included). That bound is what the solver proves for the step as traced on large
+meshes (GPT-39B bf16 at batch 1024 on 8x8: 428.5 GB bound, 429 GB proven); skipping saves building and
+solving (12-20 s there) a mode that cannot fit.
 
 Formally, with ``G_m`` the step rewritten with mode ``m`` on every block and ``T(G)`` the optimal step
 time of ``G`` under the budget (``+inf`` when nothing fits), ``auto`` returns
@@ -40,7 +41,7 @@ from typing import Any
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.planning import plan_graph
 from autoshard.trace.graph import Graph
-from autoshard.trace.recompute import MODES, estimate
+from autoshard.trace.recompute import MODES, estimate, peak_holders
 from autoshard.trace.remat import blocks, rematerialize, uniform
 from cost_models import CostModel
 
@@ -79,12 +80,12 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             names = blocks(graph)
         if recompute == "auto" and mode != "none" and not names:
             break  # nothing to recompute: the step as traced was the only candidate
-        if recompute == "auto" and mode != "none" and budget is not None:
+        if recompute == "auto" and budget is not None:
             bound = estimate(graph, mode).peak_bytes / cost.mesh.num_devices
             if bound > budget:
                 needs[mode] = bound
-                log.info("autoshard: recompute %s cannot fit: at least %s per device even sharded perfectly",
-                         mode, _gb(bound))
+                log.info("autoshard: the step %s cannot fit: at least %s per device even sharded perfectly",
+                         describe(mode), _gb(bound))
                 continue
         config = uniform(graph, mode) if mode != "none" else {}
         target = recomputed(graph, {b: m for b, m in config.items() if m != "none"})
@@ -105,17 +106,23 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         if mode != "none":
             log.info("autoshard: recompute %s on %d blocks makes the step fit", mode, len(config))
         return (plan if target is graph else _with_recompute(plan, config)), target
-    assert first is not None
-    if len(needs) == 1:
+    if first is not None and len(needs) == 1:
         raise first
     tried = ", ".join(f"{describe(m)} at least {_gb(n)}" for m, n in needs.items())
+    if first is not None:
+        as_traced = f"\nAs traced: {str(first).splitlines()[0]}"
+    else:  # every bound from the estimate: say what the step holds at its peak
+        largest = ", ".join(f"{what} ({_gb(n)})" for what, n in peak_holders(graph))
+        as_traced = (" Each bound is the step's peak with that setting, spread perfectly over the "
+                     f"{cost.mesh.num_devices} devices; as traced, the largest values live there (unsharded): "
+                     f"{largest}.")
     raise DoesNotFit(
         f"the step does not fit in {_gb(budget)} per device on mesh {cost.mesh}, recompute or not ({tried}, "
         f"of its {len(names or ())} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
         "a pipeline holds a microbatch's activations), or a smaller batch; or plan without a memory limit "
-        f"(memory_budget=None, --memory-budget none) to see what it would need.\nAs traced: "
-        f"{str(first).splitlines()[0]}",
-        needed=needs.get("full", first.needed), as_traced=needs.get("none")) from None
+        f"(memory_budget=None, --memory-budget none) to see what it would need.{as_traced}",
+        needed=needs.get("full", first.needed if first is not None else None),
+        as_traced=needs.get("none")) from None
 
 
 def describe(mode: str) -> str:

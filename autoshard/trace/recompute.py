@@ -124,6 +124,34 @@ def estimate(graph: Graph, mode: str, nbytes: Callable[[Tensor], float] | None =
                              extra_bytes=extra_bytes, extra_seconds=extra_seconds, blocks=len(blocks))
 
 
+def peak_holders(graph: Graph, k: int = 3) -> list[tuple[str, float]]:
+    """The ``k`` largest values live at the step's peak as traced (no recompute), unsharded: (what it is,
+    bytes), for messages that say what does not fit: an input by its name, a result by the op making it."""
+    buf = buffers(graph)
+    live = list(buf.live)
+    sizes = [float(t.nbytes) if h else 0.0 for t, h in zip(graph.tensors, buf.held, strict=True)]
+    events: dict[int, float] = defaultdict(float)
+    for (s, e), b in zip(live, sizes, strict=True):
+        if e > s and b:
+            events[s] += b
+            events[e] -= b
+    cur, best, when = 0.0, -1.0, 0
+    for t in sorted(events):
+        cur += events[t]
+        if cur > best:
+            best, when = cur, t
+    held = sorted((t for t in graph.tensors if sizes[t.id] and live[t.id][0] <= when < live[t.id][1]),
+                  key=lambda t: -sizes[t.id])[:k]
+
+    def what(t: Tensor) -> str:
+        if t.producer is not None:
+            return f"{t.shape} made by {graph.ops[t.producer].where()}"
+        reader = f", read by {graph.ops[t.consumers[0]].where()}" if t.consumers else ""
+        return f"{t.name or t.shape}{reader}"
+
+    return [(what(t), sizes[t.id]) for t in held]
+
+
 def _peak(live: list[tuple[int, int]], sizes: list[float]) -> float:
     events: dict[int, float] = defaultdict(float)
     for (s, e), b in zip(live, sizes, strict=True):
