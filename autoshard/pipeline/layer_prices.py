@@ -23,6 +23,7 @@ import numpy as np
 from autoshard.pipeline.partition import subgraph
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import plan_graph
+from autoshard.planner.seeds import Assignment
 from autoshard.trace.graph import Graph, Scope
 from cost_models import CostModel, LogicalMesh, ShardingSpec
 
@@ -70,11 +71,20 @@ class Part:
         return self.micro.memory + self.update.memory
 
 
-def submesh_cost(cost: CostModel, shape: tuple[int, int]) -> CostModel:
+def submesh_cost(cost: CostModel, shape: tuple[int, int], view: tuple[int, int] | None = None) -> CostModel:
     """The cost model of a stage's submesh: (1, d) is a 1-D mesh over the mesh's inner axis name, (h, D)
-    keeps both axes. Links are the cluster's (inside a host: fast; across hosts: slow)."""
+    keeps both axes. Links are the cluster's (inside a host: fast; across hosts: slow). ``view`` = (a, b)
+    with ``a·b = d`` lays a one-host submesh out as a 2-D logical mesh instead, both axes on the host's
+    link (Alpa's logical mesh shapes: e.g. tensor parallel over 4 devices beside data parallel over 2);
+    its axes take the cluster's two names (a 1-D cluster's name and that name with ``_outer``)."""
     names = cost.mesh.axis_names
     link_of = dict(zip(names, cost.mesh.links, strict=True))
+    if view is not None:
+        if shape[0] != 1 or len(view) != 2 or view[0] * view[1] != shape[1]:
+            raise ValueError(f"view {view} is not a 2-D layout of the one-host submesh {shape}")
+        inner = link_of[names[-1]]
+        axes = tuple(names[-2:]) if len(names) >= 2 else (f"{names[0]}_outer", names[0])
+        return dataclasses.replace(cost, mesh=LogicalMesh(axis_names=axes, shape=tuple(view), links=(inner, inner)))
     if shape[0] == 1:
         mesh = LogicalMesh(axis_names=(names[-1],), shape=(shape[1],), links=(link_of[names[-1]],))
     else:
@@ -117,15 +127,16 @@ def output_reduction(graph: Graph, plan: Plan, cost: CostModel) -> float:
 
 def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int], cost: CostModel, hardware: str,
               budget: float | None, time_budget_s: float, inflight: float, fallback: float | None = None,
-              microbatches: int = 1, starts: tuple[Mapping[str, ShardingSpec], Mapping[str, ShardingSpec]] = ({}, {}),
+              microbatches: int = 1, starts: tuple[Sequence[Any], Sequence[Any]] = ((), ()),
               ) -> Part:
     """The update ops planned under ``budget``, then the microbatched ops under what they leave, with
     their activations counted ``inflight`` times and their pending-sum results reduced once per
     ``microbatches``. With ``fallback`` (a larger budget), a part that does not fit is priced again under
-    it, so that the stage DP sees what it would cost rather than nothing. ``starts``: input layouts the
-    microbatch and the update solves also start from (``layouts_of_layers``)."""
+    it, so that the stage DP sees what it would cost rather than nothing. ``starts``: where the microbatch
+    and the update solves also start (``plan_graph``'s starts: ``layouts_of_layers``,
+    ``assignment_of_layers``)."""
     per_call = 1.0 / max(1, microbatches)
-    mstart, ustart = (starts[0],), (starts[1],)
+    mstart, ustart = tuple(starts[0]), tuple(starts[1])
     update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s, starts=ustart)
     solves = 1
     if not update.feasible and fallback is not None:
@@ -164,6 +175,37 @@ def layouts_of_layers(graph: Graph, priced: Sequence[Priced], layer_ops: Sequenc
             if spec is not None and not spec.partial and name in wanted:
                 out[name] = spec
     return out
+
+
+def assignment_of_layers(graph: Graph, priced: Sequence[Priced], layer_ops: Sequence[Sequence[int]],
+                         stage_ops: Sequence[int]) -> Assignment:
+    """The layers' own plans (``priced``, one per layer, possibly made on an identical layer) joined into
+    the layouts of every tensor of a stage made of them (``stage_ops``), keyed as the stage's problem
+    numbers them: a tensor crossing from one layer to the next keeps its producer's layout (the reader's
+    resharding is then the stage solve's to price). The whole-stage solve starts from it (``seeds``), so
+    that the stage plan is at worst the sum the stage DP saw plus that resharding."""
+    out: dict[tuple[Scope, int], ShardingSpec] = {}
+    if not stage_ops:
+        return Assignment("the layers' plans", out)
+    stage = subgraph(graph, stage_ops)
+    tensor_of = {t: k for k, t in enumerate(stage.tensors)}
+    op_of = {i: k for k, i in enumerate(stage.ops)}
+    for p, ops in zip(priced, layer_ops, strict=True):
+        mine = reuse(graph, p, ops) if p.plan is not None and ops else None
+        if mine is None or mine.sub is None:
+            continue
+        for scope, table in remap(mine).items():
+            if scope == ():
+                for tid, spec in table.items():
+                    if tid in tensor_of:
+                        out.setdefault(((), tensor_of[tid]), spec)
+                continue
+            (op, b), *rest = scope
+            if op in op_of:
+                local: Scope = ((op_of[op], b), *rest)
+                for tid, spec in table.items():
+                    out.setdefault((local, tid), spec)
+    return Assignment("the layers' plans", out)
 
 
 def reuse(graph: Graph, priced: Priced, ops: Sequence[int]) -> Priced | None:
@@ -236,8 +278,14 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     the largest count among their positions (the first stage's for a repeated block; a unique last layer,
     the head, its own smaller one), and their activations count that many times, so that the layer picks
     layouts its stage can hold. A layer that cannot fit its share is priced again under the whole budget.
-    Gradients are reduced once per ``num_microbatches`` (``plan_part``). ``time_budget_s`` is shared by
-    the distinct layers' plans, two per shape."""
+    Gradients are reduced once per ``num_microbatches`` (``plan_part``).
+
+    ``time_budget_s`` is shared by the distinct layers' plans (two solves per shape) in proportion to how
+    many layers each one prices: a block repeated 48 times decides 48 layers' price, the embedding one,
+    and a short solve of a few hundred nodes can end 3x above its optimum (GPT-39B's block on 2x4: 35 ms
+    a microbatch after 0.1 s, 11 ms after 0.5 s), noise that moves the stage DP's cut. Every distinct
+    layer's fraction is at least ``1 / (4 · distinct)`` before normalising (the embedding and the head
+    keep a useful solve)."""
     num_layers, num_shapes = len(micro_ops), len(costs)
     signatures = [signature(graph, micro_ops[ell]) + signature(graph, update_ops[ell]) for ell in range(num_layers)]
     distinct = len(set(signatures))
@@ -252,7 +300,8 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
         for ell in range(num_layers):
             key = (signatures[ell], m)
             weights[key] = max(weights.get(key, 0.0), float(held(ell, stages)))
-    seconds = time_budget_s / max(1, 2 * distinct * num_shapes)  # solver seconds per layer plan
+    frac = {sig: max(signatures.count(sig) / num_layers, 1 / (4 * distinct)) for sig in set(signatures)}
+    seconds = {sig: time_budget_s * x / sum(frac.values()) / max(1, 2 * num_shapes) for sig, x in frac.items()}
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
     parts: list[list[Part]] = [[] for _ in range(num_layers)]
@@ -264,7 +313,8 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
                 stages = max(1, num_devices // cost.mesh.num_devices)
                 weight = weights[key]
                 share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
-                part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share, seconds, weight,
+                part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share,
+                                 seconds[signatures[ell]], weight,
                                  fallback=memory_budget, microbatches=num_microbatches)
                 solves += part.solves
                 cache[key] = (part, weight)

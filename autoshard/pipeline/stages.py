@@ -59,6 +59,7 @@ import numpy as np
 
 from autoshard.pipeline.layer_prices import (
     Part,
+    assignment_of_layers,
     layouts_of_layers,
     plan_part,
     price_layers,
@@ -114,8 +115,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     parts = split_step(graph)
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
-    submeshes = _submeshes(cluster, stage_shape)
-    costs = [submesh_cost(cost, shape) for shape in submeshes]  # one per shape: they cache prices
+    options = _layouts(_submeshes(cluster, stage_shape))
+    submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
+    costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     micro_ops: list[list[int]] = [[] for _ in range(layers)]
     update_ops: list[list[int]] = [[] for _ in range(layers)]
     for op in graph.ops:
@@ -143,7 +145,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     if interleaved:
-        chosen, placement, dp_cost = _interleaved(stage_time[:, :, 0], limit, chunks, cluster, submeshes[0])
+        # every option is the one stage shape, laid out differently: the fastest cut over them
+        chosen, placement, dp_cost = min(
+            (_interleaved(stage_time[:, :, m], limit, chunks, cluster, submeshes[m], m) for m in range(len(options))
+             if np.isfinite(stage_time[:, :, m]).any()), key=lambda r: r[2],
+            default=_interleaved(stage_time[:, :, 0], limit, chunks, cluster, submeshes[0], 0))
         dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
     else:
         problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=stage_time,
@@ -185,10 +191,13 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             # the stage's own budget: its update state once, its activations once per microbatch in flight
             # started from the layers' own plans, the layouts behind the stage DP's prices
             ells = range(first, last + 1)
-            starts = (layouts_of_layers(graph, [prices.parts[ell][m].micro for ell in ells],
-                                        [micro_ops[ell] for ell in ells], mops),
-                      layouts_of_layers(graph, [prices.parts[ell][m].update for ell in ells],
-                                        [update_ops[ell] for ell in ells], uops))
+            layer_micro = [prices.parts[ell][m].micro for ell in ells]
+            layer_update = [prices.parts[ell][m].update for ell in ells]
+            mine_micro, mine_update = [micro_ops[ell] for ell in ells], [update_ops[ell] for ell in ells]
+            starts = ((layouts_of_layers(graph, layer_micro, mine_micro, mops),
+                       assignment_of_layers(graph, layer_micro, mine_micro, mops)),
+                      (layouts_of_layers(graph, layer_update, mine_update, uops),
+                       assignment_of_layers(graph, layer_update, mine_update, uops)))
             part = plan_part(graph, mops, uops, costs[m], hardware, memory_budget, seconds, float(held[s]),
                              microbatches=num_microbatches, starts=starts)
             layer = prices.parts[first][m]
@@ -251,11 +260,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
 
 
 def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: tuple[int, int],
-                 shape: tuple[int, int]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float]:
+                 shape: tuple[int, int], m: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float]:
     """The interleaved layout on ``num_stages`` submeshes of ``shape``: the layers cut into ``V = chunks ·
     num_stages`` contiguous virtual stages minimising the slowest one's time ``t[i, j]`` (a linear-partition
     DP), virtual stage ``u`` on submesh ``u mod S`` (chunks dealt round-robin); submeshes tile the cluster
-    row-major. Returns ``(first layer, last layer, 0)`` per virtual stage, their origins, the bottleneck."""
+    row-major. Returns ``(first layer, last layer, m)`` per virtual stage, their origins, the bottleneck."""
     layers, V = stage_time.shape[0], chunks * num_stages
     best = np.full((V + 1, layers + 1), np.inf)  # best[k, j]: layers 0..j-1 in k groups, slowest group
     cut = np.zeros((V + 1, layers + 1), dtype=np.int64)
@@ -271,7 +280,7 @@ def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: 
                                  "has no plan within the memory budget there")
     bounds, j = [], layers
     for k in range(V, 0, -1):
-        bounds.append((int(cut[k, j]), j - 1, 0))
+        bounds.append((int(cut[k, j]), j - 1, m))
         j = int(cut[k, j])
     origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
     return bounds[::-1], [origins[u % num_stages] for u in range(V)], float(best[V, layers])
@@ -287,6 +296,19 @@ def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None) ->
         raise PipelineError(f"stage_shape {stage_shape} is not one of the submesh shapes of the "
                             f"{cluster[0]}x{cluster[1]} cluster that tile it: {list(submeshes)}")
     return (stage_shape,)
+
+
+def _layouts(submeshes: Sequence[tuple[int, int]]) -> tuple[tuple[tuple[int, int], tuple[int, int] | None], ...]:
+    """Each submesh shape with the logical layouts its stage may take (Alpa §5.2's logical mesh shapes):
+    as it is (``None``), and a one-host shape ``(1, d)`` also as every 2-D ``(a, d/a)``, ``2 <= a <=
+    d/2`` (e.g. 8 devices as 2x4: tensor parallel over 4 beside data parallel over 2, whose gradient
+    reduction is paid once per step). Multi-host shapes are 2-D already (hosts x devices)."""
+    out: list[tuple[tuple[int, int], tuple[int, int] | None]] = []
+    for h, d in submeshes:
+        out.append(((h, d), None))
+        if h == 1:
+            out += [((h, d), (a, d // a)) for a in range(2, d // 2 + 1) if d % a == 0]
+    return tuple(out)
 
 
 def _bytes_into_layers(graph: Graph, parts: Any, layer_of_op: Sequence[int], layers: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from autoshard.planner.plan import Plan, PlanError, decode_choice
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
-from autoshard.trace.graph import Graph
+from autoshard.trace.graph import Graph, Scope
 from cost_models import CostModel, ShardingSpec
 from solvers import InfeasibleError, IntraOpProblem, equivalence_classes, solve_intra_op
 
@@ -38,6 +38,30 @@ class Seed:
     given: bool  # one of the user's starts (recorded as ``SolverReport.starts``), else automatic
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assignment:
+    """A start given as the layouts of the graph's tensors, keyed ``(scope, tensor id)`` as the built
+    problem's nodes produce them, e.g. the plans of the layers a pipeline stage is made of: every node
+    takes the strategy that produces most of these layouts (the cheapest among equals), so the start is
+    those plans joined, and the solve begins no worse than their sum plus the resharding between them."""
+
+    name: str
+    layouts: Mapping[tuple[Scope, int], ShardingSpec]
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+
+def assignment_choice(built: BuiltProblem, layouts: Mapping[tuple[Scope, int], ShardingSpec]) -> np.ndarray:
+    """Per node of ``built``, the strategy producing the most of ``layouts`` (ties: the cheapest)."""
+    choice = np.zeros(len(built.nodes), dtype=np.int64)
+    for i, node in enumerate(built.nodes):
+        score = np.array([sum(layouts.get(key) == spec for key, spec in prod) for prod in node.produces])
+        best = np.flatnonzero(score == score.max()) if score.size else np.zeros(1, dtype=np.int64)
+        choice[i] = best[int(np.argmin(node.cost[best]))]
+    return choice
+
+
 def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
           pins: Mapping[int, ShardingSpec], starts: Sequence[Any], budget_s: float) -> list[Seed]:
     """Starting points for the final solve, each a memory-feasible assignment of ``problem``. Every seed is solved *tied*: the copies of a repeated block (``solvers.equivalence_classes``)
@@ -48,8 +72,10 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     * ``tied``: the tied problem on its own;
     * with no inputs pinned, one per textbook layout of ``layouts.grid`` (data, ZeRO and tensor parallel
       per mesh axis): the tied problem with the layout's inputs pinned;
-    * the user's ``starts``: a Plan of this graph (its recorded choice) as is, a hand layout (a
-      ``layouts.HandLayout`` or a mapping input name -> layout) like the grid's.
+    * the user's ``starts``: a Plan of this graph (its recorded choice) as is, an ``Assignment`` (every
+      tensor's layout) as its ``assignment_choice``, a hand layout (a ``layouts.HandLayout`` or a
+      mapping input name -> layout) like the grid's. A Plan or Assignment that overflows the memory
+      budget is the initial point of a tied solve instead (which repairs it).
 
     Second round, the rest of ``budget_s``: the tied problem again, with no inputs pinned beyond ``pins``,
     started from each of the ``SHARES.second_round`` best of the first round (``tied, from <name>``): a layout's
@@ -64,35 +90,45 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     limit = built.problem.memory_limit
     layouts: list[tuple[str, Mapping[str, ShardingSpec], bool]] = []
     out: list[Seed] = []
+    repair: list[tuple[str, np.ndarray]] = []
     for n, user in enumerate(starts):
-        if not isinstance(user, Plan):
+        if isinstance(user, Assignment):
+            name, choice = user.name, assignment_choice(built, user.layouts)
+        elif isinstance(user, Plan):
+            name, choice = f"plan {n}", decode_choice(user.solver.choice)
+        else:
             layouts.append((str(getattr(user, "name", f"layout {n}")), getattr(user, "specs", user), True))
             continue
-        choice = decode_choice(user.solver.choice)
         if len(choice) != problem.num_nodes or not bool(np.all(choice < problem.num_strategies)):
             continue
         objective = problem.cost_of(choice)  # a plan made under other pins or another budget may not do
         fits = limit is None or peak_memory_of(built, choice) <= limit * (1 + 1e-9)
         if math.isfinite(objective) and fits:
-            out.append(Seed(f"plan {n}", choice, objective, True))
+            out.append(Seed(name, choice, objective, True))
+            log.info("autoshard: start %r: %s", name, human_time(objective))
+        elif math.isfinite(objective):
+            repair.append((name, choice))
     automatic = problem.num_nodes >= SHARES.seed_min_nodes and cost.mesh.num_devices > 1
     if automatic and not pins:
         layouts += [(lay.name, lay.specs, False) for lay in grid(graph, cost.mesh)]
-    jobs: list[tuple[str, IntraOpProblem | None, bool]] = [("tied", problem, False)] if automatic else []
+    jobs: list[tuple[str, IntraOpProblem | None, bool, np.ndarray | None]] = [
+        (f"{name}, repaired", problem, True, choice) for name, choice in repair]
+    if automatic:
+        jobs.append(("tied", problem, False, None))
     for name, specs, given in layouts:
         try:
             pinned = pin(graph, built, {**fixed_ids(graph, specs, cost.mesh), **pins}, strict=False)
         except PlanError:
             continue  # a layout that does not fit the tensors (a grid layout over an axis that divides nothing)
-        jobs.append((name, pinned, given))
+        jobs.append((name, pinned, given, None))
     second = automatic and len(jobs) > 1
     deadline = start + (SHARES.first_round if second else 1.0) * budget_s
-    for n, (name, pinned, given) in enumerate(jobs):
+    for n, (name, pinned, given, initial) in enumerate(jobs):
         # what is left of the round, shared by the jobs left: a job that overran costs them all
         seconds = (deadline - time.perf_counter()) / (len(jobs) - n)
         if pinned is None or seconds <= SHARES.min_seed_seconds:
             continue
-        seed = _tied(name, pinned, classes, seconds, given)
+        seed = _tied(name, pinned, classes, seconds, given, initial=initial)
         if seed is not None:
             out.append(seed)
             log.info("autoshard: seed %r: %s", name, human_time(seed.objective))

@@ -104,7 +104,8 @@ def _table(a: np.ndarray | None, shape: tuple[int, int, int], name: str, fill: f
 class InterOpProblem:
     """Layers, cluster, submesh shapes, per-(layer range, submesh) tables, microbatches, memory rule.
 
-    ``submeshes`` defaults to :func:`alpa_submeshes` of ``cluster``; ``static_memory`` and
+    ``submeshes`` defaults to :func:`alpa_submeshes` of ``cluster``; a shape may be listed more than once
+    (the same devices laid out as different logical meshes, each with its own tables); ``static_memory`` and
     ``activation_memory`` default to zeros; ``inflight`` defaults to 1F1B
     (``inflight_1f1b(stage_limit, B)``). Tables are copied into read-only float64 arrays.
     """
@@ -190,8 +191,6 @@ class InterOpProblem:
             if not (1 <= h <= hosts and 1 <= d <= per_host):
                 raise ValueError(f"submesh {m} has shape ({h}, {d}), which does not fit the cluster "
                                  f"{hosts}x{per_host} (hosts x devices per host)")
-        if len(set(self.submeshes)) != len(self.submeshes):
-            raise ValueError(f"submeshes lists a shape twice: {self.submeshes}")
         upper = np.triu(np.ones((self.num_layers, self.num_layers), dtype=bool))[:, :, None]
         for name in ("stage_time", "static_memory", "activation_memory"):
             a = getattr(self, name)
