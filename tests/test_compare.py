@@ -14,6 +14,7 @@ from autoshard.planner import layouts
 from autoshard.planner.compare import compare, diff_plans, price_layout
 from autoshard.planner.plan import Plan
 from autoshard.planner.planning import ProblemCache, plan_graph
+from autoshard.planner.seeds import Assignment, assignment_choice
 from cost_models import CostModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,3 +117,17 @@ def test_cli_compare(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
         assert f"  {name} " in text
     assert "auto / best = 1.000" in text
     assert json.loads(out.read_text())["best_hand"] == "dp(data)"
+
+
+def test_a_plan_given_back_as_its_tensors_layouts_is_the_same_assignment(wide) -> None:
+    # seeds.Assignment: how a pipeline stage starts from its layers' plans joined; every node takes the
+    # strategy producing the layouts it is given, so a plan's own layouts give back its objective
+    graph, cost, problems, auto = wide
+    built = problems.get(cost, None)
+    given = {((), tid): spec for tid, spec in auto.specs[()].items()}
+    choice = assignment_choice(built, given)
+    assert built.problem.cost_of(choice) == pytest.approx(auto.solver.objective, rel=1e-9)
+    again = plan_graph(graph, cost, hardware="h100", time_budget_s=2, problems=problems,
+                       starts=[Assignment("the plan's layouts", given)])
+    assert again.solver.starts["the plan's layouts"] == pytest.approx(auto.solver.objective, rel=1e-9)
+    assert again.predicted_step_time <= auto.predicted_step_time * (1 + 1e-9)
