@@ -56,6 +56,20 @@ def test_dot_general_offers_data_column_row_and_partial_layouts() -> None:
     assert split.compute_time < full.compute_time
 
 
+def test_a_barrier_over_values_of_several_shapes_shards_them_alike() -> None:
+    # trace.remat holds a block's stash with an anchor behind one optimization_barrier: [b, s, h] and
+    # [b, s, 4h] values; each may be split on the batch or the hidden dimension, not only replicated
+    a = jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)
+    b = jax.ShapeDtypeStruct((8, 16, 128), jnp.float32)
+    _, ops = _strategies(lambda a, b: jax.lax.optimization_barrier((a, b)), a, b)
+    [strategies] = [st for op, st in ops if op.primitive == "optimization_barrier"]
+    found = {tuple(str(x) for x in s.out_specs) for s in strategies}
+    assert ("S(data)·R·R", "S(data)·R·R") in found
+    assert ("R·R·S(model)", "R·R·S(model)") in found
+    assert ("R·R·R", "R·R·R") in found
+    assert all(s.in_specs == s.out_specs for s in strategies)  # an identity on each operand
+
+
 def test_dot_with_several_consumers_reduces_inside() -> None:
     def f(x, w):
         y = x @ w

@@ -24,6 +24,7 @@ from autoshard.pipeline.partition import subgraph
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import plan_graph
 from autoshard.planner.seeds import Assignment
+from autoshard.planner.shares import SHARES
 from autoshard.trace.graph import Graph, Scope
 from cost_models import CostModel, LogicalMesh, ShardingSpec
 
@@ -76,14 +77,15 @@ def submesh_cost(cost: CostModel, shape: tuple[int, int], view: tuple[int, int] 
     keeps both axes. Links are the cluster's (inside a host: fast; across hosts: slow). ``view`` = (a, b)
     with ``a·b = d`` lays a one-host submesh out as a 2-D logical mesh instead, both axes on the host's
     link (Alpa's logical mesh shapes: e.g. tensor parallel over 4 devices beside data parallel over 2);
-    its axes take the cluster's two names (a 1-D cluster's name and that name with ``_outer``)."""
+    its axes are named after the host's axis ``y`` as ``y0`` and ``y1`` (never the inter-host axis's
+    name: both run inside the host)."""
     names = cost.mesh.axis_names
     link_of = dict(zip(names, cost.mesh.links, strict=True))
     if view is not None:
         if shape[0] != 1 or len(view) != 2 or view[0] * view[1] != shape[1]:
             raise ValueError(f"view {view} is not a 2-D layout of the one-host submesh {shape}")
         inner = link_of[names[-1]]
-        axes = tuple(names[-2:]) if len(names) >= 2 else (f"{names[0]}_outer", names[0])
+        axes = (f"{names[-1]}0", f"{names[-1]}1")
         return dataclasses.replace(cost, mesh=LogicalMesh(axis_names=axes, shape=tuple(view), links=(inner, inner)))
     if shape[0] == 1:
         mesh = LogicalMesh(axis_names=(names[-1],), shape=(shape[1],), links=(link_of[names[-1]],))
@@ -285,7 +287,9 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     and a short solve of a few hundred nodes can end 3x above its optimum (GPT-39B's block on 2x4: 35 ms
     a microbatch after 0.1 s, 11 ms after 0.5 s), noise that moves the stage DP's cut. Every distinct
     layer's fraction is at least ``1 / (4 · distinct)`` before normalising (the embedding and the head
-    keep a useful solve)."""
+    keep a useful solve), and every solve at least ``SHARES.min_layer_seconds`` (GPT-39B's first layer, the
+    embedding and a block, on 2x4: 41.7 ms a microbatch after 0.05 s, 14.1 ms after 0.3 s; a solve that
+    proves its optimum returns sooner)."""
     num_layers, num_shapes = len(micro_ops), len(costs)
     signatures = [signature(graph, micro_ops[ell]) + signature(graph, update_ops[ell]) for ell in range(num_layers)]
     distinct = len(set(signatures))
@@ -301,7 +305,8 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
             key = (signatures[ell], m)
             weights[key] = max(weights.get(key, 0.0), float(held(ell, stages)))
     frac = {sig: max(signatures.count(sig) / num_layers, 1 / (4 * distinct)) for sig in set(signatures)}
-    seconds = {sig: time_budget_s * x / sum(frac.values()) / max(1, 2 * num_shapes) for sig, x in frac.items()}
+    seconds = {sig: max(SHARES.min_layer_seconds, time_budget_s * x / sum(frac.values()) / max(1, 2 * num_shapes))
+               for sig, x in frac.items()}
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
     parts: list[list[Part]] = [[] for _ in range(num_layers)]

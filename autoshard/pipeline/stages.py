@@ -30,7 +30,12 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    minimises ``Σ_s t'_s + (B − 1)·max_s t'_s`` with ``t' = t + u / B`` under ``σ + inflight(r)·α <=
    budget``: when one stage has both the largest ``t`` and the largest ``u`` (balanced stages) its
    objective is ``T + (Σ_s u_s − max_s u_s) / B``, so it never drops the update and never charges a
-   gradient reduction more than once per step (before, ``R`` sat inside ``t``: ``B`` times).
+   gradient reduction more than once per step (before, ``R`` sat inside ``t``: ``B`` times). The DP's
+   memory adds its layers' memory; each chosen stage is then checked whole: its layers' plans joined
+   (``layer_prices.assignment_of_layers``) in the stage's own problem with its microbatches in flight.
+   A stage they overflow is struck from the tables (``t[i, j, m] = ∞``) and the DP runs again, at most
+   ``MAX_RECUTS`` times (GPT-39B, 128 microbatches: six blocks on 2x4 with 8 in flight fit by the sum
+   and not whole, and the whole-stage solve, started from nothing that fits, planned 219 ms for 72).
 4. Each chosen stage is planned whole (update ops, then microbatched ops) on its submesh, with the same
    ``1/B`` weighting, its solve started from the layouts its layers' plans give its inputs
    (``layer_prices.layouts_of_layers``): a stage's ILP is ``L/S`` times a layer's and gets less time
@@ -75,9 +80,13 @@ from autoshard.pipeline.partition import (
     assign_layers,
     forward_sequence,
     split_step,
+    subgraph,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, inflight_rule, schedule
+from autoshard.planner.build import build_problem
+from autoshard.planner.readback import peak_memory_of
+from autoshard.planner.seeds import assignment_choice
 from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
@@ -152,19 +161,32 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             default=_interleaved(stage_time[:, :, 0], limit, chunks, cluster, submeshes[0], 0))
         dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
     else:
-        problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=stage_time,
-                                 num_microbatches=num_microbatches, submeshes=submeshes,
-                                 static_memory=_range_sums(prices.update_memory),
-                                 activation_memory=_range_sums(prices.micro_memory), memory_limit=memory_budget,
-                                 inflight=inflight, max_stages=limit)
-        try:
-            sol = solve_inter_op(problem)
-        except InterOpInfeasibleError as e:
-            raise PipelineDoesNotFit(f"no pipeline of {layers} layers fits: {e}") from None
-        if sol.placement is None:
-            raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the cluster "
-                                f"{cluster}")
-        chosen = [(st.first_layer, st.last_layer, st.submesh) for st in sol.stages]
+        composed = _ComposedMemory(graph, prices, micro_ops, update_ops, costs, num_microbatches)
+        for attempt in range(MAX_RECUTS + 1):
+            problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=stage_time,
+                                     num_microbatches=num_microbatches, submeshes=submeshes,
+                                     static_memory=_range_sums(prices.update_memory),
+                                     activation_memory=_range_sums(prices.micro_memory),
+                                     memory_limit=memory_budget, inflight=inflight, max_stages=limit)
+            try:
+                sol = solve_inter_op(problem)
+            except InterOpInfeasibleError as e:
+                raise PipelineDoesNotFit(f"no pipeline of {layers} layers fits: {e}") from None
+            if sol.placement is None:
+                raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the "
+                                    f"cluster {cluster}")
+            chosen = [(st.first_layer, st.last_layer, st.submesh) for st in sol.stages]
+            # the DP adds its layers' memory; the layers' plans joined may hold more (module docstring)
+            over = [] if memory_budget is None or attempt == MAX_RECUTS else [
+                c for r, c in enumerate(chosen)
+                if composed(*c, inflight[len(chosen) - 1 - r]) > memory_budget * (1 + 1e-6)]
+            if not over:
+                break
+            stage_time = stage_time.copy()
+            for first, last, m in over:
+                log.info("autoshard: layers %d..%d on %s: their plans joined overflow the stage's memory; cut "
+                         "again without that stage", first, last, costs[m].mesh)
+                stage_time[first, last, m] = np.inf
         placement, dp_cost = list(sol.placement), sol.cost
         dp_seconds, dp_candidates = sol.stats.seconds, sol.stats.candidates
     t_dp = time.perf_counter() - t_start
@@ -287,15 +309,64 @@ def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: 
 
 
 def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None) -> tuple[tuple[int, int], ...]:
-    """Alpa's submesh shapes of the cluster, or only ``stage_shape`` when it is one of them and tiles it."""
-    submeshes = alpa_submeshes(cluster)
+    """Alpa's submesh shapes of the cluster, those of several hosts only for a power-of-two host count or
+    all of them; or only ``stage_shape`` when it is one of Alpa's and tiles the cluster.
+
+    Every shape costs a solve per distinct layer, and a multi-host one the most to build (GPT-39B's block
+    on 8x8: 3.7 s, against 0.1 s on one host); a stage over ``h`` hosts pays the inter-host link inside
+    it, which pipelining across those hosts avoids, so such stages are rarely chosen, and a cluster of
+    ``H`` hosts keeps ``(2^k, D)`` and ``(H, D)`` (8 hosts: 2, 4 and 8 of Alpa's 7 shapes), which still
+    tile it. The time the others took goes to the solves that remain."""
+    hosts = cluster[0]
+    submeshes = tuple(s for s in alpa_submeshes(cluster) if s[0] == 1 or s[0] == hosts or not s[0] & (s[0] - 1))
     if stage_shape is None:
         return submeshes
+    submeshes = alpa_submeshes(cluster)
     stage_shape = (int(stage_shape[0]), int(stage_shape[1]))
     if stage_shape not in submeshes or (cluster[0] * cluster[1]) % (stage_shape[0] * stage_shape[1]):
         raise PipelineError(f"stage_shape {stage_shape} is not one of the submesh shapes of the "
                             f"{cluster[0]}x{cluster[1]} cluster that tile it: {list(submeshes)}")
     return (stage_shape,)
+
+
+MAX_RECUTS = 4  # stage DP runs after the first whose stages' joined plans overflow (then planned whole)
+
+
+class _ComposedMemory:
+    """Bytes per device a stage of layers ``first..last`` on option ``m`` holds with ``held`` microbatches
+    in flight when its layers' own plans are joined (``assignment_of_layers``): the update part's peak
+    plus the microbatch part's (activations counted ``held`` times), as ``plan_part`` plans them. The
+    stage DP adds per-layer memory, which leaves out what joining adds (a value crossing between layers
+    in two layouts, temporaries of neighbouring layers live together); this is the whole stage's own
+    memory model, at the cost of building its problem (cached per identical stage)."""
+
+    def __init__(self, graph: Graph, prices: Any, micro_ops: Sequence[Sequence[int]],
+                 update_ops: Sequence[Sequence[int]], costs: Sequence[Any], microbatches: int) -> None:
+        self.graph, self.prices, self.micro_ops, self.update_ops = graph, prices, micro_ops, update_ops
+        self.costs, self.microbatches = costs, microbatches
+        self.cache: dict[Any, float] = {}
+
+    def __call__(self, first: int, last: int, m: int, held: int) -> float:
+        ells = range(first, last + 1)
+        mops = [i for ell in ells for i in self.micro_ops[ell]]
+        uops = [i for ell in ells for i in self.update_ops[ell]]
+        key = (signature(self.graph, mops) + signature(self.graph, uops), m, held)
+        if key not in self.cache:
+            total = 0.0
+            for ops, per_layer, weight, per_call in (
+                    (uops, self.update_ops, 1.0, 1.0),
+                    (mops, self.micro_ops, float(held), 1.0 / max(1, self.microbatches))):
+                if not ops:
+                    continue
+                which = [self.prices.parts[ell][m].update if per_layer is self.update_ops
+                         else self.prices.parts[ell][m].micro for ell in ells]
+                start = assignment_of_layers(self.graph, which, [per_layer[ell] for ell in ells], ops)
+                sub = subgraph(self.graph, ops)
+                built = build_problem(sub.graph, self.costs[m], None, activation_weight=weight,
+                                      reduction_weight=per_call)
+                total += peak_memory_of(built, assignment_choice(built, start.layouts))
+            self.cache[key] = total
+        return self.cache[key]
 
 
 def _layouts(submeshes: Sequence[tuple[int, int]]) -> tuple[tuple[tuple[int, int], tuple[int, int] | None], ...]:

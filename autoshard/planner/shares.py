@@ -10,8 +10,9 @@ plan and a pipeline, gives the intra-operator plan ``intra_with_pipeline`` of wh
 the rest to re-solving the ``second_round`` best of them with their layouts unpinned.
 
 The pipeline planner (``pipeline.stages``) gives ``layer_pricing · T`` to pricing every distinct layer on
-every submesh shape (two solves each: update ops, microbatched ops) and ``stage_plans · T`` to planning
-the chosen stages whole (two solves per distinct stage), at least ``min_stage_seconds`` per solve.
+every submesh shape (two solves each: update ops, microbatched ops; at least ``min_layer_seconds``
+each) and ``stage_plans · T`` to planning the chosen stages whole (two solves per distinct stage), at
+least ``min_stage_seconds`` per solve.
 
 The intra-op solver divides the time it is given among its own phases (presolve, local search, block
 descent, windows, the ILP); those fractions are documented with it, in ``solvers.intra_op.solve``.
@@ -34,6 +35,7 @@ class Shares:
     layer_pricing: float = 0.4  # pipeline: of the budget, for the per-layer prices
     stage_plans: float = 0.6  # pipeline: for the chosen stages planned whole
     min_stage_seconds: float = 1.0  # pipeline: at least this per whole-stage solve
+    min_layer_seconds: float = 0.25  # pipeline: at least this per layer solve (a few hundred nodes)
     min_solve: float = 0.25  # of the budget, the least the solver gets however long building took
     intra_with_pipeline: float = 0.3  # of what is left after tracing, when a pipeline is planned too
     seconds_per_node: float = 1 / 200  # auto budget: a 1.3B GPT's ~8k nodes get 40 s

@@ -10,6 +10,8 @@ accumulation (``add_any``) reduce once instead of once per term.
 
 from __future__ import annotations
 
+import math
+
 from autoshard.strategies.registry import Candidate, RuleContext, enumerate_specs, register, settle_partial
 from autoshard.trace.costs import ELEMENTWISE
 from autoshard.trace.graph import Op
@@ -69,6 +71,32 @@ def elementwise(op: Op, ctx: RuleContext) -> list[Candidate]:
         cands.append(Candidate(in_specs, tuple(spec for _ in outs)))
         cands += _partial_variants(op, ctx, spec, ins, out_shape)
     return cands
+
+
+@register("optimization_barrier")
+def barrier(op: Op, ctx: RuleContext) -> list[Candidate]:
+    """An identity on each operand (result ``k`` is operand ``k``). One operand, or all of one shape: as
+    elementwise. Operands of several shapes (the stash ``trace.remat`` holds with an anchor until the
+    backward pass, activations of ``[b, s, h]``, ``[b, s, 4h]``...): one candidate per layout of the
+    largest operand, every other operand of its rank taking it on each dimension the axes divide
+    (replicated on the others), operands of another rank replicated. Before, no candidate fitted several
+    shapes and the barrier was replicated whole: GPT-39B's full-recompute step held 175 GB there."""
+    ins = ctx.in_shapes(op)
+    if len(set(ins)) <= 1:
+        return elementwise(op, ctx)
+    largest = max(ins, key=math.prod)
+
+    def fit(spec: ShardingSpec, shape: tuple[int, ...]) -> ShardingSpec:
+        if len(shape) != len(largest):
+            return ShardingSpec.replicated(len(shape))
+        return ShardingSpec(dims=tuple(d if n % ctx.size(d) == 0 else () for d, n in zip(spec.dims, shape,
+                                                                                          strict=True)))
+
+    out = []
+    for spec in enumerate_specs(largest, ctx):
+        specs = tuple(fit(spec, shape) for shape in ins)
+        out.append(Candidate(specs, specs))
+    return out
 
 
 @register("iota", "empty", "empty2", "full", "broadcast")
