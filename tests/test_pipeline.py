@@ -21,7 +21,7 @@ from autoshard.pipeline import (
     microbatch_args,
     plan_pipeline,
 )
-from autoshard.pipeline.layer_prices import submesh_cost
+from autoshard.pipeline.layer_prices import price_layers, submesh_cost
 from autoshard.pipeline.partition import (
     BACKWARD,
     FORWARD,
@@ -30,7 +30,7 @@ from autoshard.pipeline.partition import (
     segments,
     split_step,
 )
-from autoshard.pipeline.stages import _layouts
+from autoshard.pipeline.stages import _ComposedMemory, _layouts
 from autoshard.target import cost_model_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,6 +154,26 @@ def test_pipeline_plan_round_trips_and_explains_itself(gpt_micro, tmp_path: Path
     assert "2 stages, 4 microbatches, schedule 1f1b" in text and "bubble" in text
     with pytest.raises(PipelineError, match="stage_shape"):
         plan_pipeline(g, cost, num_microbatches=4, stage_shape=(1, 3))
+
+
+def test_a_stage_of_layers_holds_what_their_plans_joined_hold(gpt_micro) -> None:
+    # the check behind the DP's re-cut (stages._ComposedMemory): one layer joined alone holds what its
+    # own plan reported, and a stage of two layers at least as much as its larger layer
+    _, _, g = gpt_micro
+    cost = cost_model_for("h100", (2, 4), ("x", "y"))
+    parts = split_step(g)
+    layer_of = assign_layers(g, parts, 4)
+    micro = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] != UPDATE] for ell in range(4)]
+    update = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] == UPDATE] for ell in range(4)]
+    costs = [submesh_cost(cost, (1, 4))]
+    # one microbatch in flight everywhere, so every layer was planned with its activations counted once
+    prices = price_layers(g, micro, update, costs, "h100", None, 2.0, (1, 1), 8, num_microbatches=4)
+    composed = _ComposedMemory(g, prices, micro, update, costs, 4)
+    for ell in range(4):
+        part = prices.parts[ell][0]
+        assert composed(ell, ell, 0, 1) == pytest.approx(part.memory, rel=1e-6), ell
+    assert composed(1, 2, 0, 1) >= max(prices.parts[ell][0].memory for ell in (1, 2)) * (1 - 1e-6)
+    assert composed(1, 2, 0, 3) > composed(1, 2, 0, 1)  # three microbatches' activations held
 
 
 # ---- numerics --------------------------------------------------------------------------------------------
