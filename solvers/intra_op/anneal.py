@@ -28,8 +28,9 @@ on its rows). The move is kept by the Metropolis rule on the energy
   the factor ``1 + GAMMA`` when a row the term is live on overflows at the walk's point and shrinks by
   ``1 − GAMMA/2`` otherwise, so that the walk hovers at the edge of memory and every node whose bytes sit
   on a binding row sees their price: memory freed anywhere on those rows pays. (The contest's winners
-  tune a usage weight per node by bisection on whether its interval overflows and solve each weighting
-  exactly (toulbar2); "Soft Constraints, Strong Solutions", ICLR 2026 submission.)
+  tune a usage weight per node by bisection on whether its interval overflows, and solve each weighting
+  with a WCSP solver (toulbar2) under a time limit; "Soft Constraints, Strong Solutions", ICLR 2026
+  submission.)
 * ``E = f + p + λ · max(o, 0)`` in soft mode; ``λ`` adapts (strategic oscillation): every 1024 moves it
   grows by ``1 + LAM_STEP`` when the walk spent more than half of them overflowing and shrinks by as much
   otherwise. A chunk of moves that ends overflowing goes back to the best point with ``λ`` doubled.
