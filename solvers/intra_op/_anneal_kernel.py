@@ -61,10 +61,10 @@ def delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats
 
 
 @njit(cache=True, nogil=True)
-def best_response(b, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, buf):
+def best_response(b, x, k, koff, cost, price, adj_off, adj_nbr, adj_moff, adj_first, mats, buf):
     kb = k[b]
     for s in range(kb):
-        buf[s] = cost[koff[b] + s]
+        buf[s] = cost[koff[b] + s] + price[koff[b] + s]
     for p in range(adj_off[b], adj_off[b + 1]):
         c = adj_nbr[p]
         kc = k[c]
@@ -92,7 +92,7 @@ def apply_memory(a, s_old, s_new, term_off, term_lo, term_hi, term_uoff, usage, 
 
 
 @njit(cache=True, nogil=True)
-def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, lam_step,
+def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, lam_step, price,
         k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats,
         term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size, max_deg_follow, max_hops_log, max_moved,
         term_node, stab_off, stab_terms, max_repair, repair_prob):
@@ -106,7 +106,7 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
     moved_nodes = np.empty(n + max_repair + 1, np.int64)
     moved_old = np.empty(n + max_repair + 1, np.int64)
     ratio = t_end / t_start
-    soft = lam[0] > 0.0
+    soft = lam[0] >= 0.0  # lam 0: no penalty on the overflow (memory priced through ``price`` only)
     blocks = lam.shape[0]
     pen_cur = penalty(mx, lz, lam) if soft else 0.0
     for it in range(iters):
@@ -124,6 +124,7 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
             continue
         m = 0
         d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+        dp = price[koff[a] + t] - price[koff[a] + x[a]]
         moved_nodes[m] = a
         moved_old[m] = x[a]
         m += 1
@@ -147,9 +148,10 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                     b = adj_nbr[p]
                     if adj_off[b + 1] - adj_off[b] > max_deg_follow or m >= max_moved:
                         continue
-                    r = best_response(b, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, buf)
+                    r = best_response(b, x, k, koff, cost, price, adj_off, adj_nbr, adj_moff, adj_first, mats, buf)
                     if r != x[b]:
                         d += delta_of(b, r, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+                        dp += price[koff[b] + r] - price[koff[b] + x[b]]
                         moved_nodes[m] = b
                         moved_old[m] = x[b]
                         m += 1
@@ -180,6 +182,7 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 if best_u < 0:
                     continue
                 d += best_d
+                dp += price[koff[b] + best_u] - price[koff[b] + xb]
                 moved_nodes[m] = b
                 moved_old[m] = xb
                 m += 1
@@ -190,12 +193,12 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
         if soft:
             # soft memory: energy = cost + Σ_blocks lam_b * (the block's largest overflow)+
             pen = penalty(mx, lz, lam) if over > 0.0 or pen_cur > 0.0 else 0.0
-            e = d + pen - pen_cur
+            e = d + dp + pen - pen_cur
             ok = e <= 0.0 or np.random.random() < math.exp(-e / temp)
         else:
             ok = over <= tol
-            if ok and d > 0.0:
-                ok = np.random.random() < math.exp(-d / temp)
+            if ok and d + dp > 0.0:
+                ok = np.random.random() < math.exp(-(d + dp) / temp)
         if ok:
             cur += d
             pen_cur = pen

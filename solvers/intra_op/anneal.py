@@ -14,18 +14,30 @@ segment tree over the rows with lazy range add (``O(terms · log R)`` per node m
    uniform in ``0..MAX_HOPS_LOG``; at most ``MAX_MOVED`` nodes; hubs of more than ``MAX_DEG_FOLLOW``
    neighbours stay): each neighbour ``b`` of a moved node goes to ``argmin_s c_b(s) + Σ_c R^bc(s, x_c)``
    when that differs from ``x_b``: a layout change that carries its region along;
-3. repair (always in hard mode, with probability ``REPAIR_PROB`` in soft mode): while a row overflows,
+3. repair (always in hard mode, with probability ``REPAIR_PROB`` in soft and priced mode): while a row overflows,
    up to ``MAX_REPAIR`` times, a random memory term live on the worst row (terms are filed under the tree
    nodes that tile their interval) gives memory back: its node takes, of its strategies that use less
    there, the one that adds least cost.
 
-``Δ`` is the sum of the exact cost deltas of the steps, each at the state the previous ones left. The
-move is kept by the Metropolis rule on the energy ``E = f + λ · max(o, 0)`` (soft mode, the default), or
-on ``f`` when ``o <= 0`` after it (hard mode, ``λ < 0``); otherwise it is undone in reverse. Soft memory
-lets the walk pass through overflowing states to trade memory between nodes; ``λ`` adapts (strategic
-oscillation): every 1024 moves it grows by ``1 + LAM_STEP`` when the walk spent more than half of them
-overflowing and shrinks by as much otherwise. A chunk of moves that ends overflowing goes back to the
-best point with ``λ`` doubled. Only points that fit memory are recorded.
+``Δ`` is the sum of the exact cost deltas of the steps, each at the state the previous ones left, plus the
+change of the memory prices ``p(x) = Σ_j w_j m_j(x_{a_j})`` (term ``j`` of node ``a_j`` takes ``m_j(s)`` bytes
+on its rows). The move is kept by the Metropolis rule on the energy
+
+* ``E = f + p`` in priced mode: memory is no constraint, only a cost (the Lagrangian relaxation of the
+  memory rows, with a multiplier per term rather than per row); after each chunk of moves ``w_j`` grows by
+  the factor ``1 + GAMMA`` when a row the term is live on overflows at the walk's point and shrinks by
+  ``1 − GAMMA/2`` otherwise, so that the walk hovers at the edge of memory and every node whose bytes sit
+  on a binding row sees their price: memory freed anywhere on those rows pays. (The contest's winners
+  tune a usage weight per node by bisection on whether its interval overflows, and solve each weighting
+  with a WCSP solver (toulbar2) under a time limit; "Soft Constraints, Strong Solutions", ICLR 2026
+  submission.)
+* ``E = f + p + λ · max(o, 0)`` in soft mode; ``λ`` adapts (strategic oscillation): every 1024 moves it
+  grows by ``1 + LAM_STEP`` when the walk spent more than half of them overflowing and shrinks by as much
+  otherwise. A chunk of moves that ends overflowing goes back to the best point with ``λ`` doubled.
+* ``E = f + p`` with ``o <= 0`` after the move (hard mode);
+
+otherwise the move is undone in reverse. Every walk uses the priced walk's ``w`` (zero without one). Only
+points that fit memory are recorded.
 
 Temperature falls geometrically from ``T_0`` to ``T_0 · COOLING_SPAN`` over each of ``ROUNDS`` rounds,
 each restarting from the best point; ``T_0`` is the median uphill ``Δ`` of 2000 random single moves
@@ -37,6 +49,7 @@ The first call on a machine compiles the loop (3-10 s here; numba caches it on d
 ~0.3 s afterwards), so a solve anneals only when ``MIN_SECONDS`` are left for it. Measured (IOPDDL, 60 s
 of annealing from the solve's start, 2-core machine): K 2.37 -> 1.08-1.13 of the best known, M 1.13 ->
 1.07, N 1.99 -> 1.11-1.13; the same loop with hard memory and 1-hop compound moves reached K 1.18, N 1.30.
+With a priced walk beside the hard one (30 s): K 1.02-1.03, N 1.11-1.13, M unchanged (1.072).
 """
 
 from __future__ import annotations
@@ -61,10 +74,14 @@ COMPOUND = 0.3
 MAX_HOPS_LOG = 3
 MAX_MOVED = 64
 MAX_DEG_FOLLOW = 64
-# soft memory (the walk may overflow, at a price per block of rows that adapts by LAM_STEP every 1024
-# moves) or hard (every kept move fits), per walk: soft did better on IOPDDL (K 1.10, N 1.12 against 1.20,
-# 1.17 at 60 s), hard on a random loopy core whose rows all bind (test_intra_op_anneal: 7060 against 7396)
-MEMORY_MODES = (True, False)
+# memory per walk: "priced" (memory is not a constraint but a cost, each term's bytes at its own price that
+# adapts, see GAMMA; only points that fit are recorded), "soft" (the walk may overflow, at a price per block
+# of rows on the largest overflow, adapting by LAM_STEP every 1024 moves) or "hard" (every kept move fits).
+# Every walk adds the priced walk's prices to its energy. 30 s from the solve's start, 3 seeds, load 2.5-3.9:
+# priced + hard K 1.017-1.031, N 1.109-1.127; soft + hard (no prices) K 1.135-1.167, N 1.140-1.166; priced
+# with prices for its own walk only K 1.020-1.035, N 1.121-1.132. Soft beat hard on IOPDDL (K 1.10, N 1.12
+# against 1.20, 1.17 at 60 s), hard on a random loopy core whose rows all bind (test_intra_op_anneal).
+MEMORY_MODES = ("priced", "hard")
 BLOCKS = 32
 LAM_STEP = 0.05
 # repair steps after a move that overflows (always in hard mode, with this probability in soft mode)
@@ -84,6 +101,11 @@ MIN_SECONDS = 20.0
 CHUNK_SECONDS = 0.5
 # a walk that ends this many chunks in a row outside memory goes back to the best point
 STUCK_CHUNKS = 4
+# the priced walk's prices: term j's bytes cost w_j each; after every chunk w_j grows by the factor 1 + GAMMA
+# when a row the term is live on overflows at the walk's point, and shrinks by 1 - GAMMA / 2 otherwise
+# (GAMMA 0.1: K 1.03-1.10, N 1.14-1.15); the first w_j make a median memory change cost W_INIT * T_0
+GAMMA = 0.3
+W_INIT = 0.1
 
 
 def available() -> bool:
@@ -178,6 +200,28 @@ class _Flat:
         self.stab_off = np.zeros(2 * self.size + 1, dtype=np.int64)
         np.cumsum(np.bincount(owner, minlength=2 * self.size), out=self.stab_off[1:])
         self.tol = 1e-9 * max(1.0, float(np.abs(core.slack).max(initial=1.0)))
+        # per usage entry: its term, and the flat index (into cost) of the strategy it belongs to
+        self.entry_term = np.repeat(np.arange(ulen.shape[0]), ulen)
+        self.entry_slot = self.koff[self.term_node][self.entry_term] + (
+            np.arange(self.usage.shape[0]) - uoff[:-1][self.entry_term])
+
+    def row_usage(self, x: np.ndarray) -> np.ndarray:
+        """Usage per row at ``x``."""
+        rows = self.slack.shape[0]
+        vals = self.usage[self.term_uoff + x[self.term_node]]
+        diff = np.zeros(rows + 1)
+        np.add.at(diff, self.term_lo, vals)
+        np.add.at(diff, self.term_hi, -vals)
+        return np.cumsum(diff)[:-1]
+
+    def term_prices(self, weight: np.ndarray, out: np.ndarray) -> None:
+        """Per strategy, the memory it takes priced by per-term weights (written into ``out``)."""
+        out[:] = np.bincount(self.entry_slot, weights=weight[self.entry_term] * self.usage, minlength=out.shape[0])
+
+    def terms_over(self, g: np.ndarray, tol: float) -> np.ndarray:
+        """Per term, whether a row it is live on has ``g > tol``."""
+        cnt = np.concatenate([[0], np.cumsum(g > tol)])
+        return cnt[self.term_hi] > cnt[self.term_lo]
 
     def tree(self, core: Core, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Segment tree of usage − slack per row at ``x`` (padding rows at −inf)."""
@@ -208,19 +252,27 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
     # compile (or load from numba's disk cache) before the clock is shared out: a no-op call of each
     sample_uphill(best_x, 0, 0, *graph, flat.penalty)
     run(best_x.copy(), best_x.copy(), 0.0, 0.0, 1.0, 1.0, 0, 0, flat.tol, COMPOUND, np.full(1, -1.0), LAM_STEP,
-        *graph, *memory, *flat.tree(core, best_x), flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
+        np.zeros(flat.cost.shape[0]), *graph, *memory, *flat.tree(core, best_x), flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
     du = np.concatenate([u - u.min() for u in core.mem_usage]) if core.mem_usage else np.zeros(0)
     du = du[du > 0]
     lam_per_t0 = 1.0 / float(np.median(du)) if du.size else 0.0  # a typical overflow first costs about T_0
     rng = np.random.default_rng(seed)
+    # the priced walk's weight per memory term (set from the first T_0) and the prices per strategy that
+    # every walk adds to its energy (zero while no walk prices memory)
+    weight = np.full(flat.term_node.shape[0], -1.0)
+    price = np.zeros(flat.cost.shape[0])
 
-    def walk(x: np.ndarray, t0: float, begin: float, end: float, walk_seed: int, soft: bool
+    def walk(x: np.ndarray, t0: float, begin: float, end: float, walk_seed: int, mode: str
              ) -> tuple[np.ndarray, dict]:
         """One round of one walk from ``x``: the best point it saw (``x`` itself when nothing cheaper)."""
         wrng = np.random.default_rng(walk_seed)
         best_w = x.copy()
         cur = best = core.objective(x)
-        lam = np.full(min(BLOCKS, flat.size), lam_per_t0 * t0 if soft else -1.0)
+        # the kernel's memory mode: a price per block of rows on the overflow (soft), none (priced: 0), or
+        # every kept move fits (hard: < 0)
+        lam = np.full(min(BLOCKS, flat.size), {"soft": lam_per_t0 * t0, "priced": 0.0, "hard": -1.0}[mode])
+        if mode == "priced" and weight[0] < 0:
+            weight[:] = W_INIT * lam_per_t0 * t0
         mx, lz = flat.tree(core, x)
         # the temperature follows the clock: a chunk of moves covers the part of the cooling that its
         # expected duration (at the rate measured so far) takes of the round
@@ -231,10 +283,16 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
             frac = (now - begin) / span
             frac_end = min(1.0, frac + (iters / rate if rate else 0.01) / span)
             cur, best = run(x, best_w, cur, best, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end, iters,
-                            int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, *graph, *memory, mx, lz,
+                            int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, price, *graph, *memory, mx, lz,
                             flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
             rate = iters / max(time.perf_counter() - now, 1e-6)
             chunks += 1
+            if mode == "priced":
+                over = flat.terms_over(flat.row_usage(x) - flat.slack, flat.tol)
+                weight[over] *= 1.0 + GAMMA
+                weight[~over] *= 1.0 - GAMMA / 2
+                flat.term_prices(weight, price)
+                continue
             overflowing = overflowing + 1 if mx[1] > flat.tol else 0
             if overflowing:
                 lam *= 2.0  # the adaptation inside the chunk was too slow to bring the walk back
@@ -258,8 +316,8 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
             if ups.size == 0:
                 break  # no move can make anything worse than the penalty: nothing to anneal
             t0 = float(np.median(ups)) / (1.0 + rnd)  # T_0 / 5 for one round: K 1.145, N 1.135 (no better)
-            futures = [pool.submit(walk, best_x.copy(), t0, begin, end, int(rng.integers(2**31)), soft)
-                       for soft in MEMORY_MODES[:walks]]
+            futures = [pool.submit(walk, best_x.copy(), t0, begin, end, int(rng.integers(2**31)), mode)
+                       for mode in MEMORY_MODES[:walks]]
             for fut in futures:
                 x, stats = fut.result()
                 obj = core.objective(x)

@@ -10,8 +10,9 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
   by row generation (``rowgen``) when it has more than ``ROWGEN_MIN_ROWS`` of them (production cores:
   a few hundred nodes, tens of thousands of rows), else all at once (``ilp``), until optimal or the
   deadline.
-* A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing with memory as a
-  soft constraint whose price adapts (``anneal``, compiled), then exact re-solves of windows (``lns``),
+* A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing, one walk with memory
+  as a cost whose price per term adapts to where the rows overflow, one that keeps every row (``anneal``,
+  compiled), then exact re-solves of windows (``lns``),
   and the Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
 * A larger core otherwise (or without numba): exact moves of whole induced trees
   (``tree_dp.block_descent``), Lagrangian local search
