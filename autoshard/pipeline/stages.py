@@ -154,11 +154,16 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     if interleaved:
-        # every option is the one stage shape, laid out differently: the fastest cut over them
-        chosen, placement, dp_cost = min(
-            (_interleaved(stage_time[:, :, m], limit, chunks, cluster, submeshes[m], m) for m in range(len(options))
-             if np.isfinite(stage_time[:, :, m]).any()), key=lambda r: r[2],
-            default=_interleaved(stage_time[:, :, 0], limit, chunks, cluster, submeshes[0], 0))
+        # every option is the one stage shape, laid out differently: the fastest cut over those that have one
+        cuts = []
+        for m in range(len(options)):
+            try:
+                cuts.append(_interleaved(stage_time[:, :, m], limit, chunks, cluster, submeshes[m], m))
+            except PipelineDoesNotFit as e:
+                refusal = e
+        if not cuts:
+            raise refusal
+        chosen, placement, dp_cost = min(cuts, key=lambda r: r[2])
         dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
     else:
         composed = _ComposedMemory(graph, prices, micro_ops, update_ops, costs, num_microbatches)
@@ -353,14 +358,13 @@ class _ComposedMemory:
         key = (signature(self.graph, mops) + signature(self.graph, uops), m, held)
         if key not in self.cache:
             total = 0.0
-            for ops, per_layer, weight, per_call in (
-                    (uops, self.update_ops, 1.0, 1.0),
-                    (mops, self.micro_ops, float(held), 1.0 / max(1, self.microbatches))):
+            parts = [self.prices.parts[ell][m] for ell in ells]
+            for ops, plans, per_layer, weight, per_call in (
+                    (uops, [p.update for p in parts], self.update_ops, 1.0, 1.0),
+                    (mops, [p.micro for p in parts], self.micro_ops, float(held), 1.0 / max(1, self.microbatches))):
                 if not ops:
                     continue
-                which = [self.prices.parts[ell][m].update if per_layer is self.update_ops
-                         else self.prices.parts[ell][m].micro for ell in ells]
-                start = assignment_of_layers(self.graph, which, [per_layer[ell] for ell in ells], ops)
+                start = assignment_of_layers(self.graph, plans, [per_layer[ell] for ell in ells], ops)
                 sub = subgraph(self.graph, ops)
                 built = build_problem(sub.graph, self.costs[m], None, activation_weight=weight,
                                       reduction_weight=per_call)
