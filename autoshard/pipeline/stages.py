@@ -322,11 +322,10 @@ def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None) ->
     it, which pipelining across those hosts avoids, so such stages are rarely chosen, and a cluster of
     ``H`` hosts keeps ``(2^k, D)`` and ``(H, D)`` (8 hosts: 2, 4 and 8 of Alpa's 7 shapes), which still
     tile it. The time the others took goes to the solves that remain."""
-    hosts = cluster[0]
-    submeshes = tuple(s for s in alpa_submeshes(cluster) if s[0] == 1 or s[0] == hosts or not s[0] & (s[0] - 1))
-    if stage_shape is None:
-        return submeshes
     submeshes = alpa_submeshes(cluster)
+    if stage_shape is None:
+        hosts = cluster[0]
+        return tuple(s for s in submeshes if s[0] == 1 or s[0] == hosts or not s[0] & (s[0] - 1))
     stage_shape = (int(stage_shape[0]), int(stage_shape[1]))
     if stage_shape not in submeshes or (cluster[0] * cluster[1]) % (stage_shape[0] * stage_shape[1]):
         raise PipelineError(f"stage_shape {stage_shape} is not one of the submesh shapes of the "

@@ -130,16 +130,7 @@ def peak_holders(graph: Graph, k: int = 3) -> list[tuple[str, float]]:
     buf = buffers(graph)
     live = list(buf.live)
     sizes = [float(t.nbytes) if h else 0.0 for t, h in zip(graph.tensors, buf.held, strict=True)]
-    events: dict[int, float] = defaultdict(float)
-    for (s, e), b in zip(live, sizes, strict=True):
-        if e > s and b:
-            events[s] += b
-            events[e] -= b
-    cur, best, when = 0.0, -1.0, 0
-    for t in sorted(events):
-        cur += events[t]
-        if cur > best:
-            best, when = cur, t
+    _, when = _peak_at(live, sizes)
     held = sorted((t for t in graph.tensors if sizes[t.id] and live[t.id][0] <= when < live[t.id][1]),
                   key=lambda t: -sizes[t.id])[:k]
 
@@ -153,16 +144,24 @@ def peak_holders(graph: Graph, k: int = 3) -> list[tuple[str, float]]:
 
 
 def _peak(live: list[tuple[int, int]], sizes: list[float]) -> float:
+    return _peak_at(live, sizes)[0]
+
+
+def _peak_at(live: list[tuple[int, int]], sizes: list[float]) -> tuple[float, int]:
+    """(the largest sum of ``sizes`` live at once over the ``[start, end)`` intervals ``live``, the first
+    time step it is reached; (0.0, 0) when nothing is live)."""
     events: dict[int, float] = defaultdict(float)
     for (s, e), b in zip(live, sizes, strict=True):
         if e > s and b:
             events[s] += b
             events[e] -= b
     cur = best = 0.0
+    when = 0
     for t in sorted(events):
         cur += events[t]
-        best = max(best, cur)
-    return best
+        if cur > best:
+            best, when = cur, t
+    return best, when
 
 
 def advice(graph: Graph, needed: float, limit: float, seconds: Callable[[Op], float] | None = None) -> str:
