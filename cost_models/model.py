@@ -162,10 +162,11 @@ class CostModel:
     def matmul_time(self, m: int, n: int, k: int, dtype: DtypeLike = "float32", *, batch: int = 1) -> float:
         """Seconds for ``batch`` × ``[m,k] @ [k,n]`` on one device: ``2·b·m·n·k`` FLOPs and
         ``b·(m·k + k·n + m·n)·dtype_bytes`` bytes through the roofline (measured rate of this shape when
-        the profile has samples of this dtype)."""
+        the profile has samples of this dtype; a batched product is looked up as ``[b·m, k] @ [k, n]``, the
+        form a profile records it in)."""
         flops = 2.0 * batch * m * n * k
         nbytes = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
-        return self._roofline(flops, nbytes, dtype, True, (m, n, k))
+        return self._roofline(flops, nbytes, dtype, True, (batch * m, n, k))
 
     def memory_time(self, bytes_accessed: float) -> float:
         """Seconds to move ``bytes_accessed`` through device memory (an elementwise op, a copy)."""

@@ -1,0 +1,304 @@
+"""Ground truth from one GPU: matmul speed per shape, recompute's real memory, more fidelity cases.
+
+Three parts, each appending JSON lines to ``--out`` as it goes (a run stopped at its limit keeps what it
+measured):
+
+``matmuls``
+    Seconds per ``a @ b`` for the matmul shapes the examples' steps issue (GPT-125M to 2.6B at 8k and 16k
+    tokens, forward ``[T, k] x [k, n]`` and weight-gradient ``[k, T] x [T, n]``, the attention's batched
+    products, and GPT-39B's per-device shapes under 4- and 8-way tensor parallelism), in bf16 and in f32 at
+    the default precision (TF32 on Hopper). Each is the median over bursts of back-to-back calls (dispatch
+    hidden behind the queue). Rows: ``{"part": "matmul", "dtype", "b", "m", "n", "k", "s", "tflops"}``.
+
+``recompute``
+    The GPT step as traced, rewritten by autoshard's recompute (``trace.remat.rematerialize`` with every
+    block set to ``selective`` or ``full``) and re-emitted for the one device (``autoshard.emit``, train state
+    donated): XLA's ``memory_analysis()`` of that program and its step time, beside the step as written.
+    This is what ``recompute=`` does to a real program; the planner's predictions for the same rewrite are
+    computed off the device (``--predict``).
+
+``cases``
+    Fidelity cases beyond ``tests/data/h100_fidelity.json`` (larger models and batches): the example's
+    ``train_step`` jitted with the state donated, as ``cost_model_fidelity.py --planner --measure`` does.
+
+Run on the GPU machine (no planner, so no LP solver, is needed there)::
+
+    JAX_PLATFORMS=cuda python benchmarks/gpu_truth.py --out rows.jsonl [--parts matmuls recompute cases]
+
+and here, for the predictions of the same rows (``h100`` preset, 1-device mesh), or to write the matmul rows
+as a profile of the ``h100`` preset with measured matmul rates (``--hardware <file>`` anywhere)::
+
+    python benchmarks/gpu_truth.py --predict rows.jsonl
+    python benchmarks/gpu_truth.py --profile cost_models/profiles/h100-<date>.json rows.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# (model, preset, overrides) of the recompute part and of the extra fidelity cases
+RECOMPUTE_CASES = [
+    ("gpt", "760m", ["dtype=bfloat16", "batch=8"], ("none", "selective", "full")),
+    ("gpt", "1.3b", ["dtype=bfloat16", "batch=8"], ("selective", "full")),
+    ("gpt", "350m", ["dtype=float32", "batch=8"], ("none", "selective", "full")),
+]
+EXTRA_CASES = [
+    ("gpt", "2.6b", ["dtype=bfloat16", "batch=2"]),
+    ("gpt", "1.3b", ["dtype=bfloat16", "batch=16", "remat=true"]),
+    ("gpt", "125m", ["dtype=bfloat16", "batch=32"]),
+    ("wide_resnet", "250m", ["dtype=bfloat16", "batch=32"]),
+    ("wide_resnet", "250m", ["dtype=float32", "batch=64"]),
+    ("moe", "690m", ["dtype=bfloat16", "batch=8"]),
+]
+
+
+DEADLINE = float("inf")  # perf_counter() by which every part stops (--deadline)
+
+
+def _late(row_seconds: float = 60.0) -> bool:
+    """Whether a row of about ``row_seconds`` would end past the deadline (then the part stops)."""
+    if time.perf_counter() + row_seconds > DEADLINE:
+        print("deadline: the rest of this part is skipped", flush=True)
+        return True
+    return False
+
+
+def _emit_row(out: Path, row: dict[str, Any]) -> None:
+    print(json.dumps(row), flush=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def matmul_shapes() -> list[tuple[int, int, int, int]]:
+    """(batch, m, n, k) of ``[b, m, k] x [b, k, n]``; b = 1 is a plain matmul."""
+    shapes: set[tuple[int, int, int, int]] = set()
+    for d in (768, 1024, 1536, 2048, 2560):
+        for t in (8192, 16384):
+            for n, k in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d), (51200, d)):
+                shapes.add((1, t, n, k))  # forward (and the input gradient has the same kind)
+            for n, k in ((3 * d, t), (4 * d, t), (d, t)):
+                shapes.add((1, d if n != d else 4 * d, n, k))  # weight gradient: contraction over tokens
+    for b, s, hd in ((8 * 12, 1024, 64), (8 * 16, 1024, 64), (8 * 16, 1024, 96), (8 * 32, 1024, 64),
+                     (4 * 32, 1024, 80)):
+        shapes.add((b, s, s, hd))  # q k^T
+        shapes.add((b, s, hd, s))  # p v
+    for tp in (4, 8):  # GPT-39B (hidden 8192) per device, 8192 tokens a microbatch
+        h, t = 8192, 8192
+        for n, k in ((3 * h // tp, h), (h, h // tp), (4 * h // tp, h), (h, 4 * h // tp)):
+            shapes.add((1, t, n, k))
+            shapes.add((1, k, n, t))
+    return sorted(shapes)
+
+
+def part_matmuls(out: Path, seconds: float, done: set[tuple[Any, ...]] | None = None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    t_end = time.perf_counter() + seconds
+    shapes = matmul_shapes()
+    for dtype in ("bfloat16", "float32"):
+        for b, m, n, k in shapes:
+            if (dtype, b, m, n, k) in (done or set()):
+                continue
+            if time.perf_counter() > t_end or _late(5.0):
+                print(f"matmuls: out of time at {dtype} {(b, m, n, k)}", flush=True)
+                return
+            dt = jnp.dtype(dtype)
+            ka, kb = jax.random.split(jax.random.key(0))
+            sa, sb = ((b, m, k), (b, k, n)) if b > 1 else ((m, k), (k, n))
+            a = jax.random.normal(ka, sa, dt)
+            w = jax.random.normal(kb, sb, dt)
+            f = jax.jit(jnp.matmul)
+            f(a, w).block_until_ready()
+            flops = 2.0 * b * m * n * k
+            reps = max(3, min(50, int(0.02 / max(flops / 600e12, 1e-6))))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    r = f(a, w)
+                r.block_until_ready()
+                times.append((time.perf_counter() - t0) / reps)
+            s = statistics.median(times)
+            _emit_row(out, {"part": "matmul", "dtype": dtype, "b": b, "m": m, "n": n, "k": k, "s": s,
+                            "tflops": flops / s / 1e12})
+            del a, w, r
+
+
+def _time_steps(fn: Any, args: tuple[Any, ...], repeats: int) -> tuple[float, float]:
+    import jax
+
+    state, batch = args
+    times = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        state, metrics = fn(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]), min(times[2:])
+
+
+def _xla_memory(compiled: Any) -> dict[str, int]:
+    mem = compiled.memory_analysis()
+    row = {"xla_temp_bytes": mem.temp_size_in_bytes, "xla_arg_bytes": mem.argument_size_in_bytes,
+           "xla_out_bytes": mem.output_size_in_bytes, "xla_alias_bytes": mem.alias_size_in_bytes}
+    row["xla_peak_bytes"] = (row["xla_temp_bytes"] + row["xla_arg_bytes"] + row["xla_out_bytes"]
+                             - row["xla_alias_bytes"])
+    return row
+
+
+def part_recompute(out: Path, repeats: int) -> None:
+    import jax
+
+    from autoshard._examples import load_example
+    from autoshard.emit import emit
+    from autoshard.trace import trace
+    from autoshard.trace.remat import blocks, rematerialize
+
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+    for model, preset, overrides, modes in RECOMPUTE_CASES:
+        for mode in modes:
+            if _late():
+                return
+            t0 = time.perf_counter()
+            row: dict[str, Any] = {"part": "recompute", "model": model, "preset": preset,
+                                   "overrides": overrides, "mode": mode}
+            try:
+                ex = load_example(ROOT / "examples" / f"{model}.py", preset, overrides, abstract=False)
+                graph = trace(ex.train_step, *ex.args)
+                if mode != "none":
+                    graph = rematerialize(graph, {b: mode for b in blocks(graph)})
+                step = emit(graph, {}, mesh)
+                args = step.place(*ex.args)
+                row.update(_xla_memory(step.compiled(*args)))
+                row["emit_median_s"], row["emit_min_s"] = _time_steps(step, args, repeats)
+                row["device_peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+            except Exception as e:  # an OOM is a measurement too
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            row["case_wall_s"] = time.perf_counter() - t0
+            _emit_row(out, row)
+            jax.clear_caches()
+
+
+def part_cases(out: Path, repeats: int) -> None:
+    import jax
+
+    from autoshard._examples import load_example
+
+    for model, preset, overrides in EXTRA_CASES:
+        if _late():
+            return
+        t0 = time.perf_counter()
+        path = ROOT / "examples" / f"{model}.py"
+        row: dict[str, Any] = {"part": "case", "model": model, "preset": preset, "overrides": overrides}
+        try:
+            ex = load_example(path, preset, overrides, abstract=False)
+            step = jax.jit(ex.train_step, donate_argnums=0)
+            compiled = step.lower(*ex.args).compile()
+            row.update(_xla_memory(compiled))
+            row["jit_median_s"], row["jit_min_s"] = _time_steps(compiled, ex.args, repeats)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["case_wall_s"] = time.perf_counter() - t0
+        _emit_row(out, row)
+        jax.clear_caches()
+
+
+def predict(rows_path: Path) -> None:
+    """The planner's predictions (h100 preset, 1-device mesh) beside each recompute / case row."""
+    import autoshard
+    from autoshard._examples import load_example
+
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    print(f"{'row':<44} {'pred GB':>8} {'XLA GB':>8} {'ratio':>6}   {'pred ms':>8} {'meas ms':>8} {'ratio':>6}")
+    for r in rows:
+        if r["part"] not in ("recompute", "case") or "xla_peak_bytes" not in r:
+            continue
+        mode = r.get("mode", "none")
+        ex = load_example(ROOT / "examples" / f"{r['model']}.py", r["preset"], r["overrides"], abstract=True)
+        plan = autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware="h100", time_budget_s=10,
+                              memory_budget=1e15, recompute=mode)
+        meas = r.get("emit_median_s", r.get("jit_median_s"))  # None: compiled, but ran out of memory
+        name = f"{r['model']}-{r['preset']}-{'-'.join(r['overrides'])}-{mode}"
+        pm, xm = plan.peak_memory, r["xla_peak_bytes"]
+        ps = plan.predicted_step_time
+        timing = f"{meas * 1e3:8.1f} {ps / meas:6.2f}" if meas else f"{'-':>8} {'-':>6}"
+        print(f"{name:<44} {pm / 1e9:8.2f} {xm / 1e9:8.2f} {pm / xm:6.2f}   {ps * 1e3:8.1f} {timing}")
+
+
+def write_profile(path: Path, rows_path: Path) -> None:
+    """The ``h100`` preset with the measured matmuls of ``rows_path`` as its samples (a batched product's
+    batch folded into ``m``, as ``CostModel.matmul_time`` looks it up)."""
+    import dataclasses
+
+    from cost_models import load_profile
+    from cost_models.profile import MatmulSample
+
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    env = next(r for r in rows if r["part"] == "env")
+    samples = tuple(MatmulSample(m=r["b"] * r["m"], n=r["n"], k=r["k"], dtype=r["dtype"], seconds=r["s"])
+                    for r in rows if r["part"] == "matmul")
+    profile = dataclasses.replace(
+        load_profile("h100"), name=path.stem, created=env["date"],
+        environment={"jax": env["jax"], "platform": env["platform"], "device_kind": env["device"]},
+        notes=(f"the h100 preset with {len(samples)} matmul rates measured on one {env['device']} by "
+               f"benchmarks/gpu_truth.py ({rows_path.name}); collectives and memory stay analytic"),
+        matmuls=samples)
+    path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    print(f"wrote {path}: {len(samples)} matmul samples")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, help="append measured rows (JSON lines) to this file")
+    ap.add_argument("--parts", nargs="*", default=["recompute", "matmuls", "cases"])
+    ap.add_argument("--matmul-seconds", type=float, default=120.0)
+    ap.add_argument("--deadline", type=float, default=float("inf"),
+                    help="seconds from the start by which every part stops (rows that would end later are skipped)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--done", type=Path, help="rows of an earlier run: the matmuls in it are not measured again")
+    ap.add_argument("--predict", type=Path, help="print the planner's predictions for these measured rows")
+    ap.add_argument("--profile", nargs=2, type=Path, metavar=("PROFILE", "ROWS"),
+                    help="write the matmul rows of ROWS as a profile of the h100 preset to PROFILE")
+    args = ap.parse_args(argv)
+    if args.profile:
+        write_profile(*args.profile)
+        return 0
+    if args.predict:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        predict(args.predict)
+        return 0
+    global DEADLINE
+    DEADLINE = time.perf_counter() + args.deadline
+    import jax
+
+    assert args.out is not None, "--out is required when measuring"
+    done = set()  # matmuls already measured (--done): skipped
+    for line in (args.done.read_text().splitlines() if args.done else []):
+        r = json.loads(line)
+        if r["part"] == "matmul":
+            done.add((r["dtype"], r["b"], r["m"], r["n"], r["k"]))
+    dev = jax.devices()[0]
+    _emit_row(args.out, {"part": "env", "date": time.strftime("%Y-%m-%d"), "device": dev.device_kind,
+                         "platform": dev.platform, "jax": jax.__version__})
+    for part in args.parts:
+        t0 = time.perf_counter()
+        {"matmuls": lambda: part_matmuls(args.out, args.matmul_seconds, done),
+         "recompute": lambda: part_recompute(args.out, args.repeats),
+         "cases": lambda: part_cases(args.out, args.repeats)}[part]()
+        print(f"part {part}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
