@@ -78,61 +78,71 @@ def test_predicted_step_time_is_within_10_percent_of_the_measured(name: str) -> 
         f"{name}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms")
 
 
-# ---- recompute on the GPU: the planner's rewrite of the step, compiled by XLA (2026-11-26) --------------
+# ---- recompute on the GPU (2026-11-26) -------------------------------------------------------------------
 # ``tests/data/h100_recompute_fidelity.json``: GPT steps with every block rewritten by autoshard's recompute
 # (none / selective / full) and re-emitted for one H100, XLA's memory_analysis() and step time of each; and
-# GPT-2.6B as written. Provenance in the file (benchmarks/gpu_truth.py).
+# GPT-2.6B as written. Provenance in the file (benchmarks/gpu_truth.py). The selective and full rows measured
+# the rewrite of commit a43141b, since changed (field ``rewrite``): they are kept as data, not held here.
 RECOMPUTE = json.loads((Path(__file__).parent / "data" / "h100_recompute_fidelity.json").read_text())
 RCASES = {f"{c['model']}-{c['preset']}-{'-'.join(c['overrides'])}-{c['recompute']}": c for c in RECOMPUTE["cases"]}
+CURRENT = [n for n, c in RCASES.items() if "rewrite" not in c]
 
 
 @functools.cache
-def _recompute_plan(name: str) -> Any:
-    c = RCASES[name]
-    ex = load_example(ROOT / "examples" / f"{c['model']}.py", c["preset"], c["overrides"], abstract=True)
+def _recompute_plan(model: str, preset: str, overrides: tuple[str, ...], recompute: str) -> Any:
+    ex = load_example(ROOT / "examples" / f"{model}.py", preset, list(overrides), abstract=True)
     return autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware="h100", time_budget_s=10,
-                          recompute=c["recompute"])
+                          recompute=recompute)
+
+
+def _rplan(name: str) -> Any:
+    c = RCASES[name]
+    return _recompute_plan(c["model"], c["preset"], tuple(c["overrides"]), c["recompute"])
 
 
 def test_the_recompute_data_says_where_it_comes_from() -> None:
     prov = RECOMPUTE["provenance"]
     assert prov["date"] == "2026-11-26" and prov["jax"] == "0.11.2" and "H100" in prov["device"]
+    assert prov["rewrite"] and all(("rewrite" in c) == (c["recompute"] != "none") for c in RECOMPUTE["cases"])
     for c in RECOMPUTE["cases"]:
         assert c["xla_peak_bytes"] == (c["xla_temp_bytes"] + c["xla_arg_bytes"] + c["xla_out_bytes"]
                                        - c["xla_alias_bytes"])
 
 
-@pytest.mark.parametrize("name", list(RCASES))
-def test_recompute_plans_predict_xla_memory_and_time(name: str) -> None:
-    """Each mode's plan: the blocks it recomputes are the step's, its peak within 15% of XLA's for the
-    program autoshard emits, its step time (recomputed forward included) within 10% of the measured."""
-    c, plan = RCASES[name], _recompute_plan(name)
-    assert set(plan.recompute.values()) == ({c["recompute"]} if c["recompute"] != "none" else set())
+@pytest.mark.parametrize("name", CURRENT)
+def test_emitted_steps_predict_xla_memory_and_time(name: str) -> None:
+    """The step as autoshard emits it for one H100: peak within 15% of XLA's, time within 10% of the
+    measured (rows whose run ran out of memory on the device have no time)."""
+    c, plan = RCASES[name], _rplan(name)
     xla = c["xla_peak_bytes"]
     assert abs(plan.peak_memory - xla) <= MEMORY_TOLERANCE * xla, (
         f"{name}: predicted {plan.peak_memory / 1e9:.2f} GB, XLA {xla / 1e9:.2f} GB")
-    if c["median_s"] is not None:  # None: compiled, but ran out of memory on the device when run
+    if c["median_s"] is not None:
         t = c["median_s"]
         assert abs(plan.predicted_step_time - t) <= TIME_TOLERANCE * t, (
             f"{name}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured {t * 1e3:.1f} ms")
 
 
-def test_recompute_lowers_predicted_and_real_peak_memory_and_costs_time() -> None:
-    """Per model: none > selective > full in XLA's peak and in the planner's, and the reverse in time."""
-    groups: dict[str, dict[str, str]] = {}
-    for name, c in RCASES.items():
-        groups.setdefault(name.rsplit("-", 1)[0], {})[c["recompute"]] = name
-    compared = 0
-    for modes in groups.values():
-        order = [modes[m] for m in ("none", "selective", "full") if m in modes]
-        if len(order) < 2:
-            continue
-        compared += 1
-        real = [RCASES[n]["xla_peak_bytes"] for n in order]
-        predicted = [_recompute_plan(n).peak_memory for n in order]
-        assert real == sorted(real, reverse=True) and predicted == sorted(predicted, reverse=True), order
-        timed = [n for n in order if RCASES[n]["median_s"] is not None]
-        assert [RCASES[n]["median_s"] for n in timed] == sorted(RCASES[n]["median_s"] for n in timed)
-        assert [_recompute_plan(n).predicted_step_time for n in timed] == sorted(
-            _recompute_plan(n).predicted_step_time for n in timed)
-    assert compared == 3
+def test_full_recompute_plan_matches_flax_remat_on_the_gpu() -> None:
+    """GPT-1.3B bf16 batch 8 traced without remat and planned with ``recompute="full"`` recomputes every
+    block, and its predicted peak and time are within 15% / 10% of the same step written with ``nn.remat``
+    as XLA compiled and ran it (``h100_fidelity.json``): the rewrite does what flax's remat does."""
+    case = CASES["gpt-1.3b-bfloat16-b8-remat"]
+    plan = _recompute_plan("gpt", "1.3b", ("dtype=bfloat16", "batch=8"), "full")
+    assert len(plan.recompute) == 24 and set(plan.recompute.values()) == {"full"}
+    xla, t = case["xla_peak_bytes"], case["jit_median_s"]
+    assert abs(plan.peak_memory - xla) <= MEMORY_TOLERANCE * xla, (
+        f"predicted {plan.peak_memory / 1e9:.2f} GB, XLA with nn.remat {xla / 1e9:.2f} GB")
+    assert abs(plan.predicted_step_time - t) <= TIME_TOLERANCE * t, (
+        f"predicted {plan.predicted_step_time * 1e3:.1f} ms, measured with nn.remat {t * 1e3:.1f} ms")
+
+
+def test_recompute_lowers_predicted_peak_memory_and_costs_time() -> None:
+    """GPT-760M bf16 b8: none > selective > full in predicted peak, the reverse in predicted time; the step
+    as traced matches the GPU (above), and recompute's plans name every block."""
+    plans = [_recompute_plan("gpt", "760m", ("dtype=bfloat16", "batch=8"), m) for m in ("none", "selective", "full")]
+    peaks = [p.peak_memory for p in plans]
+    times = [p.predicted_step_time for p in plans]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > 2 * peaks[2]
+    assert times == sorted(times)
+    assert not plans[0].recompute and [set(p.recompute.values()) for p in plans[1:]] == [{"selective"}, {"full"}]

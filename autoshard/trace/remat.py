@@ -5,7 +5,11 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
 (a layer tag, ``Op.layer``) given a mode (``trace.recompute.MODES``):
 
 - the *recomputed set* ``R`` is the block's stash (``recompute.stashes``: held values a forward op of the
-  block makes and the backward pass reads), less what the mode keeps (``selective``: the weight
+  block makes and the backward pass reads), and the fused values the backward reads (``trace.buffers``: a
+  cheap elementwise output that XLA computes inside its reader's fusion from the producer's operands) whose
+  operands include one of those: read from the forward pass, such a value would keep the original of a
+  recomputed value (an MLP's pre-activation, say) live until the block's backward, undoing the saving; less
+  what the mode keeps (``selective``: the weight
   products' outputs, ``recompute.saved_by_selective``) and less any value a backward op reads *before*
   the block's own backward pass begins (the block's output, read by the next block's backward first: it
   stays, as a checkpoint's input would);
@@ -52,6 +56,7 @@ def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], 
     """First backward op of each recomputed block -> (replay op ids in order, recomputed tensor ids)."""
     buf = buffers(graph)
     stash = stashes(graph, buf)
+    read_back = _read_by_backward(graph)
     first_bwd: dict[str, int] = {}
     for op in graph.ops:
         if op.phase == "backward" and op.layer and op.layer not in first_bwd:
@@ -73,12 +78,25 @@ def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], 
             return (op.layer != layer or op.phase != "forward"
                     or (mode == "selective" and saved_by_selective(op)))
 
-        recomputed = set()
-        for tid in stash[layer]:
-            t = graph.tensors[tid]
-            early = any(graph.ops[c].phase == "backward" and c < again for c in t.consumers)
-            if not kept(tid) and not early and tid not in outputs:
-                recomputed.add(tid)
+        def late(tid: int, again: int = again) -> bool:
+            return (tid not in outputs
+                    and not any(graph.ops[c].phase == "backward" and c < again for c in graph.tensors[tid].consumers))
+
+        recomputed = {tid for tid in stash[layer] if not kept(tid) and late(tid)}
+        drags: dict[int, bool] = {}
+
+        def dragging(tid: int, drags: dict[int, bool] = drags, recomputed: set[int] = recomputed) -> bool:
+            """Whether fused value ``tid``, read in the backward, would keep a recomputed value alive (its
+            operands, through other fused values, include one)."""
+            if tid not in drags:
+                drags[tid] = False  # (a cycle cannot occur; this only stops a revisit)
+                op = graph.ops[graph.tensors[tid].producer]  # type: ignore[index]
+                drags[tid] = any(i in recomputed or (not buf.held[i] and not kept(i) and dragging(i))
+                                 for i in op.inputs)
+            return drags[tid]
+
+        recomputed |= {tid for tid in read_back.get(layer, ())
+                       if not buf.held[tid] and not kept(tid) and late(tid) and dragging(tid)}
         if not recomputed:
             continue
         replay: set[int] = set()
@@ -91,6 +109,19 @@ def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], 
             todo += [graph.tensors[i].producer for i in graph.ops[o].inputs if not kept(i)]
         produced = {t for o in replay for t in graph.ops[o].outputs}
         out[again] = (sorted(replay), produced)
+    return out
+
+
+def _read_by_backward(graph: Graph) -> dict[str, set[int]]:
+    """Block tag -> the values its forward ops make that a backward op reads, held or fused."""
+    out: dict[str, set[int]] = {}
+    for op in graph.ops:
+        if op.phase != "backward":
+            continue
+        for tid in op.inputs:
+            p = graph.tensors[tid].producer
+            if p is not None and graph.ops[p].phase == "forward" and graph.ops[p].layer:
+                out.setdefault(graph.ops[p].layer, set()).add(tid)
     return out
 
 
