@@ -44,6 +44,7 @@ from autoshard.target import (
     parse_mesh,
 )
 from autoshard.trace import Graph, trace
+from autoshard.trace.recompute import estimate
 
 log = logging.getLogger("autoshard")
 
@@ -129,6 +130,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     left = None if time_budget_s is None else max(time_budget_s - (t_trace or 0.0), SHARES.min_solve * time_budget_s)
     intra_s = left if left is None or not options.planned else SHARES.intra_with_pipeline * left
     cost, budget = target.cost, target.memory_budget
+    as_traced = graph
     intra: Plan | None = None
     intra_error: Exception | None = None
     # no microbatch count given: a step cramped unpipelined (``_cramped``) is also pipelined, with a count the
@@ -168,7 +170,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
 
     counts = ([options.microbatches] if options.microbatches else
               microbatch_candidates(_batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
-                                    activations=getattr(intra_error, "as_traced", None)))
+                                    activations=_activations(as_traced, cost, intra, intra_error)))
     if not counts:
         if intra is not None:
             return intra, graph, None
@@ -214,6 +216,17 @@ def _cramped(intra: Plan, recompute: str, budget: float | None) -> bool:
     if recompute == "auto" and intra.recompute:
         return True
     return budget is not None and intra.peak_memory > CRAMPED * budget
+
+
+def _activations(graph: Graph, cost: Any, intra: Plan | None, intra_error: Exception | None) -> float | None:
+    """Bytes per device the step as traced needs at least (the perfect-sharding bound the intra-operator
+    planning proved or, when that plan fits only by recomputing, its estimate), which sizes the pipeline's
+    first microbatch count; None when the step fits as traced."""
+    if intra_error is not None:
+        return getattr(intra_error, "as_traced", None)
+    if intra is not None and intra.recompute:
+        return estimate(graph, "none").peak_bytes / cost.mesh.num_devices
+    return None
 
 
 def _batch_rows(graph: Graph) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
 
 import flax.linen as nn
 import jax
@@ -12,10 +14,14 @@ import pytest
 from flax.training.train_state import TrainState
 
 import autoshard
+from autoshard._examples import load_module
+from autoshard.api import _activations
 from autoshard.pipeline import PipelinePlan
 from autoshard.pipeline.microbatches import candidates, search
 from autoshard.pipeline.partition import PipelineError
-from autoshard.planner.plan import Plan
+from autoshard.planner.plan import DoesNotFit, Plan
+from autoshard.target import cost_model_for
+from autoshard.trace.recompute import estimate
 
 
 def test_candidates_are_powers_of_two_dividing_the_batch_from_the_bubble_bound() -> None:
@@ -118,3 +124,17 @@ def test_a_step_cramped_unpipelined_is_pipelined_with_a_count_the_planner_picks(
     given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, microbatches=8, pipeline=True,
                            time_budget_s=10)
     assert given.num_microbatches == 8
+
+
+def test_the_first_count_is_sized_by_the_step_as_traced_also_when_it_fits_by_recomputing() -> None:
+    """The activations that size the first candidate count are the step's as traced: the bound the failed
+    intra-operator planning proved, or, when that plan fits only by recomputing, the same bound estimated
+    (GPT-39B on 8x8: 128 microbatches, where the recompute plan's own peak gave 64 and a 1.5x slower
+    pipeline); none when the step fits as traced."""
+    mod = load_module(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
+    graph = autoshard.trace(mod.train_step, *mod.make("tiny", abstract=True, layers=2, batch=16, seq_len=32))
+    cost = cost_model_for("h100", (8,), ("x",))
+    bound = estimate(graph, "none").peak_bytes / 8
+    assert _activations(graph, cost, SimpleNamespace(recompute={"block_0": "full"}), None) == bound
+    assert _activations(graph, cost, SimpleNamespace(recompute={}), None) is None
+    assert _activations(graph, cost, None, DoesNotFit("does not fit", needed=5e9, as_traced=7e9)) == 7e9
