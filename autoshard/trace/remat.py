@@ -5,14 +5,14 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
 (a layer tag, ``Op.layer``) given a mode (``trace.recompute.MODES``):
 
 - the *recomputed set* ``R`` is the block's stash (``recompute.stashes``: held values a forward op of the
-  block makes and the backward pass reads), and the fused values the backward reads (``trace.buffers``: a
-  cheap elementwise output that XLA computes inside its reader's fusion from the producer's operands) whose
-  operands include one of those: read from the forward pass, such a value would keep the original of a
-  recomputed value (an MLP's pre-activation, say) live until the block's backward, undoing the saving; less
-  what the mode keeps (``selective``: the weight
-  products' outputs, ``recompute.saved_by_selective``) and less any value a backward op reads *before*
-  the block's own backward pass begins (the block's output, read by the next block's backward first: it
-  stays, as a checkpoint's input would);
+  block makes and the backward pass reads), less what the mode keeps (``selective``: the weight products'
+  outputs, ``recompute.saved_by_selective``) and less any value a backward op reads *before* the block's
+  own backward pass begins (the block's output, read by the next block's backward first: it stays, as a
+  checkpoint's input would); plus the fused values the backward reads (``trace.buffers``: a cheap
+  elementwise output that XLA computes inside its reader's fusion from the producer's operands) whose
+  operands, directly or through other fused values, include a value of ``R``: read from the forward pass,
+  such a value would keep the original of a recomputed value (the MLP's pre-activation, say) live until
+  the block's backward, undoing the saving;
 - the *replay* is the block's forward ops that produce ``R`` or the values ``R`` is computed from, back to
   the values that stay (the block's inputs, what the mode keeps, anything made outside the block);
 - at the block's first backward op, the replay runs again on the values that stay, passed through
