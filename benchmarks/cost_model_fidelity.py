@@ -290,25 +290,14 @@ def planner_rows(hardware: str, measure: bool, repeats: int, only: list[str]) ->
 
 
 def _measure_step(path: str, preset: str, overrides: list[str], repeats: int) -> dict[str, object]:
+    from gpu_truth import time_steps, xla_memory  # beside this script
+
     from autoshard._examples import load_example
 
     ex = load_example(path, preset, overrides, abstract=False)
-    step = jax.jit(ex.train_step, donate_argnums=0)
-    compiled = step.lower(*ex.args).compile()
-    mem = compiled.memory_analysis()
-    out = {"xla_temp_bytes": mem.temp_size_in_bytes, "xla_arg_bytes": mem.argument_size_in_bytes,
-           "xla_out_bytes": mem.output_size_in_bytes, "xla_alias_bytes": mem.alias_size_in_bytes}
-    out["xla_peak_bytes"] = (out["xla_temp_bytes"] + out["xla_arg_bytes"] + out["xla_out_bytes"]
-                             - out["xla_alias_bytes"])
-    state, batch = ex.args
-    times = []
-    for _ in range(repeats + 2):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    out["jit_median_s"] = statistics.median(times[2:])
-    out["jit_min_s"] = min(times[2:])
+    compiled = jax.jit(ex.train_step, donate_argnums=0).lower(*ex.args).compile()
+    out: dict[str, object] = {**xla_memory(compiled)}
+    out["jit_median_s"], out["jit_min_s"] = time_steps(compiled, ex.args, repeats)
     return out
 
 

@@ -135,7 +135,8 @@ def part_matmuls(out: Path, seconds: float, done: set[tuple[Any, ...]] | None = 
             del a, w, r
 
 
-def _time_steps(fn: Any, args: tuple[Any, ...], repeats: int) -> tuple[float, float]:
+def time_steps(fn: Any, args: tuple[Any, ...], repeats: int) -> tuple[float, float]:
+    """Median and least seconds of ``repeats`` train steps (after 2 untimed), each fed the last one's state."""
     import jax
 
     state, batch = args
@@ -148,7 +149,8 @@ def _time_steps(fn: Any, args: tuple[Any, ...], repeats: int) -> tuple[float, fl
     return statistics.median(times[2:]), min(times[2:])
 
 
-def _xla_memory(compiled: Any) -> dict[str, int]:
+def xla_memory(compiled: Any) -> dict[str, int]:
+    """``memory_analysis()`` of a compiled program; its peak is temp + arguments + outputs - aliased."""
     mem = compiled.memory_analysis()
     row = {"xla_temp_bytes": mem.temp_size_in_bytes, "xla_arg_bytes": mem.argument_size_in_bytes,
            "xla_out_bytes": mem.output_size_in_bytes, "xla_alias_bytes": mem.alias_size_in_bytes}
@@ -180,8 +182,8 @@ def part_recompute(out: Path, repeats: int) -> None:
                     graph = rematerialize(graph, {b: mode for b in blocks(graph)})
                 step = emit(graph, {}, mesh)
                 args = step.place(*ex.args)
-                row.update(_xla_memory(step.compiled(*args)))
-                row["emit_median_s"], row["emit_min_s"] = _time_steps(step, args, repeats)
+                row.update(xla_memory(step.compiled(*args)))
+                row["emit_median_s"], row["emit_min_s"] = time_steps(step, args, repeats)
                 row["device_peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
             except Exception as e:  # an OOM is a measurement too
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -205,8 +207,8 @@ def part_cases(out: Path, repeats: int) -> None:
             ex = load_example(path, preset, overrides, abstract=False)
             step = jax.jit(ex.train_step, donate_argnums=0)
             compiled = step.lower(*ex.args).compile()
-            row.update(_xla_memory(compiled))
-            row["jit_median_s"], row["jit_min_s"] = _time_steps(compiled, ex.args, repeats)
+            row.update(xla_memory(compiled))
+            row["jit_median_s"], row["jit_min_s"] = time_steps(compiled, ex.args, repeats)
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         row["case_wall_s"] = time.perf_counter() - t0
