@@ -62,6 +62,7 @@ EXTRA_CASES = [
 ]
 
 
+REWRITE = os.environ.get("AUTOSHARD_COMMIT", "")  # the commit whose recompute rewrite the rows measured
 DEADLINE = float("inf")  # perf_counter() by which every part stops (--deadline)
 
 
@@ -159,7 +160,7 @@ def xla_memory(compiled: Any) -> dict[str, int]:
     return row
 
 
-def part_recompute(out: Path, repeats: int) -> None:
+def part_recompute(out: Path, repeats: int, modes: tuple[str, ...] = ("none", "selective", "full")) -> None:
     import jax
 
     from autoshard._examples import load_example
@@ -168,13 +169,13 @@ def part_recompute(out: Path, repeats: int) -> None:
     from autoshard.trace.remat import blocks, rematerialize
 
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
-    for model, preset, overrides, modes in RECOMPUTE_CASES:
-        for mode in modes:
+    for model, preset, overrides, case_modes in RECOMPUTE_CASES:
+        for mode in [m for m in case_modes if m in modes]:
             if _late():
                 return
             t0 = time.perf_counter()
             row: dict[str, Any] = {"part": "recompute", "model": model, "preset": preset,
-                                   "overrides": overrides, "mode": mode}
+                                   "overrides": overrides, "mode": mode, "rewrite": REWRITE}
             try:
                 ex = load_example(ROOT / "examples" / f"{model}.py", preset, overrides, abstract=False)
                 graph = trace(ex.train_step, *ex.args)
@@ -190,6 +191,60 @@ def part_recompute(out: Path, repeats: int) -> None:
             row["case_wall_s"] = time.perf_counter() - t0
             _emit_row(out, row)
             jax.clear_caches()
+
+
+PROFILE_CASES = [
+    ("gpt", "350m", ["dtype=bfloat16", "batch=8"]),
+    ("gpt", "125m", ["dtype=float32", "batch=8"]),
+]
+
+
+def part_profile(out: Path, trace_dir: Path) -> None:
+    """A profiler trace of 3 steps of each ``PROFILE_CASES`` step (jitted, state donated) and its optimized HLO.
+
+    Written under ``trace_dir/<case>/``: ``perfetto_trace.json.gz`` and ``trace.json.gz`` (every GPU kernel
+    with its duration) and ``hlo.txt``; ``--kernels`` reads them here and sums kernel time by the kind of op each fusion holds.
+    """
+    import shutil
+
+    import jax
+
+    from autoshard._examples import load_example
+
+    for model, preset, overrides in PROFILE_CASES:
+        if _late(90.0):
+            return
+        t0 = time.perf_counter()
+        name = f"{model}-{preset}-{'-'.join(overrides)}".replace("=", "")
+        row: dict[str, Any] = {"part": "profile", "model": model, "preset": preset, "overrides": overrides}
+        try:
+            ex = load_example(ROOT / "examples" / f"{model}.py", preset, overrides, abstract=False)
+            compiled = jax.jit(ex.train_step, donate_argnums=0).lower(*ex.args).compile()
+            dest = trace_dir / name
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / "hlo.txt").write_text(compiled.as_text())
+            state, batch = ex.args
+            times = []
+            for _ in range(5):  # warm-up and an untraced time, each step fed the last one's (donated) state
+                t1 = time.perf_counter()
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - t1)
+            row["jit_median_s"] = statistics.median(times[2:])
+            raw = dest / "raw"
+            with jax.profiler.trace(str(raw), create_perfetto_trace=True):
+                for _ in range(3):
+                    state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+            for f in raw.rglob("*.json.gz"):
+                shutil.copy(f, dest / ("perfetto_trace.json.gz" if f.name.startswith("perfetto") else "trace.json.gz"))
+            shutil.rmtree(raw, ignore_errors=True)
+            row["trace"] = str(dest.name)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["case_wall_s"] = time.perf_counter() - t0
+        _emit_row(out, row)
+        jax.clear_caches()
 
 
 def part_cases(out: Path, repeats: int) -> None:
@@ -268,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=float("inf"),
                     help="seconds from the start by which every part stops (rows that would end later are skipped)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--modes", nargs="*", default=["none", "selective", "full"],
+                    help="the recompute part's modes (the others are skipped)")
+    ap.add_argument("--trace-dir", type=Path, default=Path("traces"), help="where the profile part writes")
     ap.add_argument("--done", type=Path, help="rows of an earlier run: the matmuls in it are not measured again")
     ap.add_argument("--predict", type=Path, help="print the planner's predictions for these measured rows")
     ap.add_argument("--profile", nargs=2, type=Path, metavar=("PROFILE", "ROWS"),
@@ -296,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in args.parts:
         t0 = time.perf_counter()
         {"matmuls": lambda: part_matmuls(args.out, args.matmul_seconds, done),
-         "recompute": lambda: part_recompute(args.out, args.repeats),
+         "recompute": lambda: part_recompute(args.out, args.repeats, tuple(args.modes)),
+         "profile": lambda: part_profile(args.out, args.trace_dir),
          "cases": lambda: part_cases(args.out, args.repeats)}[part]()
         print(f"part {part}: {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
