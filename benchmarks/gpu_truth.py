@@ -30,6 +30,11 @@ as a profile of the ``h100`` preset with measured matmul rates (``--hardware <fi
 
     python benchmarks/gpu_truth.py --predict rows.jsonl
     python benchmarks/gpu_truth.py --profile cost_models/profiles/h100-<date>.json rows.jsonl
+    python benchmarks/gpu_truth.py --kernels traces/*/trace.json.gz
+
+Two more parts: ``profile`` (a profiler trace of three back-to-back steps of GPT-350M bf16 and GPT-125M fp32,
+and the optimized HLO, under ``--trace-dir``; ``--kernels`` summarises a trace) and ``overlap`` (the
+fidelity cases' step time synchronised after every step and dispatched back to back).
 """
 
 from __future__ import annotations
@@ -247,6 +252,58 @@ def part_profile(out: Path, trace_dir: Path) -> None:
         jax.clear_caches()
 
 
+# The cases of tests/data/h100_fidelity.json, for the overlap part
+OVERLAP_CASES = [
+    ("wide_resnet", "250m", ["dtype=float32", "batch=32"]),
+    ("gpt", "125m", ["dtype=bfloat16", "batch=16"]),
+    ("gpt", "760m", ["dtype=bfloat16", "batch=8"]),
+    ("moe", "380m", ["dtype=float32", "batch=8"]),
+    ("gpt", "1.3b", ["dtype=bfloat16", "batch=4"]),
+    ("gpt", "1.3b", ["dtype=bfloat16", "batch=8", "remat=true"]),
+    ("gpt", "125m", ["dtype=float32", "batch=8"]),
+    ("gpt", "350m", ["dtype=bfloat16", "batch=8"]),
+]
+
+
+def part_overlap(out: Path, repeats: int, back_to_back: int = 10) -> None:
+    """Each step timed two ways: synchronised after every step (median, as ``time_steps``), and
+    ``back_to_back`` steps dispatched without waiting, then one wait (seconds per step). The difference is
+    host time per step that a training loop which does not wait on every step hides behind the GPU."""
+    import jax
+
+    from autoshard._examples import load_example
+
+    for model, preset, overrides in OVERLAP_CASES:
+        if _late(50.0):
+            return
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"part": "overlap", "model": model, "preset": preset, "overrides": overrides}
+        try:
+            ex = load_example(ROOT / "examples" / f"{model}.py", preset, overrides, abstract=False)
+            compiled = jax.jit(ex.train_step, donate_argnums=0).lower(*ex.args).compile()
+            state, batch = ex.args
+            synced = []
+            for _ in range(repeats + 2):
+                t1 = time.perf_counter()
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready(metrics)
+                synced.append(time.perf_counter() - t1)
+            row["synced_median_s"] = statistics.median(synced[2:])
+            runs = []
+            for _ in range(2):
+                t1 = time.perf_counter()
+                for _ in range(back_to_back):
+                    state, metrics = compiled(state, batch)
+                jax.block_until_ready((state, metrics))
+                runs.append((time.perf_counter() - t1) / back_to_back)
+            row["back_to_back_s"] = min(runs)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        row["case_wall_s"] = time.perf_counter() - t0
+        _emit_row(out, row)
+        jax.clear_caches()
+
+
 def part_cases(out: Path, repeats: int) -> None:
     import jax
 
@@ -315,6 +372,29 @@ def write_profile(path: Path, rows_path: Path) -> None:
     print(f"wrote {path}: {len(samples)} matmul samples")
 
 
+def kernels(trace_path: Path, steps: int = 3, top: int = 15) -> dict[str, float]:
+    """Read a profile part's ``trace.json.gz``: the GPU's span and busy time per step (``steps`` steps ran
+    back to back while tracing) and the kernels that took the most time; prints them and returns the first
+    two (seconds)."""
+    import collections
+    import gzip
+
+    with gzip.open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e["args"]["name"]}
+    ev = sorted((e for e in events if e.get("ph") == "X" and e["pid"] in gpu), key=lambda e: e["ts"])
+    span = (ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]) / steps / 1e6
+    busy = sum(e["dur"] for e in ev) / steps / 1e6
+    by_name: collections.Counter[str] = collections.Counter()
+    for e in ev:
+        by_name[e["name"]] += e["dur"] / steps / 1e3
+    print(f"{trace_path}: {len(ev) // steps} kernels a step; GPU span {span * 1e3:.2f} ms, busy {busy * 1e3:.2f} ms a step")
+    for name, ms in by_name.most_common(top):
+        print(f"  {ms:8.2f} ms  {name[:90]}")
+    return {"span_s": span, "busy_s": busy}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="append measured rows (JSON lines) to this file")
@@ -330,7 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict", type=Path, help="print the planner's predictions for these measured rows")
     ap.add_argument("--profile", nargs=2, type=Path, metavar=("PROFILE", "ROWS"),
                     help="write the matmul rows of ROWS as a profile of the h100 preset to PROFILE")
+    ap.add_argument("--kernels", type=Path, nargs="*", help="summarise the profile part's trace.json.gz files")
     args = ap.parse_args(argv)
+    if args.kernels:
+        for path in args.kernels:
+            kernels(path)
+        return 0
     if args.profile:
         write_profile(*args.profile)
         return 0
@@ -356,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         {"matmuls": lambda: part_matmuls(args.out, args.matmul_seconds, done),
          "recompute": lambda: part_recompute(args.out, args.repeats, tuple(args.modes)),
          "profile": lambda: part_profile(args.out, args.trace_dir),
+         "overlap": lambda: part_overlap(args.out, args.repeats),
          "cases": lambda: part_cases(args.out, args.repeats)}[part]()
         print(f"part {part}: {time.perf_counter() - t0:.1f} s", flush=True)
     return 0

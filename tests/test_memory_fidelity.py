@@ -29,13 +29,14 @@ TIME_TOLERANCE = 0.10
 # Cases the model cannot yet reach, each with the reason (strict: a fix that reaches them must say so).
 TIME_XFAIL: dict[str, str] = {
     "gpt-125m-float32-b8": (
-        "-12%, not from matmul rates: the same H100's sweep of this step's matmul shapes (2026-11-26, "
-        "benchmarks/data/gpu_truth_h100_2026-11-26.jsonl) priced per shape moves it to -10.2% only; the "
-        "missing time is elsewhere (attention-score and elementwise traffic are the suspects; needs a GPU "
-        "trace of the step)"),
+        "-12% of the step timed with a wait after every step, which includes host time: a profiler trace "
+        "on the H100 (2026-11-26, benchmarks/data/traces_h100_2026-11-26) shows the GPU's kernels take "
+        "57.4 ms a step back to back, 3.5% from the prediction (held below); the rest is host time per "
+        "synchronised step, which the plan does not price"),
     "gpt-350m-bfloat16-b8": (
-        "-11%, not from matmul rates: priced with the measured per-shape rates it is -11.9% (the flat 0.7 x "
-        "peak is within 5% of the measured rate for most of its shapes); same suspects as above"),
+        "-11% of the synchronised step: the GPU's kernels take 75.3 ms a step back to back (profiler "
+        "trace, 1,840 kernels a step); the prediction is 2.7% over that (held below); the synchronised step "
+        "adds ~9 ms of host time (dispatch and the CUDA graph's update) that the plan does not price"),
 }
 MEMORY_XFAIL: dict[str, str] = {}
 
@@ -78,14 +79,39 @@ def test_predicted_step_time_is_within_10_percent_of_the_measured(name: str) -> 
         f"{name}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms")
 
 
+# ---- step time with the host out of the way (2026-11-26) -----------------------------------------------
+# ``tests/data/h100_back_to_back.json``: six of the cases above re-timed on one H100 with steps dispatched
+# back to back (and from a profiler trace of the GPU's kernels). The plan prices the GPU's work; a loop that
+# waits on every step adds 1.7-8.7 ms of host time per step (dispatch and the update of the step's CUDA
+# graph) which a loop that does not wait hides.
+BACK_TO_BACK = json.loads((Path(__file__).parent / "data" / "h100_back_to_back.json").read_text())
+B2B = {f"{c['model']}-{c['preset']}-{c['dtype']}-b{c['batch']}{'-remat' if c['remat'] else ''}": c
+       for c in BACK_TO_BACK["cases"]}
+
+
+@pytest.mark.parametrize("name", list(B2B))
+def test_predicted_step_time_is_within_10_percent_of_the_gpu_time_back_to_back(name: str) -> None:
+    t, plan = B2B[name]["back_to_back_s"], _plan(name)
+    assert abs(plan.predicted_step_time - t) <= TIME_TOLERANCE * t, (
+        f"{name}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured back to back {t * 1e3:.1f} ms")
+
+
+def test_back_to_back_steps_are_the_synced_steps_less_host_time() -> None:
+    """The data's own consistency: dispatching back to back never makes a step slower, and the host time
+    it hides is a few ms, not a different program."""
+    for name, c in B2B.items():
+        assert name in CASES
+        hidden = c["synced_median_s"] - c["back_to_back_s"]
+        assert 0 < hidden < 0.15 * c["synced_median_s"], name
+
+
 # ---- recompute on the GPU (2026-11-26) -------------------------------------------------------------------
 # ``tests/data/h100_recompute_fidelity.json``: GPT steps with every block rewritten by autoshard's recompute
 # (none / selective / full) and re-emitted for one H100, XLA's memory_analysis() and step time of each; and
-# GPT-2.6B as written. Provenance in the file (benchmarks/gpu_truth.py). The selective and full rows measured
-# the rewrite of commit a43141b, since changed (field ``rewrite``): they are kept as data, not held here.
+# GPT-2.6B as written. Provenance in the file (benchmarks/gpu_truth.py); the selective and full rows name the
+# commit whose rewrite they measured (field ``rewrite``).
 RECOMPUTE = json.loads((Path(__file__).parent / "data" / "h100_recompute_fidelity.json").read_text())
 RCASES = {f"{c['model']}-{c['preset']}-{'-'.join(c['overrides'])}-{c['recompute']}": c for c in RECOMPUTE["cases"]}
-CURRENT = [n for n, c in RCASES.items() if "rewrite" not in c]
 
 
 @functools.cache
@@ -109,7 +135,7 @@ def test_the_recompute_data_says_where_it_comes_from() -> None:
                                        - c["xla_alias_bytes"])
 
 
-@pytest.mark.parametrize("name", CURRENT)
+@pytest.mark.parametrize("name", list(RCASES))
 def test_emitted_steps_predict_xla_memory_and_time(name: str) -> None:
     """The step as autoshard emits it for one H100: peak within 15% of XLA's, time within 10% of the
     measured (rows whose run ran out of memory on the device have no time)."""

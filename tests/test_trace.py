@@ -366,3 +366,27 @@ def test_ops_inside_a_library_call_report_the_call_site(monkeypatch: pytest.Monk
     call_line = step.__code__.co_firstlineno + 1
     assert sin.source.endswith(f"test_trace.py:{call_line} (test_ops_inside_a_library_call_report_the_call_site"
                                ".<locals>.step)"), sin.source
+
+
+def test_an_elementwise_result_takes_the_buffer_of_an_operand_that_dies_there() -> None:
+    """XLA's buffer sharing: ``b = a * 2`` (read by a matmul, so materialised) is written over ``a`` when no
+    one reads ``a`` afterwards; when something does, ``b`` gets a buffer of its own."""
+    from autoshard.trace.buffers import buffers
+
+    x = jnp.ones((64, 64), jnp.float32)
+    graph = autoshard.trace(lambda x, w: ((x @ w) * 2.0) @ w, x, x)
+    buf = buffers(graph)
+    mul = next(op for op in graph.ops if op.primitive == "mul")
+    a, b = mul.inputs[0], mul.outputs[0]
+    assert graph.ops[graph.tensors[a].producer].primitive == "dot_general"
+    assert not buf.held[a] and buf.held[b] and buf.live[b][0] == graph.tensors[a].producer
+
+    def read_again(x, w):
+        a = x @ w
+        return ((a * 2.0) @ w) @ w + a
+
+    graph = autoshard.trace(read_again, x, x)
+    buf = buffers(graph)
+    mul = next(op for op in graph.ops if op.primitive == "mul")
+    a, b = mul.inputs[0], mul.outputs[0]
+    assert buf.held[a] and buf.held[b] and buf.live[b][0] == mul.id
