@@ -28,6 +28,16 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _float_array(a: object, ndim: int) -> np.ndarray:
+    """``a`` as a read-only float64 array of ``ndim`` dimensions (1: flattened; 2: at least 2-d). An array
+    that already is one (another problem's: ``dataclasses.replace`` of a problem) is shared, not copied."""
+    if isinstance(a, np.ndarray) and a.dtype == np.float64 and not a.flags.writeable and (
+            a.ndim == ndim if ndim == 1 else a.ndim >= ndim):
+        return a
+    arr = np.array(a, dtype=np.float64, ndmin=ndim)
+    return _frozen(arr.reshape(-1) if ndim == 1 else arr)
+
+
 class InfeasibleError(ValueError):
     """No assignment satisfies the problem: every assignment costs +inf, or no assignment fits in memory.
 
@@ -69,19 +79,19 @@ class IntraOpProblem:
     node_names: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
-        costs = tuple(_frozen(np.array(c, dtype=np.float64).reshape(-1)) for c in self.node_costs)
+        costs = tuple(_float_array(c, 1) for c in self.node_costs)
         n = len(costs)
         if self.node_memory is None:
             memory = tuple(_frozen(np.zeros_like(c)) for c in costs)
         else:
-            memory = tuple(_frozen(np.array(m, dtype=np.float64).reshape(-1)) for m in self.node_memory)
+            memory = tuple(_float_array(m, 1) for m in self.node_memory)
         if self.intervals is None:
             intervals = np.tile(np.array([0, 1], dtype=np.int64), (n, 1))
         else:
             intervals = np.array(self.intervals, dtype=np.int64).reshape(-1, 2) if n else np.zeros((0, 2), np.int64)
         edges = np.array(self.edges, dtype=np.int64)
         edges = edges.reshape(-1, 2) if edges.size else np.zeros((0, 2), dtype=np.int64)
-        edge_costs = tuple(_frozen(np.array(e, dtype=np.float64, ndmin=2)) for e in self.edge_costs)
+        edge_costs = tuple(_float_array(e, 2) for e in self.edge_costs)
         names = None if self.node_names is None else tuple(str(s) for s in self.node_names)
         limit = None if self.memory_limit is None else float(self.memory_limit)
         object.__setattr__(self, "node_costs", costs)
