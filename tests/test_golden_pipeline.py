@@ -94,13 +94,19 @@ def test_a_three_times_heavier_layer_gets_a_stage_or_more_devices_of_its_own() -
     cost = CostModel.load("h100", mesh_shape=(8,), axis_names=("x",))
     plan = plan_pipeline(g, cost, hardware="h100", num_microbatches=8, time_budget_s=10, max_stages=4)
     blocks = _block_of_stage(plan, g, 8)
-    (heavy,) = [s for s, b in enumerate(blocks) if 5 in b]
-    others = [s for s in range(len(blocks)) if s != heavy]
-    assert others, "expected a pipeline, got one stage"
-    alone = blocks[heavy] == {5}
-    more_devices = plan.stages[heavy].num_devices > max(plan.stages[s].num_devices for s in others)
-    fewer_blocks = len(blocks[heavy]) < min(len(blocks[s]) for s in others)
-    assert alone or more_devices or fewer_blocks, (blocks, [st.submesh for st in plan.stages])
+    # layers are cut by flops, so the heavy block may be split between two stages (its two matmuls): one
+    # of the stages holding it must give it more than its share
+    holding = [s for s, b in enumerate(blocks) if 5 in b]
+    assert len(blocks) > len(holding), "expected a pipeline, got one stage"
+
+    def favoured(heavy: int) -> bool:
+        others = [s for s in range(len(blocks)) if s not in holding]
+        alone = blocks[heavy] == {5}
+        more_devices = plan.stages[heavy].num_devices > max(plan.stages[s].num_devices for s in others)
+        fewer_blocks = len(blocks[heavy]) < min(len(blocks[s]) for s in others)
+        return alone or more_devices or fewer_blocks
+
+    assert any(favoured(s) for s in holding), (blocks, [st.submesh for st in plan.stages])
 
 
 def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d() -> None:
@@ -153,3 +159,23 @@ def _gradient_reductions(plan: PipelinePlan, graph, cost: CostModel) -> list[flo
                 out[stage_of[op.id]] += stage_cost.reshard_time(ten.shape, ten.dtype, spec,
                                                                 ShardingSpec(dims=spec.dims))
     return out
+
+
+def test_a_stage_pays_its_gradient_reduction_once_per_step_not_per_microbatch() -> None:
+    """A data-parallel layer's price (``plan_part`` on a 2-device stage, 8 microbatches): its time per
+    microbatch leaves out the whole reduction of the gradients it accumulates, which is paid once per step
+    (``Part.once``). The plan's own predicted time counts that reduction once in full, so time per
+    microbatch + reduction is the plan's time; before the fix the microbatch time kept 7/8 of it (GPT-1T
+    on 6x8: 357 ms a microbatch of which 262 ms were the block's gradient all-reduce over the hosts)."""
+    from autoshard.pipeline.layer_prices import plan_part, submesh_cost
+
+    _, _, g = _traced([2048] * 2, 2048, 65536, 8)
+    cost = submesh_cost(CostModel.load("h100", mesh_shape=(2, 4), axis_names=("node", "gpu"), num_hosts=2,
+                                       devices_per_host=4), (1, 2))
+    kind = split_step(g).kind
+    micro = [op.id for op in g.ops if kind[op.id] != UPDATE]
+    update = [op.id for op in g.ops if kind[op.id] == UPDATE]
+    part = plan_part(g, micro, update, cost, "h100", None, 5.0, 1.0, microbatches=8)
+    assert part.micro.reduce > 0, "expected data parallel over the two devices (8192 rows a microbatch)"
+    assert math.isclose(part.micro.time + part.micro.reduce, part.micro.plan.predicted_step_time, rel_tol=1e-9)
+    assert part.once >= part.micro.reduce
