@@ -67,15 +67,18 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     """Starting points for the final solve, each a memory-feasible assignment of ``problem``. Every seed is solved *tied*: the copies of a repeated block (``solvers.equivalence_classes``)
     take one choice, which makes a transformer's problem 20-50 times smaller (``solve_intra_op(ties=)``).
 
-    First round, ``SHARES.first_round`` of ``budget_s`` shared equally:
+    First round, ``SHARES.first_round`` of ``budget_s`` shared equally, in this order (what is left of the
+    round is shared by the jobs left, so a job that overruns costs those after it):
 
-    * ``tied``: the tied problem on its own;
     * with no inputs pinned, one per textbook layout of ``layouts.grid`` (data, ZeRO and tensor parallel
       per mesh axis): the tied problem with the layout's inputs pinned;
     * the user's ``starts``: a Plan of this graph (its recorded choice) as is, an ``Assignment`` (every
       tensor's layout) as its ``assignment_choice``, a hand layout (a ``layouts.HandLayout`` or a
       mapping input name -> layout) like the grid's. A Plan or Assignment that overflows the memory
-      budget is the initial point of a tied solve instead (which repairs it).
+      budget is the initial point of a tied solve instead (which repairs it);
+    * ``tied``: the tied problem on its own, last: unpinned, it is the slowest to solve, and on GPT-39B over
+      8x8 its short solve gave a 381 s plan where the layouts' gave 10-11 s; first, it overran its share
+      and left the layouts nothing when building had eaten most of the budget (a loaded machine).
 
     Second round, the rest of ``budget_s``: the tied problem again, with no inputs pinned beyond ``pins``,
     started from each of the ``SHARES.second_round`` best of the first round (``tied, from <name>``): a layout's
@@ -113,14 +116,14 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         layouts += [(lay.name, lay.specs, False) for lay in grid(graph, cost.mesh)]
     jobs: list[tuple[str, IntraOpProblem | None, bool, np.ndarray | None]] = [
         (f"{name}, repaired", problem, True, choice) for name, choice in repair]
-    if automatic:
-        jobs.append(("tied", problem, False, None))
     for name, specs, given in layouts:
         try:
             pinned = pin(graph, built, {**fixed_ids(graph, specs, cost.mesh), **pins}, strict=False)
         except PlanError:
             continue  # a layout that does not fit the tensors (a grid layout over an axis that divides nothing)
         jobs.append((name, pinned, given, None))
+    if automatic:  # last: the whole tied problem is the slowest to solve, and a short solve of it the worst
+        jobs.append(("tied", problem, False, None))
     second = automatic and len(jobs) > 1
     deadline = start + (SHARES.first_round if second else 1.0) * budget_s
     for n, (name, pinned, given, initial) in enumerate(jobs):
