@@ -262,6 +262,25 @@ class _Build:
         members = [graph.ops[i] for i in sorted(group)]
         buf = self.bufs[scope]
         produces, reads, compute, comm, memory = [], [], [], [], []
+        out_keys = [(scope, t) for t in leader.outputs]
+        in_keys = [(scope, t) for t in leader.inputs]
+        if len(members) == 1 and len(set(leader.outputs)) == len(leader.outputs):
+            # the common case, without followers: what each strategy produces and reads, and its peak
+            # (``peak_bytes``: over a fixed order of the held results' allocations and frees)
+            held = [j for j, t in enumerate(leader.outputs) if buf.held[t]]
+            order = self.event_order(graph, [leader.outputs[j] for j in held], when, buf)
+            for st in strategies:
+                prod = list(zip(out_keys, st.out_specs, strict=True))
+                produces.append(prod)
+                reads.append(list(zip(in_keys, st.in_specs, strict=True)))
+                compute.append(st.compute_time)
+                comm.append(st.comm_time)
+                sizes = [self.bytes_on_device(graph.tensors[leader.outputs[j]].nbytes, st.out_specs[j])
+                         for j in held]
+                memory.append(sizes[0] if len(sizes) == 1 else _peak_in_order(order, sizes))
+            self.finish_group(graph, scope, group, leader, members, buf, when, weight, strategies,
+                              produces, reads, compute, comm, memory)
+            return
         for st in strategies:
             spec_of = {t: s for t, s in zip(leader.outputs, st.out_specs, strict=True)}
             prod = [((scope, t), s) for t, s in spec_of.items()]
@@ -283,6 +302,13 @@ class _Build:
             compute.append(c_time)
             comm.append(m_time)
             memory.append(self.peak_bytes(graph, [p for p in prod if buf.held[p[0][1]]], when, buf))
+        self.finish_group(graph, scope, group, leader, members, buf, when, weight, strategies,
+                          produces, reads, compute, comm, memory)
+
+    def finish_group(self, graph: Graph, scope: Scope, group: list[int], leader: Op, members: list[Op],
+                     buf: Buffers, when: Any, weight: float, strategies: Sequence[Strategy],
+                     produces: list[Any], reads: list[Any], compute: list[float], comm: list[float],
+                     memory: list[float]) -> None:
         spans = [buf.live[key[1]] for key, _ in produces[0] if buf.held[key[1]]]
         if spans:
             interval = when(min(s for s, _ in spans), max(e for _, e in spans))
@@ -320,6 +346,17 @@ class _Build:
                                                         zip(op.inputs, in_specs, strict=True)),
                                      comm_time=st.comm_time + extra)
         return st
+
+    @staticmethod
+    def event_order(graph: Graph, tids: Sequence[int], when: Any, buf: Buffers) -> list[tuple[int, int]]:
+        """The allocations (+1) and frees (-1) of ``tids`` (by index) in the order ``peak_bytes`` sums them:
+        by time, a free before an allocation at the same step (the order is the same whatever the sizes)."""
+        events = []
+        for j, tid in enumerate(tids):
+            s, e = when(*buf.live[tid])
+            events += [(s, 1, j), (e, -1, j)]
+        events.sort(key=lambda x: (x[0], x[1]))
+        return [(j, sign) for _, sign, j in events]
 
     def peak_bytes(self, graph: Graph, prod: Sequence[tuple[TensorKey, ShardingSpec]], when: Any,
                    buf: Buffers) -> float:
@@ -557,6 +594,15 @@ class _Build:
                 m[i, j] = c
         self._matrix_cache[key] = m
         return m
+
+
+def _peak_in_order(order: Sequence[tuple[int, int]], sizes: Sequence[float]) -> float:
+    """The largest running sum of ``sizes`` allocated (+1) and freed (-1) in ``order`` (``event_order``)."""
+    cur = peak = 0.0
+    for j, sign in order:
+        cur += sign * sizes[j]
+        peak = max(peak, cur)
+    return peak
 
 
 def build_problem(graph: Graph, cost: CostModel, memory_budget: float | None, *,
