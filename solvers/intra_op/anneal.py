@@ -42,8 +42,9 @@ points that fit memory are recorded: per walk its best, and the best of its last
 After each round the walks' points and the best point so far are merged (``merge``): the ILP over only the
 strategies they use, exact, picks for each region the layout of whichever point is cheaper there, which no
 walk does (two walks settle in different basins that differ in many independent pieces). IOPDDL, 75 s of
-annealing, the first round's merge: K 1.031 -> 1.001, N 1.048 -> 1.025 (then 1.017 after the second),
-M 1.0736 -> 1.0715.
+annealing, 3 rounds, one run each: K 1.031 -> 1.001 by the first round's merge; N 1.101 -> 1.076 by the
+first, 1.068 -> 1.054 by the second; M 1.0756 -> 1.0735, then 1.0721 -> 1.0720. Where the round's luck is
+bad the merge has less to work with: K and N end anywhere in 0.99-1.04 and 1.03-1.12 at 180 s.
 
 Temperature falls geometrically from ``T_0`` to ``T_0 · COOLING_SPAN`` over each of ``ROUNDS`` rounds,
 each restarting from the best point; ``T_0`` is the median uphill ``Δ`` of 2000 random single moves
