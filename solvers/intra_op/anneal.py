@@ -37,7 +37,14 @@ on its rows). The move is kept by the Metropolis rule on the energy
 * ``E = f + p`` with ``o <= 0`` after the move (hard mode);
 
 otherwise the move is undone in reverse. Every walk uses the priced walk's ``w`` (zero without one). Only
-points that fit memory are recorded.
+points that fit memory are recorded: per walk its best, and the best of its last chunk (where it settled).
+
+After each round the walks' points and the best point so far are merged (``merge``): the ILP over only the
+strategies they use, exact, picks for each region the layout of whichever point is cheaper there, which no
+walk does (two walks settle in different basins that differ in many independent pieces). IOPDDL, 75 s of
+annealing, 3 rounds, one run each: K 1.031 -> 1.001 by the first round's merge; N 1.101 -> 1.076 by the
+first, 1.068 -> 1.054 by the second; M 1.0756 -> 1.0735, then 1.0721 -> 1.0720. Where the round's luck is
+bad the merge has less to work with: K and N end anywhere in 0.99-1.04 and 1.03-1.12 at 180 s.
 
 Temperature falls geometrically from ``T_0`` to ``T_0 · COOLING_SPAN`` over each of ``ROUNDS`` rounds,
 each restarting from the best point; ``T_0`` is the median uphill ``Δ`` of 2000 random single moves
@@ -61,6 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from solvers.intra_op.merge import Merger
 from solvers.intra_op.presolve import Core
 
 __all__ = ["MIN_SECONDS", "anneal", "available"]
@@ -92,8 +100,11 @@ COOLING_SPAN = 1e-4
 # walks side by side (threads; the compiled loop releases the GIL), one per memory mode, the best of them
 # kept each round
 WALKS = 2
-# restarts from the best point, each with a cooler start (one long round: K 1.145 against 1.08-1.13)
-ROUNDS = 3
+# restarts from the best point, each with a cooler start, the walks' points merged after each (one long
+# round: K 1.145 against 1.08-1.13 before merging; with merging, 125 s of annealing, one run each: 3 rounds
+# K 1.047 N 1.124, 4 rounds K 1.013 N 1.078 (every round re-heated to T_0), 5 rounds K 1.045 N 1.097:
+# the first round's luck dominates)
+ROUNDS = 4
 # below this many seconds for annealing the solve does not anneal: compiling the loop the first time on a
 # machine costs 3-10 s here (numba caches it on disk; loading it takes ~0.3 s afterwards)
 MIN_SECONDS = 20.0
@@ -106,6 +117,13 @@ STUCK_CHUNKS = 4
 # (GAMMA 0.1: K 1.03-1.10, N 1.14-1.15); the first w_j make a median memory change cost W_INIT * T_0
 GAMMA = 0.3
 W_INIT = 0.1
+# after each round the walks' points and the best one are merged (``merge``: the exact best recombination,
+# an ILP over the strategies they use) for up to this share of the round's time, points that cost more than
+# (1 + MERGE_WITHIN) times the cheapest left out
+MERGE_SHARE = 0.15
+MERGE_WITHIN = 0.1
+# the best cost of a chunk starts from this (above every cost a point that fits can have)
+UNSEEN = 1e300
 
 
 def available() -> bool:
@@ -263,10 +281,11 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
     price = np.zeros(flat.cost.shape[0])
 
     def walk(x: np.ndarray, t0: float, begin: float, end: float, walk_seed: int, mode: str
-             ) -> tuple[np.ndarray, dict]:
-        """One round of one walk from ``x``: the best point it saw (``x`` itself when nothing cheaper)."""
+             ) -> tuple[np.ndarray, np.ndarray, dict]:
+        """One round of one walk from ``x``: the best point it saw (``x`` itself when nothing cheaper) and
+        the best of its last chunk that fit (where the cold walk settled; ``x`` when none did)."""
         wrng = np.random.default_rng(walk_seed)
-        best_w = x.copy()
+        best_w, chunk_w, last_w = x.copy(), x.copy(), x.copy()
         cur = best = core.objective(x)
         # the kernel's memory mode: a price per block of rows on the overflow (soft), none (priced: 0), or
         # every kept move fits (hard: < 0)
@@ -282,13 +301,22 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
             iters = 20_000 if rate is None else int(max(1000, min(rate * CHUNK_SECONDS, rate * (end - now))))
             frac = (now - begin) / span
             frac_end = min(1.0, frac + (iters / rate if rate else 0.01) / span)
-            cur, best = run(x, best_w, cur, best, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end, iters,
-                            int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, price, *graph, *memory, mx, lz,
-                            flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
+            # the kernel records the chunk's cheapest point that fits in chunk_w (from UNSEEN down)
+            cur, chunk = run(x, chunk_w, cur, UNSEEN, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end, iters,
+                             int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, price, *graph, *memory, mx,
+                             lz, flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
             rate = iters / max(time.perf_counter() - now, 1e-6)
             chunks += 1
-            if mode == "priced":
-                over = flat.terms_over(flat.row_usage(x) - flat.slack, flat.tol)
+            overflow = flat.row_usage(x) - flat.slack if mode == "priced" else None
+            if chunk < UNSEEN:
+                last_w[:] = chunk_w
+                if chunk < best:
+                    best_w[:] = chunk_w
+                    best = chunk
+            elif (mx[1] if overflow is None else overflow.max(initial=0.0)) <= flat.tol:
+                last_w[:] = x  # nothing cheaper seen in the chunk, but where the walk stands fits
+            if overflow is not None:
+                over = flat.terms_over(overflow, flat.tol)
                 weight[over] *= 1.0 + GAMMA
                 weight[~over] *= 1.0 - GAMMA / 2
                 flat.term_prices(weight, price)
@@ -303,9 +331,11 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
                 mx, lz = flat.tree(core, x)
                 overflowing = 0
                 resets += 1
-        return best_w, {"chunks": chunks, "resets": resets, "rate": rate or 0.0, "price": float(np.median(lam))}
+        return best_w, last_w, {"chunks": chunks, "resets": resets, "rate": rate or 0.0,
+                                "price": float(np.median(lam))}
 
     walks = max(1, min(WALKS, os.cpu_count() or 1))
+    merger = None
     with ThreadPoolExecutor(max_workers=walks) as pool:
         for rnd in range(ROUNDS):
             begin = time.perf_counter()
@@ -318,12 +348,23 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
             t0 = float(np.median(ups)) / (1.0 + rnd)  # T_0 / 5 for one round: K 1.145, N 1.135 (no better)
             futures = [pool.submit(walk, best_x.copy(), t0, begin, end, int(rng.integers(2**31)), mode)
                        for mode in MEMORY_MODES[:walks]]
+            points = [best_x]
             for fut in futures:
-                x, stats = fut.result()
+                x, last, stats = fut.result()
                 obj = core.objective(x)
+                points.append(last)
                 log.debug("anneal round %d: T0 %.3g, median price %.3g, %d chunks (%d back to the best), "
                           "%.3g moves/s, best %.6g", rnd, t0, stats["price"], stats["chunks"], stats["resets"],
                           stats["rate"], obj)
+                points.append(x)
                 if obj < best_obj:
                     best_x, best_obj = x, obj
+            points = [p for p in points if core.objective(p) <= (1.0 + MERGE_WITHIN) * best_obj]
+            if len(points) > 1:
+                merger = merger or Merger(core)
+                merged = merger.merge(points, min(deadline, time.perf_counter() + MERGE_SHARE * (end - begin)))
+                obj = core.objective(merged)
+                log.debug("anneal round %d: merged %d points, best %.6g -> %.6g", rnd, len(points), best_obj, obj)
+                if obj < best_obj:
+                    best_x, best_obj = merged, obj
     return best_x

@@ -12,7 +12,8 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
   deadline.
 * A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing, one walk with memory
   as a cost whose price per term adapts to where the rows overflow, one that keeps every row (``anneal``,
-  compiled), then exact re-solves of windows (``lns``),
+  compiled), their points merged exactly after each round (``merge``: the ILP over only the strategies
+  they use), then exact re-solves of windows (``lns``),
   and the Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
 * A larger core otherwise (or without numba): exact moves of whole induced trees
   (``tree_dp.block_descent``), Lagrangian local search
