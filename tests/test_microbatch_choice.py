@@ -90,6 +90,19 @@ def test_search_passes_unspent_time_on() -> None:
     assert shares == pytest.approx([10.0, 15.0, 30.0])
 
 
+def test_search_stops_before_a_count_it_cannot_afford() -> None:
+    """A count that overran its share (a pipeline plan's floors) leaves less than half of what it took:
+    the next count, which would take as long whatever its share, is not started."""
+    now = [0.0]
+
+    def plan_one(count: int, seconds: float | None) -> _Plan:
+        now[0] += 56.0  # GPT-39B's first count: 56 s of a 30 s share
+        return _Plan(count, 100.0 / count)
+
+    best, tried = search([128, 256], plan_one, 60.0, lambda: now[0])
+    assert best.num_microbatches == 128 and [c for c, _ in tried] == [128]
+
+
 class _MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -56,21 +56,29 @@ def search(counts: list[int], plan_one: Callable[[int, float | None], Any], seco
            clock: Callable[[], float]) -> tuple[Any, list[tuple[int, Any]]]:
     """Plan each count in ``counts`` with ``plan_one(count, seconds)`` (which returns an object with
     ``predicted_step_time`` or raises an AutoshardError), splitting ``seconds`` (None: each plan scales its own) between the
-    counts left; stop at the first count slower than the best so far. Returns the best plan (None if
-    none planned) and every (count, plan or exception) tried."""
+    counts left; stop at the first count slower than the best so far, and before a count when what is left
+    of ``seconds`` is under half of what the last count took (a pipeline plan's floors, tracing at the
+    microbatch size and a least time per solve, make a count cost about as much whatever its share:
+    GPT-39B's second count took 39 s of a 4 s share). Returns the best plan (None if none planned) and
+    every (count, plan or exception) tried."""
     best, tried = None, []
     start = clock()
+    took = 0.0
     for n, count in enumerate(counts):
         share = None
         if seconds is not None:
-            share = (seconds - (clock() - start)) / (len(counts) - n)
-            if share <= 0:
+            left = seconds - (clock() - start)
+            share = left / (len(counts) - n)
+            if share <= 0 or (tried and left < 0.5 * took):
                 break
+        began = clock()
         try:
             plan = plan_one(count, share)
         except AutoshardError as e:  # recorded; the caller reports it when nothing planned
             tried.append((count, e))
+            took = clock() - began
             continue
+        took = clock() - began
         tried.append((count, plan))
         if best is not None and plan.predicted_step_time >= best.predicted_step_time:
             break
