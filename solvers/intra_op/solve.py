@@ -13,13 +13,12 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
 * A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing, one walk with memory
   as a cost whose price per term adapts to where the rows overflow, one that keeps every row (``anneal``,
   compiled), their points merged exactly after each round (``merge``: the ILP over only the strategies
-  they use), then exact re-solves of windows (``lns``),
-  and the Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
+  they use), then exact re-solves of windows (``lns``), and the Lagrangian lower bound (``bound``) in the
+  last ``BOUND_SHARE`` of the time.
 * A larger core otherwise (or without numba): exact moves of whole induced trees
-  (``tree_dp.block_descent``), Lagrangian local search
-  with memory priced per row (``lagrange_search``), the exact ILP over a few
-  strategies per node (``restrict``), then exact re-solves of windows (``lns``) until the deadline, and a
-  Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
+  (``tree_dp.block_descent``), Lagrangian local search with memory priced per row (``lagrange_search``),
+  the exact ILP over a few strategies per node (``restrict``), then exact re-solves of windows (``lns``)
+  until the deadline, and a Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
 
 The core answer is expanded to every node by replaying the eliminations. When time runs out the best
 feasible answer found so far is returned with ``optimal=False`` and a status that says so.
