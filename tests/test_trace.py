@@ -390,3 +390,24 @@ def test_an_elementwise_result_takes_the_buffer_of_an_operand_that_dies_there() 
     mul = next(op for op in graph.ops if op.primitive == "mul")
     a, b = mul.inputs[0], mul.outputs[0]
     assert buf.held[a] and buf.held[b] and buf.live[b][0] == mul.id
+
+
+def test_a_buffer_taken_over_twice_is_live_from_its_first_value() -> None:
+    """zeros -> scatter-add into them (in place) -> an add over that (in place again): one buffer, live from
+    the zeros' producer on, so the chain leaves no gap in the charged memory."""
+    from autoshard.trace.buffers import buffers
+
+    x = jnp.ones((64, 64), jnp.float32)
+    idx = jnp.arange(8)
+
+    def f(x, w, idx):
+        z = jnp.zeros((64, 64)).at[idx].add((x @ w)[:8])
+        return (z + x) @ w
+
+    graph = autoshard.trace(f, x, x, idx)
+    buf = buffers(graph)
+    scatter = next(op for op in graph.ops if op.primitive.startswith("scatter"))
+    add = next(op for op in graph.ops if op.primitive == "add" and scatter.outputs[0] in op.inputs)
+    zeros = graph.tensors[scatter.inputs[0]]
+    assert not buf.held[zeros.id] and not buf.held[scatter.outputs[0]] and buf.held[add.outputs[0]]
+    assert buf.live[add.outputs[0]][0] == zeros.producer

@@ -171,8 +171,11 @@ def buffers(graph: Graph, *, reschedule: bool = True) -> Buffers:
             held.append(keep)
             live.append((start, start + 1 if keep else start))
             continue
-        if t.id in inplace:
-            x = graph.tensors[inplace[t.id]]
+        if t.id in inplace:  # the buffer was first allocated for the first value of the chain
+            root = inplace[t.id]
+            while root in inplace:
+                root = inplace[root]
+            x = graph.tensors[root]
             start = 0 if x.producer is None else pos[x.producer]
         held.append(True)
         end = n if need[t.id] >= n else need[t.id] + 1
