@@ -141,17 +141,23 @@ def part_matmuls(out: Path, seconds: float, done: set[tuple[Any, ...]] | None = 
             del a, w, r
 
 
-def time_steps(fn: Any, args: tuple[Any, ...], repeats: int) -> tuple[float, float]:
-    """Median and least seconds of ``repeats`` train steps (after 2 untimed), each fed the last one's state."""
+def synced_steps(fn: Any, state: Any, batch: Any, steps: int) -> tuple[list[float], Any]:
+    """Seconds of each of ``steps`` train steps, the host waiting for each, each fed the last one's (donated)
+    state; and the state after the last."""
     import jax
 
-    state, batch = args
     times = []
-    for _ in range(repeats + 2):
+    for _ in range(steps):
         t0 = time.perf_counter()
         state, metrics = fn(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
+    return times, state
+
+
+def time_steps(fn: Any, args: tuple[Any, ...], repeats: int) -> tuple[float, float]:
+    """Median and least seconds of ``repeats`` train steps (after 2 untimed), each fed the last one's state."""
+    times, _ = synced_steps(fn, *args, repeats + 2)
     return statistics.median(times[2:]), min(times[2:])
 
 
@@ -208,7 +214,8 @@ def part_profile(out: Path, trace_dir: Path) -> None:
     """A profiler trace of 3 steps of each ``PROFILE_CASES`` step (jitted, state donated) and its optimized HLO.
 
     Written under ``trace_dir/<case>/``: ``perfetto_trace.json.gz`` and ``trace.json.gz`` (every GPU kernel
-    with its duration) and ``hlo.txt``; ``--kernels`` reads them here and sums kernel time by the kind of op each fusion holds.
+    with its duration) and ``hlo.txt``; ``--kernels`` reads a trace here: the GPU's span and busy time per
+    step and the kernels that took the most time.
     """
     import shutil
 
@@ -229,12 +236,7 @@ def part_profile(out: Path, trace_dir: Path) -> None:
             dest.mkdir(parents=True, exist_ok=True)
             (dest / "hlo.txt").write_text(compiled.as_text())
             state, batch = ex.args
-            times = []
-            for _ in range(5):  # warm-up and an untraced time, each step fed the last one's (donated) state
-                t1 = time.perf_counter()
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - t1)
+            times, state = synced_steps(compiled, state, batch, 5)  # warm-up and an untraced time
             row["jit_median_s"] = statistics.median(times[2:])
             raw = dest / "raw"
             with jax.profiler.trace(str(raw), create_perfetto_trace=True):
@@ -282,12 +284,7 @@ def part_overlap(out: Path, repeats: int, back_to_back: int = 10) -> None:
             ex = load_example(ROOT / "examples" / f"{model}.py", preset, overrides, abstract=False)
             compiled = jax.jit(ex.train_step, donate_argnums=0).lower(*ex.args).compile()
             state, batch = ex.args
-            synced = []
-            for _ in range(repeats + 2):
-                t1 = time.perf_counter()
-                state, metrics = compiled(state, batch)
-                jax.block_until_ready(metrics)
-                synced.append(time.perf_counter() - t1)
+            synced, state = synced_steps(compiled, state, batch, repeats + 2)
             row["synced_median_s"] = statistics.median(synced[2:])
             runs = []
             for _ in range(2):

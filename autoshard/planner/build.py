@@ -262,11 +262,11 @@ class _Build:
         members = [graph.ops[i] for i in sorted(group)]
         buf = self.bufs[scope]
         produces, reads, compute, comm, memory = [], [], [], [], []
-        out_keys = [(scope, t) for t in leader.outputs]
-        in_keys = [(scope, t) for t in leader.inputs]
         if len(members) == 1 and len(set(leader.outputs)) == len(leader.outputs):
             # the common case, without followers: what each strategy produces and reads, and its peak
             # (``peak_bytes``: over a fixed order of the held results' allocations and frees)
+            out_keys = [(scope, t) for t in leader.outputs]
+            in_keys = [(scope, t) for t in leader.inputs]
             held = [j for j, t in enumerate(leader.outputs) if buf.held[t]]
             order = self.event_order(graph, [leader.outputs[j] for j in held], when, buf)
             for st in strategies:
