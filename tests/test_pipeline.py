@@ -21,7 +21,7 @@ from autoshard.pipeline import (
     microbatch_args,
     plan_pipeline,
 )
-from autoshard.pipeline.layer_prices import price_layers, submesh_cost
+from autoshard.pipeline.layer_prices import carried_assignment, plan_ops, price_layers, submesh_cost
 from autoshard.pipeline.partition import (
     BACKWARD,
     FORWARD,
@@ -30,6 +30,7 @@ from autoshard.pipeline.partition import (
     segments,
     split_step,
 )
+from autoshard.pipeline.recompute import recomputed, uniform
 from autoshard.pipeline.stages import _ComposedMemory, _layouts
 from autoshard.target import cost_model_for
 
@@ -174,6 +175,51 @@ def test_a_stage_of_layers_holds_what_their_plans_joined_hold(gpt_micro) -> None
         assert composed(ell, ell, 0, 1) == pytest.approx(part.memory, rel=1e-6), ell
     assert composed(1, 2, 0, 1) >= max(prices.parts[ell][0].memory for ell in (1, 2)) * (1 - 1e-6)
     assert composed(1, 2, 0, 3) > composed(1, 2, 0, 1)  # three microbatches' activations held
+
+
+def test_a_recomputed_block_runs_its_backward_in_its_own_layer() -> None:
+    # full recompute replays each block from its input, a value of the layer before; by the min rule
+    # alone the replay and the whole backward that reads it ran a layer down (GPT-1T: the first layer held
+    # two blocks' backward, the last none). Every block's matmuls, forward and backward, share a layer.
+    ex = _example("gpt", layers=4)
+    full = autoshard.trace(ex.train_step, *ex.args)
+    g = autoshard.trace(ex.train_step, *microbatch_args(ex.args, full, None, 4))
+    g = recomputed(g, uniform(g, "full"))
+    parts = split_step(g)
+    layer_of = assign_layers(g, parts, 4)
+    where: dict[tuple[str, bool], set[int]] = {}
+    for op in g.ops:
+        if op.primitive == "dot_general" and op.layer and "block_" in op.layer:
+            where.setdefault((op.layer, parts.kind[op.id] == FORWARD), set()).add(layer_of[op.id])
+    blocks = sorted({b for b, _ in where})
+    assert len(blocks) == 4
+    assert [where[(b, True)] for b in blocks] == [{0}, {1}, {2}, {3}]
+    assert [where[(b, False)] for b in blocks] == [{0}, {1}, {2}, {3}]
+
+
+def test_a_planned_layer_carries_its_layouts_to_the_copies_of_its_ops_in_another_layer() -> None:
+    # GPT of 4 blocks cut into 5 layers: layers 1..3 are copies (the end of one block and the start of
+    # the next), layer 4 is the rest of block 3 and the head. A plan of layer 2 carried to layer 3 is
+    # layer 2's plan: started there, layer 3's solve is as good with no time to search. Carried to layer 4,
+    # it covers the ops the two share (the block's), and is a start the solve prices.
+    ex = _example("gpt", layers=4)
+    full = autoshard.trace(ex.train_step, *ex.args)
+    g = autoshard.trace(ex.train_step, *microbatch_args(ex.args, full, None, 4))
+    parts = split_step(g)
+    layer_of = assign_layers(g, parts, 5)
+    micro = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] != UPDATE] for ell in range(5)]
+    assert len(micro[1]) == len(micro[2]) == len(micro[3]) != len(micro[4])
+    cost = submesh_cost(cost_model_for("h100", (2, 4), ("x", "y")), (1, 4))
+    source = plan_ops(g, micro[2], cost, "h100", None, 2.0)
+    same = carried_assignment(g, source, micro[2], micro[3])
+    assert len(same) == len(carried_assignment(g, source, micro[2], micro[2])) > 0
+    copy = plan_ops(g, micro[3], cost, "h100", None, 0.0, starts=[same])
+    assert copy.plan.solver.starts and min(copy.plan.solver.starts.values()) <= source.plan.solver.objective * (1 + 1e-9)
+    assert copy.time <= source.time * (1 + 1e-6)
+    other = carried_assignment(g, source, micro[2], micro[4])
+    assert len(same) / 3 < len(other) < len(same)  # the block's ops match, the head's do not
+    last = plan_ops(g, micro[4], cost, "h100", None, 0.5, starts=[other])
+    assert last.plan.solver.starts and all(v < float("inf") for v in last.plan.solver.starts.values())
 
 
 # ---- numerics --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ with the same ops priced once per shape.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -212,6 +213,55 @@ def assignment_of_layers(graph: Graph, priced: Sequence[Priced], layer_ops: Sequ
     return Assignment("the layers' plans", out)
 
 
+def op_digest(graph: Graph, i: int) -> str:
+    """One op as its kind, params and operand/result shapes: equal for the same op of two copies of a block."""
+    op = graph.ops[i]
+    ins = ",".join(f"{graph.tensors[t].shape}{graph.tensors[t].dtype}" for t in op.inputs)
+    outs = ",".join(f"{graph.tensors[t].shape}{graph.tensors[t].dtype}" for t in op.outputs)
+    return f"{op.primitive}|{op.params}|{ins}|{outs}"
+
+
+def carried_assignment(graph: Graph, priced: Priced, source_ops: Sequence[int], ops: Sequence[int]) -> Assignment:
+    """The plan ``priced`` made for ``source_ops``, carried to the ops of ``ops`` that match them, keyed as
+    ``ops``' own problem numbers its tensors: a start for a layer that holds a copy of an already-planned
+    block beside other ops (GPT's first layer: the embedding and block 0; the block's plan is the one
+    priced for the 126 other layers). Ops are matched by aligning the two op sequences on ``op_digest``
+    (``difflib``'s longest matching runs); a matched op's results and operands take the source's layouts,
+    its bodies' tensors too. What matches nothing is left to ``assignment_choice`` (the cheapest strategy)
+    and to the solve."""
+    out: dict[tuple[Scope, int], ShardingSpec] = {}
+    if priced.plan is None or priced.sub is None or not ops or not source_ops:
+        return Assignment("a planned layer's layouts", out)
+    mine, theirs = sorted(ops), sorted(source_ops)
+    matcher = difflib.SequenceMatcher(None, [op_digest(graph, i) for i in mine],
+                                      [op_digest(graph, i) for i in theirs], autojunk=False)
+    op_pair: dict[int, int] = {}  # source op -> my op
+    tensor_pair: dict[int, int] = {}  # source tensor -> my tensor
+    for a, b, size in matcher.get_matching_blocks():
+        for j in range(size):
+            mi, si = mine[a + j], theirs[b + j]
+            op_pair[si] = mi
+            for st, mt in zip(graph.ops[si].inputs + graph.ops[si].outputs,
+                              graph.ops[mi].inputs + graph.ops[mi].outputs, strict=True):
+                tensor_pair.setdefault(st, mt)
+    sub = subgraph(graph, mine)
+    tensor_of = {t: k for k, t in enumerate(sub.tensors)}
+    op_of = {i: k for k, i in enumerate(sub.ops)}
+    for scope, table in remap(priced).items():
+        if scope == ():
+            for st, spec in table.items():
+                mt = tensor_pair.get(st)
+                if mt is not None and mt in tensor_of:
+                    out.setdefault(((), tensor_of[mt]), spec)
+            continue
+        (op, b), *rest = scope
+        if op in op_pair and op_pair[op] in op_of:
+            local: Scope = ((op_of[op_pair[op]], b), *rest)
+            for tid, spec in table.items():
+                out.setdefault((local, tid), spec)
+    return Assignment("a planned layer's layouts", out)
+
+
 def reuse(graph: Graph, priced: Priced, ops: Sequence[int]) -> Priced | None:
     """The plan of an identical set of ops, carried over to ``ops`` (their sub-graphs number tensors the
     same way: inputs by first use, then results in schedule order); None if the numbering differs."""
@@ -272,13 +322,14 @@ class LayerPrices:
 def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
                  costs: Sequence[CostModel], hardware: str, memory_budget: float | None, time_budget_s: float,
                  inflight: Sequence[int], num_devices: int, num_microbatches: int = 1, chunks: int = 1,
-                 ) -> LayerPrices:
+                 chunk_inflight: Sequence[Sequence[int]] | None = None) -> LayerPrices:
     """Every layer on every submesh (``costs``: one cost model per shape), each planned with ``plan_part``.
 
     A layer is planned under its share of a stage's memory: on a submesh of ``n`` devices the cluster
     holds about ``S = num_devices / n`` stages of ``num_layers · n / num_devices`` layers each. Layer
     ``ℓ`` of ``L`` falls in (virtual) stage ``u = ⌊ℓ·S·chunks / L⌋``, on physical stage ``p = u mod S``,
-    which keeps ``inflight[S - 1 - p]`` microbatches in flight; identical layers are planned once, with
+    which keeps ``inflight[S - 1 - p]`` microbatches in flight (with ``chunk_inflight``, an interleaved
+    schedule's, chunk ``⌊u / S⌋`` keeps ``chunk_inflight[S - 1 - p][⌊u / S⌋]`` of its own); identical layers are planned once, with
     the largest count among their positions (the first stage's for a repeated block; a unique last layer,
     the head, its own smaller one), and their activations count that many times, so that the layer picks
     layouts its stage can hold. A layer that cannot fit its share is priced again under the whole budget.
@@ -297,8 +348,10 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     distinct = len(set(signatures))
 
     def held(ell: int, stages: int) -> int:
-        p = (ell * stages * chunks // num_layers) % stages
-        return inflight[min(stages - 1 - p, len(inflight) - 1)]
+        u = ell * stages * chunks // num_layers
+        p, c = u % stages, u // stages
+        r = min(stages - 1 - p, len(inflight) - 1)
+        return chunk_inflight[r][c] if chunk_inflight is not None and c < len(chunk_inflight[r]) else inflight[r]
 
     weights: dict[tuple[str, int], float] = {}
     for m, cost in enumerate(costs):
@@ -311,22 +364,33 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
                for sig, x in frac.items()}
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
-    parts: list[list[Part]] = [[] for _ in range(num_layers)]
+    planned_on: dict[str, int] = {}  # signature -> the layer its plans were made on
+    parts: list[list[Part | None]] = [[None] * num_shapes for _ in range(num_layers)]
     solves = 0
-    for ell in range(num_layers):
+    # the most repeated layer first: the others start from its plan where their ops match (GPT's first
+    # layer holds a copy of the block; ``carried_assignment``)
+    for ell in sorted(range(num_layers), key=lambda x: (-signatures.count(signatures[x]), x)):
+        planned_on.setdefault(signatures[ell], ell)
         for m, cost in enumerate(costs):
             key = (signatures[ell], m)
             if key not in cache:
                 stages = max(1, num_devices // cost.mesh.num_devices)
                 weight = weights[key]
                 share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
+                source = next((k for k in planned_on if k != signatures[ell] and (k, m) in cache), None)
+                starts: tuple[Sequence[Any], Sequence[Any]] = ((), ())
+                if source is not None:
+                    theirs, src = cache[(source, m)][0], planned_on[source]
+                    carried = (carried_assignment(graph, theirs.micro, micro_ops[src], micro_ops[ell]),
+                               carried_assignment(graph, theirs.update, update_ops[src], update_ops[ell]))
+                    starts = ((carried[0],) if carried[0] else (), (carried[1],) if carried[1] else ())
                 part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share,
                                  seconds[signatures[ell]], weight,
-                                 fallback=memory_budget, microbatches=num_microbatches)
+                                 fallback=memory_budget, microbatches=num_microbatches, starts=starts)
                 solves += part.solves
                 cache[key] = (part, weight)
             part, weight = cache[key]
-            parts[ell].append(part)
+            parts[ell][m] = part
             out[0][ell, m], out[1][ell, m] = part.micro.time, part.micro.memory / weight
             out[2][ell, m], out[3][ell, m] = part.once, part.update.memory
     return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts))

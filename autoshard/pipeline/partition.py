@@ -19,6 +19,21 @@ takes a layer by the *min rule*: ``layer(v) = min { layer(producer(t)) : t ∈ i
 step }`` (step inputs such as parameters do not count); an op with no produced input takes the smallest
 layer among its consumers (or 0). The rule keeps every backward dependency pointing from a higher or
 equal layer to a lower one, so backward programs of stage ``s`` only wait on stages ``≥ s``.
+
+The *replay rule* comes first for the op where a block's recompute starts in the backward pass (the
+``optimization_barrier`` of ``trace.remat``'s replay, or a ``remat``/``checkpoint`` op) inside a numbered
+block (``op.layer``, e.g. ``block_3``) whose forward ops start in layer ``f``: ``layer(v) = min({f} ∪
+{ layer(producer(t)) : t ∈ inputs(v), produced by a non-forward op })``; the block's backward, which
+reads the replay's values, then follows by the min rule. The replay reads
+the block's input, produced by the layer before, and the min rule would put it, and with it the whole
+backward of block ``k+1`` that reads its values, in layer ``k`` (GPT-1T under full recompute: the first
+layer held two blocks' backward, the last none); the rule keeps a block's backward with its forward, as
+Megatron does. Reading a lower layer's forward value is a forward-direction dependency (stage ``s``
+received it in its forward), and the cotangents still come from layers ``>=`` its own, so the invariant
+holds. And a backward op inside a numbered block takes at most the last layer of the forward ops of
+its own scope (the min rule capped): the op where the cotangent enters a block (the input gradient of
+its last matmul reads only that cotangent and a parameter) would otherwise run a layer up, beside the
+next block.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import numpy as np
 
 from autoshard.errors import AutoshardError
 from autoshard.trace.graph import Graph, Op, Role, Tensor
+from autoshard.trace.jaxpr_compat import REMAT
 from solvers.inter_op import ClusteringProblem, cluster_layers
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
@@ -242,15 +258,30 @@ def cluster_forward(flops: np.ndarray, cut: np.ndarray, num_layers: int, forced:
 
 
 def propagate_layers(graph: Graph, fwd: Sequence[int], fwd_layer: Sequence[int]) -> tuple[int, ...]:
-    """Layers of all ops from those of the forward ops ``fwd`` (the min rule of the module docstring)."""
+    """Layers of all ops from those of the forward ops ``fwd`` (the min rule and the replay rule of the
+    module docstring)."""
     layer = [-1] * len(graph.ops)
+    forward = set(fwd)
+    block_start: dict[str, int] = {}  # a numbered block -> the first layer of its forward ops
+    scope_end: dict[str, int] = {}  # a scope inside a block -> the last layer of its forward ops
     for k, op_id in enumerate(fwd):
         layer[op_id] = int(fwd_layer[k])
+        op = graph.ops[op_id]
+        if op.layer:
+            block_start[op.layer] = min(block_start.get(op.layer, layer[op_id]), layer[op_id])
+            scope_end[op.scope] = max(scope_end.get(op.scope, layer[op_id]), layer[op_id])
     for op in graph.ops:
         if layer[op.id] >= 0:
             continue
-        srcs = [layer[graph.tensors[t].producer] for t in op.inputs if graph.tensors[t].producer is not None]
-        srcs = [s for s in srcs if s >= 0]
+        producers = [graph.tensors[t].producer for t in op.inputs if graph.tensors[t].producer is not None]
+        replay = op.primitive == "optimization_barrier" or op.primitive in REMAT
+        if replay and op.layer in block_start and op.phase == "backward":  # the replay rule
+            layer[op.id] = min([block_start[op.layer],
+                                *(layer[p] for p in producers if p not in forward and layer[p] >= 0)])
+            continue
+        srcs = [s for s in (layer[p] for p in producers) if s >= 0]
+        if op.phase == "backward" and op.scope in scope_end:  # never above its own forward
+            srcs.append(scope_end[op.scope])
         if srcs:
             layer[op.id] = min(srcs)
     for op in reversed(graph.ops):  # ops fed only by step inputs and constants: their earliest consumer
