@@ -16,6 +16,7 @@ from autoshard.pipeline.schedules import (
     Action,
     Schedule,
     gpipe,
+    chunk_inflight_rule,
     inflight_rule,
     interleaved_1f1b,
     one_f_one_b,
@@ -115,6 +116,18 @@ def test_inflight_rule_counts_from_the_end() -> None:
     assert inflight_rule("interleaved-1f1b", 4, 8, 2) == (5, 7, 9, 11)
     for S, B in GRID:
         assert inflight_rule("1f1b", S, B) == tuple(min(r + 1, B) for r in range(S))
+
+
+def test_chunk_inflight_counts_each_chunks_own_microbatches() -> None:
+    # interleaved 1F1B: the last stage runs its first chunk's S forwards before any backward, then its
+    # second chunk one microbatch at a time; a chunk's plan counts its own, the stage all of them
+    for S, B in ((4, 8), (8, 16), (16, 64)):
+        per_chunk = chunk_inflight_rule("interleaved-1f1b", S, B, 2)
+        total = inflight_rule("interleaved-1f1b", S, B, 2)
+        assert [len(c) for c in per_chunk] == [2] * S
+        assert all(sum(c) >= t for c, t in zip(per_chunk, total, strict=True))
+        assert per_chunk[0][1] <= 2 < per_chunk[0][0]
+    assert chunk_inflight_rule("1f1b", 4, 8) == tuple((n,) for n in inflight_rule("1f1b", 4, 8))
 
 
 # ---------------------------------------------------------------------- timing

@@ -223,6 +223,22 @@ class Schedule:
                 live.discard((a.chunk, a.microbatch))
         return peak
 
+    def peak_inflight_by_chunk(self, stage: int) -> tuple[int, ...]:
+        """Per model chunk of ``stage``, the most of its microbatches in flight at once. Their sum bounds
+        ``peak_inflight`` from above (tightly for interleaved 1F1B: the last stage's second chunk holds
+        one or two while its first holds ``S``), so a chunk's plan counts its own activations that many
+        times, not the stage's total."""
+        live = [0] * self.num_chunks
+        peak = [0] * self.num_chunks
+        last = "weight" if self.weight_pass else "backward"
+        for a in self.actions(stage):
+            if a.kind == "forward":
+                live[a.chunk] += 1
+                peak[a.chunk] = max(peak[a.chunk], live[a.chunk])
+            elif a.kind == last:
+                live[a.chunk] -= 1
+        return tuple(peak)
+
     def simulate(
         self,
         forward_times: Sequence[float],
@@ -513,3 +529,11 @@ def inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int
     GPipe: ``B``; interleaved: chunk-microbatches, each ``1/chunks`` of the stage's activations)."""
     sched = schedule(name, num_stages, num_microbatches, chunks)
     return tuple(sched.peak_inflight(num_stages - 1 - r) for r in range(num_stages))
+
+
+def chunk_inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
+                        ) -> tuple[tuple[int, ...], ...]:
+    """``inflight_rule`` per model chunk: entry ``[r][c]`` is chunk ``c`` of the stage with ``r`` stages
+    after it (``Schedule.peak_inflight_by_chunk``)."""
+    sched = schedule(name, num_stages, num_microbatches, chunks)
+    return tuple(sched.peak_inflight_by_chunk(num_stages - 1 - r) for r in range(num_stages))

@@ -13,13 +13,15 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    Layers with the same op signature (a stack of identical blocks) are planned once per shape. The stage
    tables of ``solvers.inter_op`` are then additive over layers:
 
-       t[i, j, m] = Σ_{ℓ=i..j} T_micro(ℓ, m) + 2·X(i) / β            (forward activations in, cotangents out)
+       t[i, j, m] = Σ_{ℓ=i..j} T_micro(ℓ, m) + 2·X(i) / (n_m·β)      (forward activations in, cotangents out)
        u[i, j, m] = Σ_{ℓ=i..j} (R(ℓ, m) + U(ℓ, m))                   (once per step: reduce, then update)
        σ[i, j, m] = Σ_{ℓ=i..j} M_update(ℓ, m)                        (parameters, gradients, optimizer state)
        α[i, j, m] = Σ_{ℓ=i..j} M_micro(ℓ, m)                         (one microbatch in flight)
 
-   where ``X(i)`` is the bytes live across the cut before layer ``i`` and ``β`` the bandwidth of the
-   mesh's slowest link (``layer_prices.price_layers``). Each layer is planned under its share of a
+   where ``X(i)`` is the bytes live across the cut before layer ``i``, ``β`` the bandwidth of the
+   mesh's slowest link and ``n_m`` the devices of shape ``m``: every device sends and receives its own
+   shard on its own link (a DGX node has one InfiniBand NIC per GPU; Megatron's scatter-gather sends
+   ``1/t`` of a replicated activation per GPU), so ``n_m`` links carry the cut at once. Each layer is planned under its share of a
    stage's memory (``budget · N / (n_m · L)``: on shape ``m`` about ``N / n_m`` stages of ``L·n_m / N``
    layers) with its activations counted ``inflight`` times (the first stage's), so that it picks layouts
    a whole stage can hold; a layer that cannot fit its share is priced under the whole budget. Summing
@@ -56,6 +58,7 @@ layers unrolled to pipeline them).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -83,7 +86,7 @@ from autoshard.pipeline.partition import (
     subgraph,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
-from autoshard.pipeline.schedules import SCHEDULE_NAMES, inflight_rule, schedule
+from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
 from autoshard.planner.build import build_problem
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.seeds import assignment_choice
@@ -141,15 +144,18 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                             f"has {layers}: pass num_layers >= {chunks * limit} or fewer chunks")
     try:
         inflight = inflight_rule(schedule_name, limit, num_microbatches, chunks)
+        by_chunk = chunk_inflight_rule(schedule_name, limit, num_microbatches, chunks) if interleaved else None
     except ValueError as e:
         raise PipelineError(str(e)) from None
 
     # ---- the stage problem ----
     prices = price_layers(graph, micro_ops, update_ops, costs, hardware, memory_budget,
                           SHARES.layer_pricing * time_budget_s, inflight, n_devices, num_microbatches,
-                          chunks)
+                          chunks, by_chunk)
     # the DP's time per microbatch: t' = t + u / B (the module docstring, step 3)
-    stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, slow)
+    # a cut's activations cross on every device's own link at once (each sends and receives its shard)
+    link = np.array([slow * a * b for a, b in submeshes])
+    stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, link)
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
@@ -200,7 +206,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     num_stages = len(chosen) // chunks  # physical
     stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
                   [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
-    held = [inflight[num_stages - 1 - u % num_stages] for u in range(len(chosen))]
+    # a chunk counts its own microbatches in flight (``Schedule.peak_inflight_by_chunk``), a stage all of its
+    held = [by_chunk[num_stages - 1 - u % num_stages][u // num_stages] if by_chunk is not None
+            else inflight[num_stages - 1 - u % num_stages] for u in range(len(chosen))]
     # Identical stages (same ops on the same submesh shape) are planned once, for the most microbatches in
     # flight among them: fewer in flight need less memory, so that plan fits them all, and one solve with
     # their pooled time beats several short ones (short solves of large stages vary a lot). Their memory
@@ -208,6 +216,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     keys = [(signature(graph, m) + signature(graph, u), c[2])
             for (m, u), c in zip(stage_ops, chosen, strict=True)]
     seconds = max(SHARES.min_stage_seconds, SHARES.stage_plans * time_budget_s / (2 * len(set(keys))))
+    shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget)
     done: dict[Any, Part] = {}
     parts: dict[int, Part] = {}
     for s in sorted(range(len(chosen)), key=lambda u: (-held[u], u)):
@@ -225,12 +234,14 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                        assignment_of_layers(graph, layer_micro, mine_micro, mops)),
                       (layouts_of_layers(graph, layer_update, mine_update, uops),
                        assignment_of_layers(graph, layer_update, mine_update, uops)))
-            part = plan_part(graph, mops, uops, costs[m], hardware, memory_budget, seconds, float(held[s]),
+            budget = shares[keys[s]]
+            part = plan_part(graph, mops, uops, costs[m], hardware, budget, seconds, float(held[s]),
                              microbatches=num_microbatches, starts=starts)
             layer = prices.parts[first][m]
             if first == last and layer.micro.feasible and layer.update.feasible and (
                     not part.micro.feasible or not part.update.feasible
-                    or layer.time + layer.once < part.time + part.once):
+                    or (layer.time + layer.once < part.time + part.once
+                        and (budget is None or layer.memory <= budget * (1 + 1e-6)))):
                 # a one-layer stage is its layer: the layer's price (planned for as many microbatches in
                 # flight or more) stands when the stage's own short solve did worse or found nothing
                 part = layer
@@ -241,7 +252,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         shape = submeshes[m]
         mops, part = stage_ops[s][0], parts[s]
         log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
-                 "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / slow),
+                 "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / link[m]),
                  human_time(float(stage_time[first, last, m] - prices.update_time[first:last + 1, m].sum()
                                   / num_microbatches)))
         if part.micro.plan is None and mops:
@@ -249,7 +260,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                                 "within the memory budget when planned whole")
         stages.append(StagePlan(
             layers=(first, last), submesh=shape, origin=placement[s],
-            mesh=costs[m].mesh, micro_time=part.time + 2 * into[first] / slow,
+            mesh=costs[m].mesh, micro_time=part.time + 2 * into[first] / link[m],
             update_time=part.once, memory=part.memory, specs=remap(part.micro),
             update_specs=remap(part.update),
         ))
@@ -270,10 +281,14 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     if memory_budget is not None and held_bytes[worst] > memory_budget * (1 + 1e-6):
         # the interleaved cut is chosen by time alone, and a stage priced from a layer planned under a
         # fallback budget can exceed it: a plan over the budget is refused, never returned
-        what = f"its {chunks} chunks hold" if interleaved else "it holds"
+        what = "it holds"
+        if interleaved:
+            what = f"its {chunks} chunks (" + ", ".join(
+                f"layers {stages[u].layers[0]}..{stages[u].layers[1]}: {stages[u].memory / 1e9:.3g} GB"
+                for u in per_stage[worst]) + ") hold"
         raise PipelineDoesNotFit(
             f"stage {worst} does not fit: {what} {held_bytes[worst] / 1e9:.4g} GB per device with "
-            f"{held[worst]} microbatch(es) in flight, over the budget of {memory_budget / 1e9:.4g} GB; use "
+            f"{inflight[num_stages - 1 - worst]} microbatch(es) in flight, over the budget of {memory_budget / 1e9:.4g} GB; use "
             "more microbatches (smaller ones), recompute, more devices per stage, or another schedule")
     report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
                             dp_seconds=dp_seconds, dp_candidates=dp_candidates,
@@ -284,6 +299,29 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
     )
+
+
+def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Sequence[Any], num_stages: int,
+                   memory_budget: float | None) -> dict[Any, float | None]:
+    """The memory each (virtual) stage is planned under, by its key (identical stages share one plan).
+
+    A physical stage holds all its chunks (``len(chosen) / num_stages`` of them, virtual stages ``p``,
+    ``p + S``, ...), so chunk ``u`` gets ``budget · e(u) / Σ_w e(w)`` over the chunks ``w`` of its
+    physical stage, ``e`` being what its layers' own plans hold (``LayerPrices.parts``, at their own
+    microbatches in flight: the stage DP's view); an equal share where a layer has no finite price. A
+    plan made once for identical chunks gets the least of their shares, so it fits beside every partner
+    (GPT-1T on 64 stages of 2 chunks: a block beside a block, beside the embedding's chunk, beside the
+    head's). Without chunks a stage gets the whole budget."""
+    if memory_budget is None or len(chosen) == num_stages:
+        return dict.fromkeys(keys, memory_budget)
+    est = [sum(prices.parts[ell][m].memory for ell in range(a, b + 1)) for a, b, m in chosen]
+    out: dict[Any, float | None] = {}
+    for u, key in enumerate(keys):
+        mates = range(u % num_stages, len(chosen), num_stages)
+        total = sum(est[w] for w in mates)
+        share = est[u] / total if math.isfinite(total) and total > 0 else 1 / len(mates)
+        out[key] = min(out.get(key) or math.inf, memory_budget * share)
+    return out
 
 
 def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: tuple[int, int],
@@ -421,9 +459,10 @@ def _refuse_hopeless_layers(prices: Any, submeshes: Sequence[tuple[int, int]], m
         "flight; use more devices, more microbatches (smaller ones), or recompute")
 
 
-def _stage_times(micro_time: np.ndarray, into: np.ndarray, slow: float) -> np.ndarray:
-    """``t[i, j, m]``: the layers' time per microbatch plus receiving activations and sending cotangents."""
-    t = _range_sums(micro_time) + (2 * into / slow)[:, None, None]
+def _stage_times(micro_time: np.ndarray, into: np.ndarray, link: np.ndarray) -> np.ndarray:
+    """``t[i, j, m]``: the layers' time per microbatch plus receiving activations and sending cotangents
+    (``link[m]``: bytes per second submesh ``m`` moves across a cut, all its devices' links together)."""
+    t = _range_sums(micro_time) + (2 * into)[:, None, None] / link[None, None, :]
     layers = micro_time.shape[0]
     t[np.tril_indices(layers, -1)] = np.inf  # j < i is no stage
     t[~np.isfinite(t)] = np.inf
