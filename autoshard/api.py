@@ -136,6 +136,12 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     # no microbatch count given: a step cramped unpipelined (``_cramped``) is also pipelined, with a count the
     # planner picks (``pipeline.microbatches``), and the faster plan kept
     auto = options.microbatches is None and options.pipeline is not False and not isinstance(step_fn, Graph)
+    if (auto and options.pipeline is None and left is None and recompute == "auto" and budget is not None
+            and estimate(graph, "none").peak_bytes / cost.mesh.num_devices > budget):
+        # the step cannot fit as traced, so an intra-operator plan fits only by recomputing, is cramped, and a
+        # pipeline is planned beside it: the two share the default budget (GPT-39B on 8x8: the intra plan's
+        # 60 s of solving left the pipeline, which wins, to finish at 146 s)
+        intra_s = SHARES.intra_with_pipeline * 2 * SHARES.auto_seconds(len(graph.ops))
     if not options.pipeline:
         try:
             intra, planned = plan_recomputing(graph, cost, recompute=recompute, hardware=target.hardware,
