@@ -329,10 +329,10 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     holds about ``S = num_devices / n`` stages of ``num_layers · n / num_devices`` layers each. Layer
     ``ℓ`` of ``L`` falls in (virtual) stage ``u = ⌊ℓ·S·chunks / L⌋``, on physical stage ``p = u mod S``,
     which keeps ``inflight[S - 1 - p]`` microbatches in flight (with ``chunk_inflight``, an interleaved
-    schedule's, chunk ``⌊u / S⌋`` keeps ``chunk_inflight[S - 1 - p][⌊u / S⌋]`` of its own); identical layers are planned once, with
-    the largest count among their positions (the first stage's for a repeated block; a unique last layer,
-    the head, its own smaller one), and their activations count that many times, so that the layer picks
-    layouts its stage can hold. A layer that cannot fit its share is priced again under the whole budget.
+    schedule's, chunk ``⌊u / S⌋`` keeps ``chunk_inflight[S - 1 - p][⌊u / S⌋]`` of its own); identical
+    layers are planned once, with the largest count among their positions (the first stage's for a
+    repeated block; a unique last layer, the head, its own smaller one), and their activations count that
+    many times, so that the layer picks layouts its stage can hold. A layer that cannot fit its share is priced again under the whole budget.
     Gradients are reduced once per ``num_microbatches`` (``plan_part``).
 
     ``time_budget_s`` is shared by the distinct layers' plans (two solves per shape) in proportion to how

@@ -47,9 +47,10 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
 Interleaved 1F1B (``v`` model chunks per stage, Narayanan et al. 2021 §2.2) runs on a given stage layout
 (``stage_shape``: ``S`` equal submeshes): step 3 becomes a linear-partition DP cutting the layers into
 ``V = v·S`` contiguous virtual stages minimising the slowest ``t'``, virtual stage ``u`` on submesh
-``u mod S``; each virtual stage is planned whole as in step 4 (activations counted as the schedule's
-chunk-microbatches in flight), and the step time is the schedule's simulated makespan (backward = 2 ×
-forward) plus the largest per-stage sum of its chunks' once-per-step times.
+``u mod S``; each virtual stage is planned whole as in step 4, its activations counted as many times as
+the schedule keeps its own chunk's microbatches in flight (``Schedule.peak_inflight_by_chunk``), under its
+share of the physical stage's budget (``_chunk_budgets``), and the step time is the schedule's simulated
+makespan (backward = 2 × forward) plus the largest per-stage sum of its chunks' once-per-step times.
 
 Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
 layers unrolled to pipeline them).
