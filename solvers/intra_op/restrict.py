@@ -31,6 +31,7 @@ from 1.045 found nothing more in 40 s).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -43,6 +44,8 @@ from solvers.intra_op.tree_dp import ForestDP
 
 __all__ = ["MIN_WIDTH", "guided_columns", "guides_fit", "improve_by_guides", "improve_by_restriction", "restrict",
            "restriction_width"]
+
+log = logging.getLogger(__name__)
 
 MAX_COLUMNS = 150_000
 # Below this many strategies a node the restriction is little more than the incumbent and its ILP is
@@ -181,6 +184,8 @@ def improve_by_guides(core: Core, ls: LocalSearch, deadline: float) -> int:
         if res.choice is None:
             break
         new = np.array([k[s] for k, s in zip(keep, res.choice.tolist(), strict=True)], dtype=np.int64)
+        log.debug("guided ILP round (%d local): %d columns, %s after %d row rounds, %.6g -> %.6g", local, columns,
+                  "optimal" if res.optimal else "stopped", res.rounds, before, core.objective(new))
         if core.objective(new) < before - 1e-9 * max(1.0, abs(before)):
             ls.start_from(new)
             if not ls.feasible():
