@@ -252,11 +252,13 @@ class _Flat:
         return mx, np.zeros(2 * self.size)
 
 
-def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> np.ndarray:
+def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0,
+           rounds: range = range(ROUNDS)) -> np.ndarray:
     """The cheapest memory-feasible assignment seen while annealing from ``start`` (which must fit
     memory) until ``deadline`` (perf_counter); never worse than ``start``. ``WALKS`` walks run side by
     side in threads (the compiled loop releases the GIL), each round every walk restarts from the best
-    point any of them found."""
+    point any of them found. ``rounds``: which of the ``ROUNDS`` rounds to run (round ``r`` starts at
+    ``T_0 / (1 + r)``), so that a solve can do something else between the first rounds and the last."""
     run, sample_uphill = _kernel()
     flat = _Flat(core)
     best_x = np.asarray(start, dtype=np.int64).copy()
@@ -337,11 +339,11 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0) -> 
     walks = max(1, min(WALKS, os.cpu_count() or 1))
     merger = None
     with ThreadPoolExecutor(max_workers=walks) as pool:
-        for rnd in range(ROUNDS):
+        for rnd in rounds:
             begin = time.perf_counter()
             if deadline - begin <= 0.05:
                 break
-            end = begin + (deadline - begin) / (ROUNDS - rnd)
+            end = begin + (deadline - begin) / (rounds.stop - rnd)
             ups = sample_uphill(best_x, 2000, int(rng.integers(2**31)), *graph, flat.penalty)
             if ups.size == 0:
                 break  # no move can make anything worse than the penalty: nothing to anneal

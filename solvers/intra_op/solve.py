@@ -13,8 +13,10 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
 * A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing, one walk with memory
   as a cost whose price per term adapts to where the rows overflow, one that keeps every row (``anneal``,
   compiled), their points merged exactly after each round (``merge``: the ILP over only the strategies
-  they use), then exact re-solves of windows (``lns``), and the Lagrangian lower bound (``bound``) in the
-  last ``BOUND_SHARE`` of the time.
+  they use); when it is small enough for the time, the ILP over a guided restriction between the first
+  annealing rounds and the last (``restrict.improve_by_guides``: each node keeps its strategy, those of a
+  few whole-core guides and the cheapest lighter one); then exact re-solves of windows (``lns``), and the
+  Lagrangian lower bound (``bound``) in the last ``BOUND_SHARE`` of the time.
 * A larger core otherwise (or without numba): exact moves of whole induced trees
   (``tree_dp.block_descent``), Lagrangian local search with memory priced per row (``lagrange_search``),
   the exact ILP over a few strategies per node (``restrict``), then exact re-solves of windows (``lns``)
@@ -39,7 +41,14 @@ from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.presolve import Core, Reduced, presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
-from solvers.intra_op.restrict import MIN_WIDTH, improve_by_restriction, restriction_width
+from solvers.intra_op.restrict import (
+    MIN_WIDTH,
+    guided_columns,
+    guides_fit,
+    improve_by_guides,
+    improve_by_restriction,
+    restriction_width,
+)
 from solvers.intra_op.rowgen import solve_by_row_generation
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 from solvers.intra_op.tree_dp import ForestDP, block_descent, lagrangian_start
@@ -51,6 +60,12 @@ __all__ = ["solve_intra_op"]
 # IOPDDL K / L / M / N (180 s): 1.34 / 1.01 / 1.08 / 1.86 of the best known by the phases below,
 # 1.11 / 1.00 / 1.07 / 1.14 annealed (benchmarks/iopddl_results.md).
 ANNEAL_SHARE = 0.85
+# ... and when the first round of the guided ILP (``restrict.improve_by_guides``) is small enough for the time it
+# would get, the first half of the annealing rounds end at ANNEAL_FIRST of that share, the guided ILP rounds
+# at GUIDES_UNTIL, the last annealing rounds at the end: IOPDDL M (annealing alone 1.072 of the best known,
+# from whatever start): 1.050 after one round of the guided ILP, 1.046 after two
+ANNEAL_FIRST = 0.3
+GUIDES_UNTIL = 0.85
 # Block descent stops by itself once 8 rounds in a row change nothing; up to this share of the time left
 # is its. From a good start it is what improves a large core: GPT-6.7B on 8x8 from its best seed (224.7
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
@@ -167,10 +182,22 @@ def solve_intra_op(
         # too big for one ILP in the budget: annealing when there is time for it, else exact moves of whole
         # trees; then exact re-solves of windows
         if anneals:
-            left = work_deadline - time.perf_counter()
-            ls.start_from(annealing.anneal(core, incumbent, time.perf_counter() + ANNEAL_SHARE * left))
+            now = time.perf_counter()
+            left = work_deadline - now
+            phase = ANNEAL_SHARE * left
+            guided = (backend == "highs" and highs_available()
+                      and guides_fit(guided_columns(core, incumbent), (GUIDES_UNTIL - ANNEAL_FIRST) * phase))
+            if guided:
+                half = annealing.ROUNDS // 2
+                ls.start_from(annealing.anneal(core, incumbent, now + ANNEAL_FIRST * phase, rounds=range(half)))
+                improve_by_guides(core, ls, now + GUIDES_UNTIL * phase)
+                ls.start_from(annealing.anneal(core, ls.choice.copy(), now + phase, seed=1,
+                                               rounds=range(half, annealing.ROUNDS)))
+                how, method = "annealed, guided ILP, improved by windows", "annealing + guided ILP + windowed ILP"
+            else:
+                ls.start_from(annealing.anneal(core, incumbent, now + phase))
+                how, method = "annealed, improved by windows", "annealing + windowed ILP"
             ls.improve(time.perf_counter() + 0.02 * left)
-            how, method = "annealed, improved by windows", "annealing + windowed ILP"
         else:
             how, method = "improved by windows", "local search + windowed ILP"
             ls.start_from(incumbent)
