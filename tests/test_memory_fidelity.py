@@ -172,3 +172,49 @@ def test_recompute_lowers_predicted_peak_memory_and_costs_time() -> None:
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > 2 * peaks[2]
     assert times == sorted(times)
     assert not plans[0].recompute and [set(p.recompute.values()) for p in plans[1:]] == [{"selective"}, {"full"}]
+
+
+# ---- a second card: one H200 (2026-11-26) ----------------------------------------------------------------
+# ``tests/data/h200_fidelity.json``: eight of the cases above and GPT-6.7B bf16 b2 (117.5 GB: too large for an
+# H100), compiled and timed on one H200 (141 GB HBM3e at 4.8 TB/s, the H100's compute). Planned with the
+# ``h200`` preset, whose memory efficiency (0.75) was fitted to these rows' back-to-back times; the memory
+# rows were not fitted.
+H200 = json.loads((Path(__file__).parent / "data" / "h200_fidelity.json").read_text())
+H200_CASES = {f"{c['model']}-{c['preset']}-{c['dtype']}-b{c['batch']}{'-remat' if c['remat'] else ''}": c
+              for c in H200["cases"]}
+
+
+@functools.cache
+def _h200_plan(name: str) -> Any:
+    c = H200_CASES[name]
+    overrides = [f"dtype={c['dtype']}", f"batch={c['batch']}"] + (["remat=true"] if c["remat"] else [])
+    ex = load_example(ROOT / "examples" / f"{c['model']}.py", c["preset"], overrides, abstract=True)
+    return autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware="h200", time_budget_s=10)
+
+
+def test_the_h200_data_says_where_it_comes_from_and_compiles_as_the_h100_did() -> None:
+    """Provenance, and the bf16 steps that were also compiled for the H100 (2026-11-22) peak within 0.1% of
+    what they did there: their buffer assignment is not the card's. The two fp32 steps do not (GPT-125M
+    +6%, MoE-380M +10% on the H200; TF32 GEMM workspaces or the examples' changes since 11-22: not
+    established), so the planner's one prediction for both cards is held to each card's own number."""
+    prov = H200["provenance"]
+    assert prov["date"] == "2026-11-26" and prov["jax"] == "0.11.2" and "H200" in prov["device"]
+    assert prov["command"] and prov["calibration"]
+    shared = [n for n in H200_CASES if n in CASES]
+    assert len(shared) == 8
+    for name, c in H200_CASES.items():
+        assert c["xla_peak_bytes"] == (c["xla_temp_bytes"] + c["xla_arg_bytes"] + c["xla_out_bytes"]
+                                       - c["xla_alias_bytes"])
+        assert 0 < c["synced_median_s"] - c["back_to_back_s"] < 0.15 * c["synced_median_s"], name
+        if name in CASES and c["dtype"] == "bfloat16":
+            assert abs(c["xla_peak_bytes"] - CASES[name]["xla_peak_bytes"]) <= 1e-3 * c["xla_peak_bytes"], name
+
+
+@pytest.mark.parametrize("name", list(H200_CASES))
+def test_h200_peak_memory_within_15_percent_and_time_within_10_percent_back_to_back(name: str) -> None:
+    c, plan = H200_CASES[name], _h200_plan(name)
+    xla, t = c["xla_peak_bytes"], c["back_to_back_s"]
+    assert abs(plan.peak_memory - xla) <= MEMORY_TOLERANCE * xla, (
+        f"{name}: predicted {plan.peak_memory / 1e9:.2f} GB, XLA {xla / 1e9:.2f} GB")
+    assert abs(plan.predicted_step_time - t) <= TIME_TOLERANCE * t, (
+        f"{name}: predicted {plan.predicted_step_time * 1e3:.1f} ms, measured back to back {t * 1e3:.1f} ms")
