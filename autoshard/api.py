@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,7 +24,9 @@ from autoshard.pipeline import (
     plan_pipeline,
 )
 from autoshard.pipeline.microbatches import candidates as microbatch_candidates
+from autoshard.pipeline.microbatches import first_recompute
 from autoshard.pipeline.microbatches import search as search_microbatches
+from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import plan_pipeline_recomputing
 from autoshard.planner.explain import explain_plan
@@ -160,6 +161,12 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                             "its arguments, not a Graph")
     pipe_s = None if left is None else max(time_budget_s - (time.perf_counter() - t0), SHARES.min_solve * left)
     traced: dict[int, Graph] = {}
+    needs: dict[str, float] = {}  # per recompute mode, bytes per device the unpipelined step needs at least
+
+    def need(mode: str) -> float:
+        if mode not in needs:
+            needs[mode] = estimate(as_traced, mode).peak_bytes / cost.mesh.num_devices
+        return needs[mode]
 
     def plan_one(count: int, seconds: float | None) -> PipelinePlan:
         micro = trace(step_fn, *microbatch_args(args, graph, None, count), roles=roles)
@@ -171,11 +178,19 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                                  max_stages=options.max_stages, stage_shape=options.stage_shape,
                                  num_chunks=options.num_chunks)
 
-        the_plan, traced[count] = plan_pipeline_recomputing(micro, stages, recompute=recompute, time_budget_s=seconds)
+        start = "none"
+        if recompute == "auto":
+            start = first_recompute(need, cluster_of(cost.mesh)[0], count, budget)
+            if start != "none":
+                log.info("autoshard: as traced, a stage's share of the step's activations would fill over half a "
+                         "device (the step needs %.3g GB per device unpipelined): the pipeline of %d microbatches "
+                         "is planned with %s recompute first", needs["none"] / 1e9, count, start)
+        the_plan, traced[count] = plan_pipeline_recomputing(micro, stages, recompute=recompute, time_budget_s=seconds,
+                                                            start=start)
         return the_plan
 
     counts = ([options.microbatches] if options.microbatches else
-              microbatch_candidates(_batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
+              microbatch_candidates(batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
                                     activations=_activations(as_traced, cost, intra, intra_error)))
     if not counts:
         if intra is not None:
@@ -233,16 +248,6 @@ def _activations(graph: Graph, cost: Any, intra: Plan | None, intra_error: Excep
     if intra is not None and intra.recompute:
         return estimate(graph, "none").peak_bytes / cost.mesh.num_devices
     return None
-
-
-def _batch_rows(graph: Graph) -> int:
-    """The rows the step's batch inputs share (dimension 0), 0 if it has none."""
-    rows = 0
-    for tid in graph.inputs:
-        t = graph.tensors[tid]
-        if t.role.value == "batch" and t.shape:
-            rows = math.gcd(rows, t.shape[0])
-    return rows
 
 
 def _warn_undivided_batch(graph: Graph, target: Target) -> None:

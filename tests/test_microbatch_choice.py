@@ -17,11 +17,31 @@ import autoshard
 from autoshard._examples import load_module
 from autoshard.api import _activations
 from autoshard.pipeline import PipelinePlan
-from autoshard.pipeline.microbatches import candidates, search
+from autoshard.pipeline.microbatches import candidates, first_recompute, search
 from autoshard.pipeline.partition import PipelineError
 from autoshard.planner.plan import DoesNotFit, Plan
 from autoshard.target import cost_model_for
 from autoshard.trace.recompute import estimate
+
+
+def test_the_pipeline_starts_recomputing_where_a_stage_share_of_the_activations_fills_a_device() -> None:
+    """GPT-39B on 8x8 (429 GB per device as traced, 72 GB budget, 128 microbatches): a stage of 8 keeps
+    8/128 of it, 26.8 GB, under half the budget: planned as traced. GPT-1T on 384x8 (564 GB as traced,
+    88.7 GB with selective recompute, 1024 microbatches): 384/1024 of them, 211 GB as traced and 33.3 GB
+    selective: selective first. Needs are asked for lazily, and no budget means no recompute first."""
+    asked: list[str] = []
+
+    def need(table: dict[str, float]):
+        def get(mode: str) -> float:
+            asked.append(mode)
+            return table[mode]
+        return get
+
+    assert first_recompute(need({"none": 429e9}), 8, 128, 72e9) == "none" and asked == ["none"]
+    assert first_recompute(need({"none": 564e9, "selective": 88.7e9}), 384, 1024, 72e9) == "selective"
+    assert first_recompute(need({"none": 564e9, "selective": 300e9}), 384, 1024, 72e9) == "full"
+    asked.clear()
+    assert first_recompute(need({}), 384, 1024, None) == "none" and not asked
 
 
 def test_candidates_are_powers_of_two_dividing_the_batch_from_the_bubble_bound() -> None:

@@ -27,11 +27,12 @@ from autoshard.pipeline.partition import (
     FORWARD,
     UPDATE,
     assign_layers,
+    default_num_layers,
     segments,
     split_step,
 )
 from autoshard.pipeline.recompute import recomputed, uniform
-from autoshard.pipeline.stages import _ComposedMemory, _layouts
+from autoshard.pipeline.stages import _ComposedMemory, _layouts, _submeshes
 from autoshard.target import cost_model_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,6 +241,25 @@ def test_one_host_submeshes_are_also_priced_as_2d_logical_meshes() -> None:
     assert square.mesh.links == (flat.mesh.links[0],) * 2  # both axes inside the host
     with pytest.raises(ValueError, match="not a 2-D layout"):
         submesh_cost(cost, (2, 8), (4, 4))
+
+
+def test_stage_shapes_include_host_counts_that_split_the_microbatch_rows() -> None:
+    """GPT-1T's 3-row microbatches on 384 hosts: a 3-host stage splits the rows over its hosts (Megatron's
+    data parallel), which no power-of-two host count does; counts that divide the hosts but not the rows
+    (6, 12) stay out, and a mesh whose rows are powers of two keeps Alpa's powers of two alone."""
+    shapes = _submeshes((384, 8), None, rows=3)
+    assert (3, 8) in shapes and (6, 8) not in shapes and (12, 8) not in shapes
+    assert {h for h, _ in shapes if h > 1} == {2, 3, 4, 8, 16, 32, 64, 128, 256, 384}
+    assert {h for h, _ in _submeshes((384, 8), None, rows=6)} >= {3, 6}
+    assert _submeshes((8, 8), None, rows=8) == _submeshes((8, 8), None)
+
+
+def test_a_deep_stack_gets_a_layer_per_block() -> None:
+    """70 blocks: 71 layers (a block per layer and the ops around them), so that a stage can hold one
+    block; the old cap of 64 forced two blocks per layer on GPT-1T's 128."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=70", "batch=2", "seq_len=16"], abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    assert default_num_layers(graph, split_step(graph)) == 71
 
 
 def test_wide_resnet_four_stages_of_two_gpipe_match_the_unsharded_step() -> None:

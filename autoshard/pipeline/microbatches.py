@@ -52,6 +52,23 @@ def candidates(batch: int, hosts: int, *, bubble: float = BUBBLE, limit: int = M
     return above[:limit] if above else powers[-1:]
 
 
+def first_recompute(need: Callable[[str], float | None], hosts: int, count: int, budget: float | None) -> str:
+    """The recompute mode an automatic pipeline of ``count`` microbatches on ``hosts`` hosts is planned with
+    first (``pipeline.recompute``): the least of ``none``, ``selective`` whose stage share of the step's
+    activations, ``S/B · need(mode)`` with ``S = min(max(2, hosts), B)`` stages each holding up to ``S``
+    microbatches of ``1/S`` of the layers on ``1/S`` of the devices (``need(mode)``: bytes per device the
+    unpipelined step needs with that mode, perfectly sharded), fills at most ``HEADROOM`` of the budget, as
+    ``candidates`` sizes the count; else ``full``. A mode whose need is unknown, or no budget, stops there."""
+    stages = min(max(2, hosts), count)
+    for mode in ("none", "selective"):
+        if budget is None:
+            return mode
+        bytes_ = need(mode)
+        if bytes_ is None or stages / count * bytes_ <= HEADROOM * budget:
+            return mode
+    return "full"
+
+
 def search(counts: list[int], plan_one: Callable[[int, float | None], Any], seconds: float | None,
            clock: Callable[[], float]) -> tuple[Any, list[tuple[int, Any]]]:
     """Plan each count in ``counts`` with ``plan_one(count, seconds)`` (which returns an object with

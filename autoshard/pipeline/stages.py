@@ -82,6 +82,7 @@ from autoshard.pipeline.partition import (
     PipelineDoesNotFit,
     PipelineError,
     assign_layers,
+    batch_rows,
     forward_sequence,
     split_step,
     subgraph,
@@ -128,7 +129,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     parts = split_step(graph)
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
-    options = _layouts(_submeshes(cluster, stage_shape))
+    options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     micro_ops: list[list[int]] = [[] for _ in range(layers)]
@@ -352,19 +353,25 @@ def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: 
     return bounds[::-1], [origins[u % num_stages] for u in range(V)], float(best[V, layers])
 
 
-def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None) -> tuple[tuple[int, int], ...]:
-    """Alpa's submesh shapes of the cluster, those of several hosts only for a power-of-two host count or
-    all of them; or only ``stage_shape`` when it is one of Alpa's and tiles the cluster.
+def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None,
+               rows: int = 0) -> tuple[tuple[int, int], ...]:
+    """Alpa's submesh shapes of the cluster, those of several hosts only for a power-of-two host count, a
+    count that divides both the hosts and the microbatch's ``rows``, or all of them; or only
+    ``stage_shape`` when it is one of Alpa's and tiles the cluster.
 
     Every shape costs a solve per distinct layer, and a multi-host one the most to build (GPT-39B's block
     on 8x8: 3.7 s, against 0.1 s on one host); a stage over ``h`` hosts pays the inter-host link inside
     it, which pipelining across those hosts avoids, so such stages are rarely chosen, and a cluster of
     ``H`` hosts keeps ``(2^k, D)`` and ``(H, D)`` (8 hosts: 2, 4 and 8 of Alpa's 7 shapes), which still
-    tile it. The time the others took goes to the solves that remain."""
+    tile it. The time the others took goes to the solves that remain. A stage over ``h`` hosts that
+    splits its microbatch's rows ``h`` ways (data parallel over the slow link, its gradients reduced once
+    per step) is Megatron's layout, so ``h | gcd(H, rows)`` is kept too: GPT-1T's 3-row microbatches on
+    384 hosts need ``(3, 8)``, which no power of two gives."""
     submeshes = alpa_submeshes(cluster)
     if stage_shape is None:
         hosts = cluster[0]
-        return tuple(s for s in submeshes if s[0] == 1 or s[0] == hosts or not s[0] & (s[0] - 1))
+        return tuple(s for s in submeshes if s[0] == 1 or s[0] == hosts or not s[0] & (s[0] - 1)
+                     or (rows > 0 and hosts % s[0] == 0 and rows % s[0] == 0))
     stage_shape = (int(stage_shape[0]), int(stage_shape[1]))
     if stage_shape not in submeshes or (cluster[0] * cluster[1]) % (stage_shape[0] * stage_shape[1]):
         raise PipelineError(f"stage_shape {stage_shape} is not one of the submesh shapes of the "
