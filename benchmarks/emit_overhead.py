@@ -56,8 +56,9 @@ def _time(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def run_case(path: str, preset: str, mesh: tuple[int, ...], rounds: int, budget_s: float) -> dict[str, Any]:
-    ex = load_example(ROOT / "examples" / path, preset, [], abstract=False)
+def run_case(path: str, preset: str, mesh: tuple[int, ...], rounds: int, budget_s: float,
+             overrides: list[str] | None = None) -> dict[str, Any]:
+    ex = load_example(ROOT / "examples" / path, preset, list(overrides or []), abstract=False)
     par = autoshard.parallelize(ex.train_step, mesh=mesh, time_budget_s=budget_s)
     state, batch = ex.args
     state, _ = par(state, batch)  # plans, compiles, and leaves the state in the program's layouts
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=5.0, help="planner seconds per example")
     ap.add_argument("--only", help="run only examples whose file name contains this")
     ap.add_argument("--out", help="append one JSON line per example to this file")
+    ap.add_argument("--cases", nargs="*", help="instead of the tiny examples: FILE:PRESET[:KEY=VALUE,...] each, "
+                    "e.g. gpt.py:350m:dtype=bfloat16,batch=8 (the GPU fidelity steps)")
     a = ap.parse_args(argv)
     mesh = tuple(int(x) for x in a.mesh.split("x"))
     stamp = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -131,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
                         f"{jax.devices()[0].platform} devices ({jax.devices()[0].device_kind})",
              "jax": jax.__version__, "autoshard": autoshard.__version__}
     print(f"{'example':22s} {'jit ms':>8s} {'emitted':>8s} {'parallel':>8s} {'emit/jit':>8s} {'par/jit':>8s}")
-    for path, preset in CASES:
+    cases = [[*c.split(":"), ""][:3] for c in a.cases] if a.cases else [(p, q, "") for p, q in CASES]
+    for path, preset, sets in cases:
         if a.only and a.only not in path:
             continue
-        row = run_case(path, preset, mesh, a.rounds, a.time_budget)
+        overrides = [x for x in sets.split(",") if x]
+        row = run_case(path, preset, mesh, a.rounds, a.time_budget, overrides)
+        row["overrides"] = overrides
         m = row["median_s"]
-        print(f"{path + ':' + preset:22s} {m['jit'] * 1e3:8.2f} {m['emitted'] * 1e3:8.2f} "
+        print(f"{':'.join([path, preset, *overrides]):22s} {m['jit'] * 1e3:8.2f} {m['emitted'] * 1e3:8.2f} "
               f"{m['parallelize'] * 1e3:8.2f} {row['emitted_over_jit']:8.3f} {row['parallelize_over_jit']:8.3f}"
               f"  hlo emitted {row['hlo']['emitted']} jit {row['hlo']['jit']}", flush=True)
         if a.out:
