@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autoshard.pipeline.partition import subgraph
+from autoshard.pipeline.partition import SubGraph, subgraph
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import plan_graph
 from autoshard.planner.seeds import Assignment
@@ -193,24 +193,35 @@ def assignment_of_layers(graph: Graph, priced: Sequence[Priced], layer_ops: Sequ
     if not stage_ops:
         return Assignment("the layers' plans", out)
     stage = subgraph(graph, stage_ops)
-    tensor_of = {t: k for k, t in enumerate(stage.tensors)}
-    op_of = {i: k for k, i in enumerate(stage.ops)}
     for p, ops in zip(priced, layer_ops, strict=True):
         mine = reuse(graph, p, ops) if p.plan is not None and ops else None
-        if mine is None or mine.sub is None:
-            continue
-        for scope, table in remap(mine).items():
-            if scope == ():
-                for tid, spec in table.items():
-                    if tid in tensor_of:
-                        out.setdefault(((), tensor_of[tid]), spec)
-                continue
-            (op, b), *rest = scope
-            if op in op_of:
-                local: Scope = ((op_of[op], b), *rest)
-                for tid, spec in table.items():
-                    out.setdefault((local, tid), spec)
+        if mine is not None and mine.sub is not None:
+            _keyed_into(out, remap(mine), stage)
     return Assignment("the layers' plans", out)
+
+
+def _keyed_into(out: dict[tuple[Scope, int], ShardingSpec], specs: Mapping[Scope, Mapping[int, ShardingSpec]],
+                sub: SubGraph, op_map: Mapping[int, int] | None = None, tensor_map: Mapping[int, int] | None = None,
+                ) -> None:
+    """``specs`` (keyed by the step's op and tensor ids, as ``remap`` gives them) added to ``out`` keyed as
+    ``sub``'s problem numbers them (its tensors by position; a body's tensors by the position of the op that
+    holds it), the first layout of a key kept. ``op_map`` / ``tensor_map`` carry the step's ids first (a plan
+    of other ops onto their matches); an id they or ``sub`` lack is dropped."""
+    tensor_of = {t: k for k, t in enumerate(sub.tensors)}
+    op_of = {i: k for k, i in enumerate(sub.ops)}
+    for scope, table in specs.items():
+        if scope == ():
+            for tid, spec in table.items():
+                mine = tid if tensor_map is None else tensor_map.get(tid)
+                if mine is not None and mine in tensor_of:
+                    out.setdefault(((), tensor_of[mine]), spec)
+            continue
+        (op, b), *rest = scope
+        mine_op = op if op_map is None else op_map.get(op)
+        if mine_op is not None and mine_op in op_of:
+            local: Scope = ((op_of[mine_op], b), *rest)
+            for tid, spec in table.items():
+                out.setdefault((local, tid), spec)
 
 
 def op_digest(graph: Graph, i: int) -> str:
@@ -244,21 +255,7 @@ def carried_assignment(graph: Graph, priced: Priced, source_ops: Sequence[int], 
             for st, mt in zip(graph.ops[si].inputs + graph.ops[si].outputs,
                               graph.ops[mi].inputs + graph.ops[mi].outputs, strict=True):
                 tensor_pair.setdefault(st, mt)
-    sub = subgraph(graph, mine)
-    tensor_of = {t: k for k, t in enumerate(sub.tensors)}
-    op_of = {i: k for k, i in enumerate(sub.ops)}
-    for scope, table in remap(priced).items():
-        if scope == ():
-            for st, spec in table.items():
-                mt = tensor_pair.get(st)
-                if mt is not None and mt in tensor_of:
-                    out.setdefault(((), tensor_of[mt]), spec)
-            continue
-        (op, b), *rest = scope
-        if op in op_pair and op_pair[op] in op_of:
-            local: Scope = ((op_of[op_pair[op]], b), *rest)
-            for tid, spec in table.items():
-                out.setdefault((local, tid), spec)
+    _keyed_into(out, remap(priced), subgraph(graph, mine), op_pair, tensor_pair)
     return Assignment("a planned layer's layouts", out)
 
 
