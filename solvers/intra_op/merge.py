@@ -83,7 +83,9 @@ class Merger:
         sub = restrict(sub, keep)
         columns = ilp_columns(sub)
         left = deadline - time.perf_counter()
-        if columns >= IN_PROCESS_COLUMNS:
+        # the model HiGHS gets has a column per memory row more (``ilp.build_ilp``): that count decides
+        # whether it runs in a child (``watchdog``)
+        if columns + sub.slack.shape[0] >= IN_PROCESS_COLUMNS:
             left = CHILD_SHARE * left - CHILD_SECONDS  # a child process to start and the model to send
         if left < 0.1 or not ilp_fits(columns, left):
             return best

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from solvers.intra_op import merge, watchdog
 from solvers.intra_op.ilp import highs_available
 from solvers.intra_op.local_search import LocalSearch
 from solvers.intra_op.merge import Merger
@@ -36,7 +37,12 @@ def test_the_merge_is_the_best_assignment_over_the_points_strategies(seed: int) 
     assert core.objective(out) == pytest.approx(exact, rel=1e-9)
 
 
-def test_a_merge_fits_is_never_worse_than_its_best_point_and_keeps_its_deadline() -> None:
+@pytest.mark.parametrize("child", [False, True])
+def test_a_merge_fits_is_never_worse_than_its_best_point_and_keeps_its_deadline(
+        child: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if child:  # every merge ILP in a watchdog child: its start and the model's memory rows count
+        monkeypatch.setattr(watchdog, "IN_PROCESS_COLUMNS", 1)
+        monkeypatch.setattr(merge, "IN_PROCESS_COLUMNS", 1)
     core = presolve(_large_problem(3_000, 8, seed=1)).core
     assert core.num_nodes > 500 and core.slack.size
     points = []
