@@ -132,13 +132,20 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     intra_s = left if left is None or not options.planned else SHARES.intra_with_pipeline * left
     cost, budget = target.cost, target.memory_budget
     as_traced = graph
+    needs: dict[str, float] = {}  # per recompute mode, bytes per device the unpipelined step needs at least
+
+    def need(mode: str) -> float:
+        if mode not in needs:
+            needs[mode] = estimate(as_traced, mode).peak_bytes / cost.mesh.num_devices
+        return needs[mode]
+
     intra: Plan | None = None
     intra_error: Exception | None = None
     # no microbatch count given: a step cramped unpipelined (``_cramped``) is also pipelined, with a count the
     # planner picks (``pipeline.microbatches``), and the faster plan kept
     auto = options.microbatches is None and options.pipeline is not False and not isinstance(step_fn, Graph)
     if (auto and options.pipeline is None and left is None and recompute == "auto" and budget is not None
-            and estimate(graph, "none").peak_bytes / cost.mesh.num_devices > budget):
+            and need("none") > budget):
         # the step cannot fit as traced, so an intra-operator plan fits only by recomputing, is cramped, and a
         # pipeline is planned beside it: the two share the default budget (GPT-39B on 8x8: the intra plan's
         # 60 s of solving left the pipeline, which wins, to finish at 146 s)
@@ -161,12 +168,6 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                             "its arguments, not a Graph")
     pipe_s = None if left is None else max(time_budget_s - (time.perf_counter() - t0), SHARES.min_solve * left)
     traced: dict[int, Graph] = {}
-    needs: dict[str, float] = {}  # per recompute mode, bytes per device the unpipelined step needs at least
-
-    def need(mode: str) -> float:
-        if mode not in needs:
-            needs[mode] = estimate(as_traced, mode).peak_bytes / cost.mesh.num_devices
-        return needs[mode]
 
     def plan_one(count: int, seconds: float | None) -> PipelinePlan:
         micro = trace(step_fn, *microbatch_args(args, graph, None, count), roles=roles)

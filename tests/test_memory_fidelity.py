@@ -21,8 +21,13 @@ from autoshard._examples import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = json.loads((Path(__file__).parent / "data" / "h100_fidelity.json").read_text())
-CASES = {f"{c['model']}-{c['preset']}-{c['dtype']}-b{c['batch']}{'-remat' if c['remat'] else ''}": c
-         for c in DATA["cases"]}
+
+
+def _name(c: dict[str, Any]) -> str:
+    return f"{c['model']}-{c['preset']}-{c['dtype']}-b{c['batch']}{'-remat' if c['remat'] else ''}"
+
+
+CASES = {_name(c): c for c in DATA["cases"]}
 MEMORY_TOLERANCE = 0.15
 TIME_TOLERANCE = 0.10
 
@@ -42,11 +47,15 @@ MEMORY_XFAIL: dict[str, str] = {}
 
 
 @functools.cache
-def _plan(name: str) -> Any:
-    c = CASES[name]
-    overrides = [f"dtype={c['dtype']}", f"batch={c['batch']}"] + (["remat=true"] if c["remat"] else [])
-    ex = load_example(ROOT / "examples" / f"{c['model']}.py", c["preset"], overrides, abstract=True)
-    return autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware="h100", time_budget_s=10)
+def _case_plan(model: str, preset: str, dtype: str, batch: int, remat: bool, hardware: str) -> Any:
+    overrides = [f"dtype={dtype}", f"batch={batch}"] + (["remat=true"] if remat else [])
+    ex = load_example(ROOT / "examples" / f"{model}.py", preset, overrides, abstract=True)
+    return autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware=hardware, time_budget_s=10)
+
+
+def _plan(name: str, cases: dict[str, dict[str, Any]] = CASES, hardware: str = "h100") -> Any:
+    c = cases[name]
+    return _case_plan(c["model"], c["preset"], c["dtype"], c["batch"], c["remat"], hardware)
 
 
 def _params(xfail: dict[str, str]) -> list[Any]:
@@ -85,8 +94,7 @@ def test_predicted_step_time_is_within_10_percent_of_the_measured(name: str) -> 
 # waits on every step adds 1.7-8.7 ms of host time per step (dispatch and the update of the step's CUDA
 # graph) which a loop that does not wait hides.
 BACK_TO_BACK = json.loads((Path(__file__).parent / "data" / "h100_back_to_back.json").read_text())
-B2B = {f"{c['model']}-{c['preset']}-{c['dtype']}-b{c['batch']}{'-remat' if c['remat'] else ''}": c
-       for c in BACK_TO_BACK["cases"]}
+B2B = {_name(c): c for c in BACK_TO_BACK["cases"]}
 
 
 @pytest.mark.parametrize("name", list(B2B))
@@ -180,16 +188,7 @@ def test_recompute_lowers_predicted_peak_memory_and_costs_time() -> None:
 # ``h200`` preset, whose memory efficiency (0.75) was fitted to these rows' back-to-back times; the memory
 # rows were not fitted.
 H200 = json.loads((Path(__file__).parent / "data" / "h200_fidelity.json").read_text())
-H200_CASES = {f"{c['model']}-{c['preset']}-{c['dtype']}-b{c['batch']}{'-remat' if c['remat'] else ''}": c
-              for c in H200["cases"]}
-
-
-@functools.cache
-def _h200_plan(name: str) -> Any:
-    c = H200_CASES[name]
-    overrides = [f"dtype={c['dtype']}", f"batch={c['batch']}"] + (["remat=true"] if c["remat"] else [])
-    ex = load_example(ROOT / "examples" / f"{c['model']}.py", c["preset"], overrides, abstract=True)
-    return autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware="h200", time_budget_s=10)
+H200_CASES = {_name(c): c for c in H200["cases"]}
 
 
 def test_the_h200_data_says_where_it_comes_from_and_compiles_as_the_h100_did() -> None:
@@ -212,7 +211,7 @@ def test_the_h200_data_says_where_it_comes_from_and_compiles_as_the_h100_did() -
 
 @pytest.mark.parametrize("name", list(H200_CASES))
 def test_h200_peak_memory_within_15_percent_and_time_within_10_percent_back_to_back(name: str) -> None:
-    c, plan = H200_CASES[name], _h200_plan(name)
+    c, plan = H200_CASES[name], _plan(name, H200_CASES, "h200")
     xla, t = c["xla_peak_bytes"], c["back_to_back_s"]
     assert abs(plan.peak_memory - xla) <= MEMORY_TOLERANCE * xla, (
         f"{name}: predicted {plan.peak_memory / 1e9:.2f} GB, XLA {xla / 1e9:.2f} GB")

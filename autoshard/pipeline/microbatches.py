@@ -59,10 +59,10 @@ def first_recompute(need: Callable[[str], float | None], hosts: int, count: int,
     microbatches of ``1/S`` of the layers on ``1/S`` of the devices (``need(mode)``: bytes per device the
     unpipelined step needs with that mode, perfectly sharded), fills at most ``HEADROOM`` of the budget, as
     ``candidates`` sizes the count; else ``full``. A mode whose need is unknown, or no budget, stops there."""
+    if budget is None:
+        return "none"
     stages = min(max(2, hosts), count)
     for mode in ("none", "selective"):
-        if budget is None:
-            return mode
         bytes_ = need(mode)
         if bytes_ is None or stages / count * bytes_ <= HEADROOM * budget:
             return mode

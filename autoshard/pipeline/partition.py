@@ -191,17 +191,18 @@ def batch_rows(graph: Graph) -> int:
     return rows
 
 
+# GPT-1T's 128 blocks on 384 hosts: Megatron's layout (two one-block chunks per 6-host stage) and the
+# automatic plan's (a block per 3-host stage) need a layer per block, which 64 layers of two blocks cannot
+# express; layer prices cost a solve per distinct layer, and the stage DP (L² ranges) took 8-15 s at 129
+MAX_DEFAULT_LAYERS = 160
+
+
 def default_num_layers(graph: Graph, parts: StepParts) -> int:
     """One layer per numbered block the model's scopes name (``block_3``, ``layers_0``), plus one for the
     ops around them, between 2 and ``MAX_DEFAULT_LAYERS``; 8 when the scopes name no blocks."""
     tags = {graph.ops[i].layer for i in parts.ops(FORWARD) if graph.ops[i].layer}
     return max(2, min(MAX_DEFAULT_LAYERS, len(tags) + 1)) if tags else 8
 
-
-# GPT-1T's 128 blocks on 384 hosts: Megatron's layout (two one-block chunks per 6-host stage) and the
-# automatic plan's (a block per 3-host stage) need a layer per block, which 64 layers of two blocks cannot
-# express; layer prices cost a solve per distinct layer, and the stage DP (L² ranges) took 8-15 s at 129
-MAX_DEFAULT_LAYERS = 160
 
 
 def assign_layers(graph: Graph, parts: StepParts, num_layers: int | None = None, *,
