@@ -40,45 +40,59 @@ def seg_add(mx, lz, size, lo, hi, d):
 
 
 @njit(cache=True, nogil=True)
-def edge_cost(mats, moff, first, ka, kb, sa, sb):
-    # the edge seen from node a (k_a strategies) to b (k_b): row-major k_a x k_b when a is the row side
-    if first:
-        return mats[moff + sa * kb + sb]
-    return mats[moff + sb * ka + sa]
-
-
-@njit(cache=True, nogil=True)
-def delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats):
+def delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_omoff, omats):
+    # the exact cost change of node a alone going to t, from the edge matrices (sample_uphill)
     s = x[a]
     d = cost[koff[a] + t] - cost[koff[a] + s]
-    ka = k[a]
     for p in range(adj_off[a], adj_off[a + 1]):
         b = adj_nbr[p]
+        row = adj_omoff[p] + x[b]
         kb = k[b]
-        d += edge_cost(mats, adj_moff[p], adj_first[p], ka, kb, t, x[b]) - edge_cost(
-            mats, adj_moff[p], adj_first[p], ka, kb, s, x[b])
+        d += omats[row + t * kb] - omats[row + s * kb]
     return d
 
 
 @njit(cache=True, nogil=True)
-def best_response(b, x, k, koff, cost, price, adj_off, adj_nbr, adj_moff, adj_first, mats, buf):
-    kb = k[b]
-    for s in range(kb):
-        buf[s] = cost[koff[b] + s] + price[koff[b] + s]
+def local_costs(x, k, koff, cost, adj_off, adj_nbr, adj_omoff, omats, loc):
+    # loc[koff[a] + s] = c_a(s) + Σ_b R^ab(s, x_b): node a's cost at each of its strategies, its neighbours
+    # where they stand
+    for a in range(x.shape[0]):
+        ka = k[a]
+        base = koff[a]
+        for s in range(ka):
+            loc[base + s] = cost[base + s]
+        for p in range(adj_off[a], adj_off[a + 1]):
+            b = adj_nbr[p]
+            kb = k[b]
+            row = adj_omoff[p] + x[b]
+            for s in range(ka):
+                loc[base + s] += omats[row + s * kb]
+
+
+@njit(cache=True, nogil=True)
+def shift(b, s_old, s_new, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc):
+    # node b goes from s_old to s_new: each neighbour's local costs change by a row of their edge's matrix
+    # (oriented from b's side, so the row is contiguous)
     for p in range(adj_off[b], adj_off[b + 1]):
         c = adj_nbr[p]
         kc = k[c]
-        xc = x[c]
-        moff = adj_moff[p]
-        if adj_first[p]:
-            for s in range(kb):
-                buf[s] += mats[moff + s * kc + xc]
-        else:
-            for s in range(kb):
-                buf[s] += mats[moff + xc * kb + s]
+        new = adj_omoff[p] + s_new * kc
+        old = adj_omoff[p] + s_old * kc
+        base = koff[c]
+        for u in range(kc):
+            loc[base + u] += omats[new + u] - omats[old + u]
+
+
+@njit(cache=True, nogil=True)
+def best_response(b, k, koff, price, loc):
+    # argmin_s loc_b(s) + price_b(s), the first of equals
+    base = koff[b]
     best = 0
-    for s in range(1, kb):
-        if buf[s] < buf[best]:
+    best_v = loc[base] + price[base]
+    for s in range(1, k[b]):
+        v = loc[base + s] + price[base + s]
+        if v < best_v:
+            best_v = v
             best = s
     return best
 
@@ -93,25 +107,28 @@ def apply_memory(a, s_old, s_new, term_off, term_lo, term_hi, term_uoff, usage, 
 
 @njit(cache=True, nogil=True)
 def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, lam_step, price,
-        k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats,
+        k, koff, cost, adj_off, adj_nbr, adj_omoff, omats,
         term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size, max_deg_follow, max_hops_log, max_moved,
         term_node, stab_off, stab_terms, max_repair, repair_prob):
     np.random.seed(seed)
     n = x.shape[0]
-    kmax = 1
-    for a in range(n):
-        if k[a] > kmax:
-            kmax = k[a]
-    buf = np.empty(kmax)
+    # every node's cost at each of its strategies where its neighbours stand, kept up to date as nodes move
+    # (a node's change Δ is then one subtraction, its best response an argmin over k numbers); built
+    # afresh for each call, so that rounding does not pile up over more than one chunk
+    loc = np.empty(koff[n])
+    local_costs(x, k, koff, cost, adj_off, adj_nbr, adj_omoff, omats, loc)
     moved_nodes = np.empty(n + max_repair + 1, np.int64)
     moved_old = np.empty(n + max_repair + 1, np.int64)
-    ratio = t_end / t_start
+    step = (t_end / t_start) ** (1.0 / max(iters, 1))
+    temp = t_start
     soft = lam[0] >= 0.0  # lam 0: no penalty on the overflow (memory priced through ``price`` only)
     blocks = lam.shape[0]
-    pen_cur = penalty(mx, lz, lam) if soft else 0.0
+    penalised = soft and lam.max() > 0.0  # lam 0 stays 0: no penalty to keep up
+    pen_cur = penalty(mx, lz, lam) if penalised else 0.0
     for it in range(iters):
-        temp = t_start * ratio ** (it / iters)
-        if soft and (it & 1023) == 1023:
+        if it:
+            temp *= step
+        if penalised and (it & 1023) == 1023:
             # strategic oscillation, per block of rows: overflowing now -> dearer, fitting -> cheaper
             for b in range(blocks):
                 if block_max(mx, lz, blocks + b) > tol:
@@ -122,15 +139,20 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
         a, t = random_move(x, k)
         if a < 0:
             continue
-        m = 0
-        d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
-        dp = price[koff[a] + t] - price[koff[a] + x[a]]
-        moved_nodes[m] = a
-        moved_old[m] = x[a]
-        m += 1
-        apply_memory(a, x[a], t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+        s = x[a]
+        d = loc[koff[a] + t] - loc[koff[a] + s]
+        dp = price[koff[a] + t] - price[koff[a] + s]
+        moved_nodes[0] = a
+        moved_old[0] = s
+        m = 1
+        apply_memory(a, s, t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
         x[a] = t
+        # the neighbours' local costs follow a's move only when something reads them before the move is
+        # kept (a compound move, a repair) or once it is kept: most single moves are undone unread
+        shifted = False
         if np.random.random() < compound:
+            shift(a, s, t, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
+            shifted = True
             # best responses spread outwards from a, hop by hop (up to ``hops``, at most max_moved nodes)
             hops = 1 << np.random.randint(max_hops_log + 1)
             head = 0
@@ -148,14 +170,16 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                     b = adj_nbr[p]
                     if adj_off[b + 1] - adj_off[b] > max_deg_follow or m >= max_moved:
                         continue
-                    r = best_response(b, x, k, koff, cost, price, adj_off, adj_nbr, adj_moff, adj_first, mats, buf)
-                    if r != x[b]:
-                        d += delta_of(b, r, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
-                        dp += price[koff[b] + r] - price[koff[b] + x[b]]
+                    r = best_response(b, k, koff, price, loc)
+                    xb = x[b]
+                    if r != xb:
+                        d += loc[koff[b] + r] - loc[koff[b] + xb]
+                        dp += price[koff[b] + r] - price[koff[b] + xb]
                         moved_nodes[m] = b
-                        moved_old[m] = x[b]
+                        moved_old[m] = xb
                         m += 1
-                        apply_memory(b, x[b], r, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                        apply_memory(b, xb, r, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                        shift(b, xb, r, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
                         x[b] = r
         if not soft or np.random.random() < repair_prob:
             # repair: while a row overflows, a node holding memory on the worst row gives some back, taking
@@ -163,18 +187,22 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
             for _ in range(max_repair):
                 if mx[1] <= tol:
                     break
+                if not shifted:
+                    shift(a, s, t, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
+                    shifted = True
                 j = covering_term(worst_row(mx, size), size, stab_off, stab_terms)
                 if j < 0:
                     break
                 b = term_node[j]
                 xb = x[b]
+                base = koff[b]
                 best_u = -1
                 best_d = np.inf
                 best_score = np.inf
                 for u in range(k[b]):
                     freed = usage[term_uoff[j] + xb] - usage[term_uoff[j] + u]
                     if freed > 0.0:
-                        du = delta_of(b, u, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+                        du = loc[base + u] - loc[base + xb]
                         if du / freed < best_score:
                             best_score = du / freed
                             best_d = du
@@ -182,17 +210,19 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 if best_u < 0:
                     continue
                 d += best_d
-                dp += price[koff[b] + best_u] - price[koff[b] + xb]
+                dp += price[base + best_u] - price[base + xb]
                 moved_nodes[m] = b
                 moved_old[m] = xb
                 m += 1
                 apply_memory(b, xb, best_u, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                shift(b, xb, best_u, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
                 x[b] = best_u
         over = mx[1]
         pen = 0.0
         if soft:
             # soft memory: energy = cost + Σ_blocks lam_b * (the block's largest overflow)+
-            pen = penalty(mx, lz, lam) if over > 0.0 or pen_cur > 0.0 else 0.0
+            if penalised and (over > 0.0 or pen_cur > 0.0):
+                pen = penalty(mx, lz, lam)
             e = d + dp + pen - pen_cur
             ok = e <= 0.0 or np.random.random() < math.exp(-e / temp)
         else:
@@ -200,6 +230,8 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
             if ok and d + dp > 0.0:
                 ok = np.random.random() < math.exp(-(d + dp) / temp)
         if ok:
+            if not shifted:
+                shift(a, s, t, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
             cur += d
             pen_cur = pen
             if over <= tol and cur < best - 1e-9 * abs(best):
@@ -209,6 +241,8 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
             for q in range(m - 1, -1, -1):
                 b = moved_nodes[q]
                 apply_memory(b, x[b], moved_old[q], term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                if shifted:
+                    shift(b, x[b], moved_old[q], k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
                 x[b] = moved_old[q]
     return cur, best  # lam is updated in place
 
@@ -280,7 +314,7 @@ def random_move(x, k):
 
 
 @njit(cache=True, nogil=True)
-def sample_uphill(x, samples, seed, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats, penalty):
+def sample_uphill(x, samples, seed, k, koff, cost, adj_off, adj_nbr, adj_omoff, omats, penalty):
     np.random.seed(seed)
     out = np.empty(samples)
     got = 0
@@ -290,7 +324,7 @@ def sample_uphill(x, samples, seed, k, koff, cost, adj_off, adj_nbr, adj_moff, a
         a, t = random_move(x, k)
         if a < 0:
             continue
-        d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_moff, adj_first, mats)
+        d = delta_of(a, t, x, k, koff, cost, adj_off, adj_nbr, adj_omoff, omats)
         if 0.0 < d < penalty:
             out[got] = d
             got += 1

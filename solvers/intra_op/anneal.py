@@ -7,7 +7,12 @@ once. Annealing walks through worse assignments to reach better ones.
 
 State: an assignment ``x``; its cost ``f(x) = Σ_a c_a(x_a) + Σ_(a,b) R^ab(x_a, x_b)`` (``+inf`` replaced by
 a penalty no move can pay) and its largest overflow ``o(x) = max_r (usage_r(x) − slack_r)``, kept in a
-segment tree over the rows with lazy range add (``O(terms · log R)`` per node moved). A move:
+segment tree over the rows with lazy range add (``O(terms · log R)`` per node moved); and per node ``b`` its
+local costs ``L_b(s) = c_b(s) + Σ_c R^bc(s, x_c)`` at its neighbours' strategies, so that a node's ``Δ`` is
+``L_b(t) − L_b(x_b)`` and its best response an argmin over its ``k_b`` strategies. When ``b`` moves, each
+neighbour's ``L`` changes by a row of their edge's matrix (stored from both sides, so rows are contiguous,
+each distinct matrix once); a single move's change reaches ``L`` only once it is kept or something reads
+it, and ``L`` is built afresh for each chunk. A move:
 
 1. node ``a`` to a random other strategy ``t``;
 2. with probability ``COMPOUND``, best responses spread from ``a`` hop by hop (up to ``2^h`` hops, ``h``
@@ -51,7 +56,10 @@ each restarting from the best point; ``T_0`` is the median uphill ``Δ`` of 2000
 (divided by the round number plus one), and the first ``λ`` makes a median memory change cost ``T_0``.
 The clock is read between chunks of about ``CHUNK_SECONDS`` of compiled moves.
 
-Why compiled: a move costs ~0.3 µs in the compiled loop and ~50 µs as Python; annealing needs millions.
+Why compiled: a move costs 0.6-6 µs in the compiled loop (a single move, a compound one) and ~50 µs as
+Python; annealing needs millions. The local costs and the shared matrices doubled the moves per second of
+IOPDDL N's priced walk (one thread, 2M moves from the solve's start, the same moves: 1.1-1.3e5 -> 2.6-3.1e5;
+a compound move's best responses had read every neighbour's whole matrix, 48 MB, out of cache).
 The first call on a machine compiles the loop (3-10 s here; numba caches it on disk, loading takes
 ~0.3 s afterwards), so a solve anneals only when ``MIN_SECONDS`` are left for it. Measured (IOPDDL, 60 s
 of annealing from the solve's start, 2-core machine): K 2.37 -> 1.08-1.13 of the best known, M 1.13 ->
@@ -169,11 +177,20 @@ class _Flat:
         self.penalty = 1e3 * max(scale, 1.0) * max(n, 1)
         cost = np.concatenate([c for c in core.costs]) if n else np.zeros(0)
         self.cost = np.where(np.isfinite(cost), cost, self.penalty).astype(np.float64)
-        sizes = np.array([m.size for m in core.edge_costs], dtype=np.int64)
-        moff = np.zeros(len(core.edge_costs) + 1, dtype=np.int64)
+        # each distinct edge matrix once as k_a x k_b and once transposed, so that the row of one node's
+        # strategy is contiguous from either end: adjacency entry p of node a (neighbour b) has R^ab(s, u)
+        # at omats[adj_omoff[p] + s * k_b + u]. Edges between nodes of the same kind share their matrix
+        # (IOPDDL N: 1.7k distinct of 13k, 7 MB instead of 48: the moves' reads stay in cache)
+        distinct: dict[tuple, int] = {}
+        edge_mat = np.array([distinct.setdefault((m.shape, m.tobytes()), len(distinct)) for m in core.edge_costs],
+                            dtype=np.int64)
+        unique = list({key: m for m, key in zip(core.edge_costs, ((m.shape, m.tobytes()) for m in core.edge_costs),
+                                                    strict=True)}.values())
+        sizes = np.array([m.size for m in unique], dtype=np.int64)
+        moff = np.zeros(len(unique) + 1, dtype=np.int64)
         np.cumsum(sizes, out=moff[1:])
-        mats = np.concatenate([m.ravel() for m in core.edge_costs]) if core.edge_costs else np.zeros(0)
-        self.mats = np.where(np.isfinite(mats), mats, self.penalty).astype(np.float64)
+        mats = np.concatenate([m.ravel() for m in unique] + [m.T.ravel() for m in unique]) if unique else np.zeros(0)
+        self.omats = np.where(np.isfinite(mats), mats, self.penalty).astype(np.float64)
         ea = core.edge_nodes[:, 0].astype(np.int64)
         eb = core.edge_nodes[:, 1].astype(np.int64)
         m_e = ea.shape[0]
@@ -183,8 +200,8 @@ class _Flat:
         eidx = np.concatenate([np.arange(m_e), np.arange(m_e)])
         order = np.argsort(src, kind="stable")
         self.adj_nbr = nbr[order]
-        self.adj_first = first[order]
-        self.adj_moff = moff[:-1][eidx[order]] if m_e else np.zeros(0, dtype=np.int64)
+        self.adj_omoff = (moff[:-1][edge_mat[eidx]] + np.where(first, 0, moff[-1]))[order] if m_e else np.zeros(
+            0, np.int64)
         self.adj_off = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(src, minlength=n), out=self.adj_off[1:])
         mem_node = core.mem_node.astype(np.int64)
@@ -265,7 +282,7 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0,
     best_obj = core.objective(best_x)
     if not np.isfinite(best_obj) or core.num_nodes == 0:
         return best_x
-    graph = (flat.k, flat.koff, flat.cost, flat.adj_off, flat.adj_nbr, flat.adj_moff, flat.adj_first, flat.mats)
+    graph = (flat.k, flat.koff, flat.cost, flat.adj_off, flat.adj_nbr, flat.adj_omoff, flat.omats)
     memory = (flat.term_off, flat.term_lo, flat.term_hi, flat.term_uoff, flat.usage)
     moved = min(MAX_MOVED, core.num_nodes)
     repair = (flat.term_node, flat.stab_off, flat.stab_terms, MAX_REPAIR, REPAIR_PROB)
