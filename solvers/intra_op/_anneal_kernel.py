@@ -28,12 +28,15 @@ def seg_add(mx, lz, size, lo, hi, d):
             lz[right] += d
         left >>= 1
         right >>= 1
-    # pull up from the two boundary leaves
+    # pull up from the two boundary leaves, side by side (they are at one depth) until their paths meet,
+    # then once to the root
     i = l0 >> 1
-    while i >= 1:
+    j = (r0 - 1) >> 1
+    while i != j:
         mx[i] = max(mx[2 * i], mx[2 * i + 1]) + lz[i]
+        mx[j] = max(mx[2 * j], mx[2 * j + 1]) + lz[j]
         i >>= 1
-    i = (r0 - 1) >> 1
+        j >>= 1
     while i >= 1:
         mx[i] = max(mx[2 * i], mx[2 * i + 1]) + lz[i]
         i >>= 1
@@ -145,13 +148,16 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
         moved_nodes[0] = a
         moved_old[0] = s
         m = 1
-        apply_memory(a, s, t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
-        x[a] = t
-        # the neighbours' local costs follow a's move only when something reads them before the move is
-        # kept (a compound move, a repair) or once it is kept: most single moves are undone unread
+        # a's move reaches the memory rows, x and the neighbours' local costs only when something reads
+        # them before the move is kept (a compound move, a repair, the soft penalty) or once it is kept: most
+        # single moves are undone before anything reads them, and then nothing is done at all
+        applied = False
         shifted = False
         if np.random.random() < compound:
+            apply_memory(a, s, t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+            x[a] = t
             shift(a, s, t, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
+            applied = True
             shifted = True
             # best responses spread outwards from a, hop by hop (up to ``hops``, at most max_moved nodes)
             hops = 1 << np.random.randint(max_hops_log + 1)
@@ -184,6 +190,10 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
         if not soft or np.random.random() < repair_prob:
             # repair: while a row overflows, a node holding memory on the worst row gives some back, taking
             # of its strategies that use less there the one that adds least cost per byte freed
+            if not applied:
+                apply_memory(a, s, t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                x[a] = t
+                applied = True
             for _ in range(max_repair):
                 if mx[1] <= tol:
                     break
@@ -217,27 +227,34 @@ def run(x, best_x, cur, best, t_start, t_end, iters, seed, tol, compound, lam, l
                 apply_memory(b, xb, best_u, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
                 shift(b, xb, best_u, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
                 x[b] = best_u
-        over = mx[1]
         pen = 0.0
         if soft:
             # soft memory: energy = cost + Σ_blocks lam_b * (the block's largest overflow)+
-            if penalised and (over > 0.0 or pen_cur > 0.0):
-                pen = penalty(mx, lz, lam)
+            if penalised:
+                if not applied:
+                    apply_memory(a, s, t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                    x[a] = t
+                    applied = True
+                if mx[1] > 0.0 or pen_cur > 0.0:
+                    pen = penalty(mx, lz, lam)
             e = d + dp + pen - pen_cur
             ok = e <= 0.0 or np.random.random() < math.exp(-e / temp)
         else:
-            ok = over <= tol
+            ok = mx[1] <= tol  # hard mode always repairs: a's move is applied
             if ok and d + dp > 0.0:
                 ok = np.random.random() < math.exp(-(d + dp) / temp)
         if ok:
+            if not applied:
+                apply_memory(a, s, t, term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)
+                x[a] = t
             if not shifted:
                 shift(a, s, t, k, koff, adj_off, adj_nbr, adj_omoff, omats, loc)
             cur += d
             pen_cur = pen
-            if over <= tol and cur < best - 1e-9 * abs(best):
+            if mx[1] <= tol and cur < best - 1e-9 * abs(best):
                 best = cur
                 best_x[:] = x
-        else:
+        elif applied:
             for q in range(m - 1, -1, -1):
                 b = moved_nodes[q]
                 apply_memory(b, x[b], moved_old[q], term_off, term_lo, term_hi, term_uoff, usage, mx, lz, size)

@@ -316,6 +316,7 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0,
         # expected duration (at the rate measured so far) takes of the round
         span = max(end - begin, 1e-9)
         rate, chunks, resets, overflowing = None, 0, 0, 0
+        moves, busy = 0, 0.0  # the round's moves and the seconds the compiled loop took for them
         while (now := time.perf_counter()) < end:
             iters = 20_000 if rate is None else int(max(1000, min(rate * CHUNK_SECONDS, rate * (end - now))))
             frac = (now - begin) / span
@@ -324,7 +325,10 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0,
             cur, chunk = run(x, chunk_w, cur, UNSEEN, t0 * COOLING_SPAN**frac, t0 * COOLING_SPAN**frac_end, iters,
                              int(wrng.integers(2**31)), flat.tol, COMPOUND, lam, LAM_STEP, price, *graph, *memory, mx,
                              lz, flat.size, MAX_DEG_FOLLOW, MAX_HOPS_LOG, moved, *repair)
-            rate = iters / max(time.perf_counter() - now, 1e-6)
+            took = time.perf_counter() - now
+            rate = iters / max(took, 1e-6)
+            moves += iters
+            busy += took
             chunks += 1
             overflow = flat.row_usage(x) - flat.slack if mode == "priced" else None
             if chunk < UNSEEN:
@@ -350,7 +354,7 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0,
                 mx, lz = flat.tree(core, x)
                 overflowing = 0
                 resets += 1
-        return best_w, last_w, {"chunks": chunks, "resets": resets, "rate": rate or 0.0,
+        return best_w, last_w, {"chunks": chunks, "resets": resets, "moves": moves, "rate": moves / max(busy, 1e-6),
                                 "price": float(np.median(lam))}
 
     walks = max(1, min(WALKS, os.cpu_count() or 1))
@@ -373,8 +377,8 @@ def anneal(core: Core, start: np.ndarray, deadline: float, *, seed: int = 0,
                 obj = core.objective(x)
                 points.append(last)
                 log.debug("anneal round %d: T0 %.3g, median price %.3g, %d chunks (%d back to the best), "
-                          "%.3g moves/s, best %.6g", rnd, t0, stats["price"], stats["chunks"], stats["resets"],
-                          stats["rate"], obj)
+                          "%.3g moves at %.3g moves/s, best %.6g", rnd, t0, stats["price"], stats["chunks"],
+                          stats["resets"], stats["moves"], stats["rate"], obj)
                 points.append(x)
                 if obj < best_obj:
                     best_x, best_obj = x, obj
