@@ -57,9 +57,10 @@ each restarting from the best point; ``T_0`` is the median uphill ``Δ`` of 2000
 The clock is read between chunks of about ``CHUNK_SECONDS`` of compiled moves.
 
 Why compiled: a move costs 0.6-6 µs in the compiled loop (a single move, a compound one) and ~50 µs as
-Python; annealing needs millions. The local costs and the shared matrices doubled the moves per second of
-IOPDDL N's priced walk (one thread, 2M moves from the solve's start, the same moves: 1.1-1.3e5 -> 2.6-3.1e5;
-a compound move's best responses had read every neighbour's whole matrix, 48 MB, out of cache).
+Python; annealing needs millions. The local costs, the shared matrices and single moves undone unread
+made IOPDDL N's priced walk 2.2-2.8x faster (one thread, the same 2M moves from the solve's start:
+1.1-1.6e5 -> 3.1-3.6e5 moves/s; a compound move's best responses had read a column of every incident
+edge's matrix, out of 48 MB); N's answer did not improve with it (benchmarks/iopddl_results.md).
 The first call on a machine compiles the loop (3-10 s here; numba caches it on disk, loading takes
 ~0.3 s afterwards), so a solve anneals only when ``MIN_SECONDS`` are left for it. Measured (IOPDDL, 60 s
 of annealing from the solve's start, 2-core machine): K 2.37 -> 1.08-1.13 of the best known, M 1.13 ->
