@@ -117,8 +117,11 @@ ROUNDS = 4
 # below this many seconds for annealing the solve does not anneal: compiling the loop the first time on a
 # machine costs 3-10 s here (numba caches it on disk; loading it takes ~0.3 s afterwards)
 MIN_SECONDS = 20.0
-# the clock is read between chunks of about this many seconds of compiled moves
-CHUNK_SECONDS = 0.5
+# the clock is read, and the priced walk's prices move, between chunks of about this many seconds of
+# compiled moves. With the faster loop (2-3.5e5 moves/s on IOPDDL N) 0.5 s moved the prices too seldom:
+# `anneal` alone, 140 s, N: 0.5 s 1.080 (round 0's priced walk 1.156), 0.25 s 1.024 and 1.001 (1.035,
+# 1.022); at the old rate (0.5-1.7e5) chunks of 0.1-0.2 s were worse (N 1.13-1.15)
+CHUNK_SECONDS = 0.25
 # a walk that ends this many chunks in a row outside memory goes back to the best point
 STUCK_CHUNKS = 4
 # the priced walk's prices: term j's bytes cost w_j each; after every chunk w_j grows by the factor 1 + GAMMA
