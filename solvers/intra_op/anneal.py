@@ -118,9 +118,11 @@ ROUNDS = 4
 # machine costs 3-10 s here (numba caches it on disk; loading it takes ~0.3 s afterwards)
 MIN_SECONDS = 20.0
 # the clock is read, and the priced walk's prices move, between chunks of about this many seconds of
-# compiled moves. With the faster loop (2-3.5e5 moves/s on IOPDDL N) 0.5 s moved the prices too seldom:
-# `anneal` alone, 140 s, N: 0.5 s 1.080 (round 0's priced walk 1.156), 0.25 s 1.024 and 1.001 (1.035,
-# 1.022); at the old rate (0.5-1.7e5) chunks of 0.1-0.2 s were worse (N 1.13-1.15)
+# compiled moves. With the faster loop (1.5-3.5e5 moves/s on IOPDDL N) 0.25 s keeps the prices moving about
+# as often per move as 0.5 s did at the old rate. IOPDDL N, one run each: 0.5 s 1.080 (`anneal` alone,
+# 140 s), 1.089-1.118 (4 solves); 0.25 s 1.024 and 1.001 (`anneal` alone), 1.107 and 1.082 (solves): not
+# established better, K M L unchanged within their spread. At the old rate chunks of 0.1-0.2 s were worse
+# (N 1.13-1.15)
 CHUNK_SECONDS = 0.25
 # a walk that ends this many chunks in a row outside memory goes back to the best point
 STUCK_CHUNKS = 4
