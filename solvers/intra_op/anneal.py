@@ -118,12 +118,11 @@ ROUNDS = 4
 # machine costs 3-10 s here (numba caches it on disk; loading it takes ~0.3 s afterwards)
 MIN_SECONDS = 20.0
 # the clock is read, and the priced walk's prices move, between chunks of about this many seconds of
-# compiled moves. With the faster loop (1.5-3.5e5 moves/s on IOPDDL N) 0.25 s keeps the prices moving about
-# as often per move as 0.5 s did at the old rate. IOPDDL N, one run each: 0.5 s 1.080 (`anneal` alone,
-# 140 s), 1.089-1.118 (4 solves); 0.25 s 1.024 and 1.001 (`anneal` alone), 1.107 and 1.082 (solves): not
-# established better, K M L unchanged within their spread. At the old rate chunks of 0.1-0.2 s were worse
-# (N 1.13-1.15)
-CHUNK_SECONDS = 0.25
+# compiled moves. 0.25 s with the faster loop (1.5-3.5e5 moves/s on IOPDDL N; the prices then move about as
+# often per move as at 0.5 s and the old rate), one run each: `anneal` alone 140 s N 1.024, 1.001 (0.5 s:
+# 1.080), but solves N 1.107, 1.082, 1.141 (0.5 s: 1.089-1.118), K 1.038: not kept. At the old rate chunks
+# of 0.1-0.2 s were worse (N 1.13-1.15)
+CHUNK_SECONDS = 0.5
 # a walk that ends this many chunks in a row outside memory goes back to the best point
 STUCK_CHUNKS = 4
 # the priced walk's prices: term j's bytes cost w_j each; after every chunk w_j grows by the factor 1 + GAMMA
