@@ -16,6 +16,7 @@ import numpy as np
 
 from autoshard import distributed
 from autoshard.emit import emit
+from autoshard.emit.program import ArgumentMismatch, EmittedStep
 from autoshard.pipeline import (
     PipelinePlan,
     build_pipelined_step,
@@ -412,6 +413,15 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             (fn,) = args
             self.fn = fn
             return self
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        last = self._last
+        if last is not None and isinstance(last.step, EmittedStep) and tree == last.step.graph.in_tree:
+            # the steady state, a step fed its own last results: no signature built or hashed (~2 ms a call
+            # on GPT-350M's 879 leaves); the program's own trace-time check refuses other shapes
+            try:
+                return last.step.call_flat(leaves)
+            except ArgumentMismatch:
+                pass
         key = _cache_key(args)
         compiled = self._cache.get(key)
         if compiled is None:
