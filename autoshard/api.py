@@ -193,7 +193,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
 
     counts = ([options.microbatches] if options.microbatches else
               microbatch_candidates(batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
-                                    activations=_activations(as_traced, cost, intra, intra_error)))
+                                    activations=_activations(need, intra, intra_error)))
     if not counts:
         if intra is not None:
             return intra, graph, None
@@ -241,14 +241,14 @@ def _cramped(intra: Plan, recompute: str, budget: float | None) -> bool:
     return budget is not None and intra.peak_memory > CRAMPED * budget
 
 
-def _activations(graph: Graph, cost: Any, intra: Plan | None, intra_error: Exception | None) -> float | None:
+def _activations(need: Callable[[str], float], intra: Plan | None, intra_error: Exception | None) -> float | None:
     """Bytes per device the step as traced needs at least (the perfect-sharding bound the intra-operator
-    planning proved or, when that plan fits only by recomputing, its estimate), which sizes the pipeline's
-    first microbatch count; None when the step fits as traced."""
+    planning proved or, when that plan fits only by recomputing, ``need("none")``, the estimate ``_choose``
+    keeps), which sizes the pipeline's first microbatch count; None when the step fits as traced."""
     if intra_error is not None:
         return getattr(intra_error, "as_traced", None)
     if intra is not None and intra.recompute:
-        return estimate(graph, "none").peak_bytes / cost.mesh.num_devices
+        return need("none")
     return None
 
 
