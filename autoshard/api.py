@@ -242,9 +242,10 @@ def _cramped(intra: Plan, recompute: str, budget: float | None) -> bool:
 
 
 def _activations(need: Callable[[str], float], intra: Plan | None, intra_error: Exception | None) -> float | None:
-    """Bytes per device the step as traced needs at least (the perfect-sharding bound the intra-operator
-    planning proved or, when that plan fits only by recomputing, ``need("none")``, the estimate ``_choose``
-    keeps), which sizes the pipeline's first microbatch count; None when the step fits as traced."""
+    """Bytes per device the step as traced needs at least (the bound the failed intra-operator planning
+    proved, every value split as far as the mesh's axes divide it, or, when that plan fits only by
+    recomputing, ``need("none")``, the perfect-spread estimate ``_choose`` keeps), which sizes the
+    pipeline's first microbatch count; None when the step fits as traced."""
     if intra_error is not None:
         return getattr(intra_error, "as_traced", None)
     if intra is not None and intra.recompute:
