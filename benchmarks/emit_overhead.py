@@ -2,8 +2,8 @@
 step with the same input and output shardings (and donation), on 8 CPU devices, for every example.
 
 For each example (tiny presets, Wide-ResNet also ``small``) the step is planned once on ``--mesh``; then
-three programs run on the same arguments, interleaved round by round so that load from other processes
-falls on all of them alike:
+three programs run on the same arguments, ``emitted`` and then ``parallelize`` interleaved with ``jit``
+round by round so that load from other processes falls on both alike:
 
 - ``jit``: ``jax.jit(train_step)`` over the flat leaves, ``in_shardings``/``out_shardings``/``donate_argnums``
   taken from the emitted step (so XLA sees the same boundary and propagates the rest itself);
@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def _time(fn: Any) -> float:
 
 
 def run_case(path: str, preset: str, mesh: tuple[int, ...], rounds: int, budget_s: float,
-             overrides: list[str] | None = None) -> dict[str, Any]:
+             overrides: list[str] | None = None, dump: Path | None = None) -> dict[str, Any]:
     ex = load_example(ROOT / "examples" / path, preset, list(overrides or []), abstract=False)
     par = autoshard.parallelize(ex.train_step, mesh=mesh, time_budget_s=budget_s)
     state, batch = ex.args
@@ -74,8 +75,8 @@ def run_case(path: str, preset: str, mesh: tuple[int, ...], rounds: int, budget_
     # each program owns its copies of the state: donation deletes what it is given
     feeds = {name: list(step.flatten(*step.place(state, batch))) for name in ("jit", "emitted")}
     par_args = [step.place(state, batch)]
-    hlo = {"jit": ref.lower(*feeds["jit"]).compile().as_text(),
-           "emitted": step.jitted.lower(*feeds["emitted"]).compile().as_text()}
+    compiled = {"jit": ref.lower(*feeds["jit"]).compile(), "emitted": step.jitted.lower(*feeds["emitted"]).compile()}
+    hlo = {k: c.as_text() for k, c in compiled.items()}
 
     def runner(name: str, fn: Any) -> Any:
         def once() -> Any:
@@ -95,19 +96,57 @@ def run_case(path: str, preset: str, mesh: tuple[int, ...], rounds: int, budget_
     for fn in runs.values():  # warm up: compile, first-call copies
         for _ in range(2):
             _time(fn)
-    for r in range(rounds):
-        order = list(runs) if r % 2 == 0 else list(reversed(runs))
-        for name in order:
-            times[name].append(_time(runs[name]))
+    # ``emitted`` and ``parallelize`` run one executable on two sets of buffers: interleaved, every call would
+    # find the other's buffer addresses in the executable's CUDA graph and update it (~5 ms a step for
+    # GPT-350M on an H200, 2026-11-26). So each is interleaved with ``jit`` in rounds of its own.
+    for other in ("emitted", "parallelize"):
+        _time(runs[other])
+        for r in range(rounds):
+            for name in ("jit", other) if r % 2 == 0 else (other, "jit"):
+                times[name].append(_time(runs[name]))
     med = {k: statistics.median(v) for k, v in times.items()}
+    # back to back: ten steps queued with no wait between them (the host's dispatch hidden behind the device)
+    b2b = {k: [] for k in ("jit", "emitted")}
+    for r in range(3):
+        for name in b2b if r % 2 == 0 else reversed(b2b):
+            t0 = time.perf_counter()
+            for _ in range(10):
+                out = runs[name]()  # each step donates the last one's state: wait on the newest only
+            jax.block_until_ready(out)
+            b2b[name].append((time.perf_counter() - t0) / 10)
+    costs = {k: _cost_analysis(c) for k, c in compiled.items()}
+    if dump is not None:  # the optimised modules and a profile of a few steps of each, to compare kernel by kernel
+        tag = "-".join([path.removesuffix(".py"), preset, *(overrides or [])]).replace("=", "")
+        dump.mkdir(parents=True, exist_ok=True)
+        for name in ("jit", "emitted"):
+            (dump / f"{tag}.{name}.hlo.txt").write_text(hlo[name])
+            where = dump / f"{tag}.{name}.trace"
+            with jax.profiler.trace(str(where), create_perfetto_trace=True):
+                for _ in range(5):
+                    _time(runs[name])
+            for f in where.rglob("perfetto_trace.json.gz"):  # flat, beside the modules
+                f.rename(dump / f"{tag}.{name}.perfetto.json.gz")
+            shutil.rmtree(where)
     return {
         "example": path, "preset": preset, "mesh": list(mesh), "rounds": rounds,
         "median_s": med,
         "emitted_over_jit": med["emitted"] / med["jit"],
         "parallelize_over_jit": med["parallelize"] / med["jit"],
+        "back_to_back_s": {k: min(v) for k, v in b2b.items()},
         "constraints": sum(step.interpreter.constraints.values()),
         "hlo": {k: hlo_counts(v) for k, v in hlo.items()},
+        "cost_analysis": costs,
     }
+
+
+def _cost_analysis(compiled: Any) -> dict[str, float]:
+    """XLA's own flop and byte counts of a compiled module (a list of one dict on some versions)."""
+    try:
+        c = compiled.cost_analysis()
+    except Exception:  # a backend without the analysis
+        return {}
+    c = c[0] if isinstance(c, list) and c else c
+    return {k: float(c[k]) for k in ("flops", "bytes accessed", "transcendentals") if c and k in c}
 
 
 def _cpu_model() -> str:
@@ -125,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=5.0, help="planner seconds per example")
     ap.add_argument("--only", help="run only examples whose file name contains this")
     ap.add_argument("--out", help="append one JSON line per example to this file")
+    ap.add_argument("--dump", help="write both optimised modules and a profile (perfetto trace) of 5 steps of "
+                    "each to this folder, per case")
     ap.add_argument("--cases", nargs="*", help="instead of the tiny examples: FILE:PRESET[:KEY=VALUE,...] each, "
                     "e.g. gpt.py:350m:dtype=bfloat16,batch=8 (the GPU fidelity steps)")
     a = ap.parse_args(argv)
@@ -139,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.only and a.only not in path:
             continue
         overrides = [x for x in sets.split(",") if x]
-        row = run_case(path, preset, mesh, a.rounds, a.time_budget, overrides)
+        row = run_case(path, preset, mesh, a.rounds, a.time_budget, overrides, Path(a.dump) if a.dump else None)
         row["overrides"] = overrides
         m = row["median_s"]
         print(f"{':'.join([path, preset, *overrides]):22s} {m['jit'] * 1e3:8.2f} {m['emitted'] * 1e3:8.2f} "

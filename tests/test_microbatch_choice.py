@@ -167,7 +167,14 @@ def test_the_first_count_is_sized_by_the_step_as_traced_also_when_it_fits_by_rec
     mod = load_module(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
     graph = autoshard.trace(mod.train_step, *mod.make("tiny", abstract=True, layers=2, batch=16, seq_len=32))
     cost = cost_model_for("h100", (8,), ("x",))
-    bound = estimate(graph, "none").peak_bytes / 8
-    assert _activations(graph, cost, SimpleNamespace(recompute={"block_0": "full"}), None) == bound
-    assert _activations(graph, cost, SimpleNamespace(recompute={}), None) is None
-    assert _activations(graph, cost, None, DoesNotFit("does not fit", needed=5e9, as_traced=7e9)) == 7e9
+    bound = estimate(graph, "none").peak_bytes / cost.mesh.num_devices
+    asked = []
+
+    def need(mode: str) -> float:
+        asked.append(mode)
+        return estimate(graph, mode).peak_bytes / cost.mesh.num_devices
+
+    assert _activations(need, SimpleNamespace(recompute={"block_0": "full"}), None) == bound and asked == ["none"]
+    assert _activations(need, SimpleNamespace(recompute={}), None) is None
+    assert _activations(need, None, DoesNotFit("does not fit", needed=5e9, as_traced=7e9)) == 7e9
+    assert asked == ["none"]  # the bound the failed planning proved is not estimated again

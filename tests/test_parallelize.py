@@ -11,6 +11,7 @@ import pytest
 import autoshard
 from autoshard._examples import load_example
 from autoshard.emit import global_rel_error
+from autoshard.emit.program import ArgumentMismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -60,8 +61,27 @@ def test_second_call_reuses_the_compiled_program() -> None:
     state, batch = ex.args
     state, _ = par(state, batch)
     first = par.plan
-    par(state, batch)
+    state, _ = par(state, batch)
     assert par.plan is first
+
+
+def test_a_batch_of_another_shape_is_planned_again_and_the_first_program_kept() -> None:
+    ex = load_example(ROOT / "examples" / "mlp.py", "tiny", abstract=False)
+    rows = ex.args[1]["x"].shape[0]
+    other = load_example(ROOT / "examples" / "mlp.py", "tiny", [f"batch={2 * rows}"], abstract=False).args[1]
+    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=10)
+    ref = jax.jit(ex.train_step)
+    s_ref = s_par = ex.args[0]
+    plans = []
+    for batch in (ex.args[1], ex.args[1], other, ex.args[1]):
+        s_ref, m_ref = ref(s_ref, batch)
+        s_par, m_par = par(s_par, batch)
+        assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+        plans.append(par.plan)
+    assert plans[0] is plans[1] is plans[3] and plans[2] is not plans[0] and len(par._cache) == 2
+    # the emitted program itself refuses leaves of other shapes, naming the leaf
+    with pytest.raises(ArgumentMismatch, match=rf"argument leaf \d+ \(batch.x\) is float32\[{2 * rows}, "):
+        par._last.step(s_par, other)
 
 
 def test_mesh_larger_than_the_devices_is_a_clear_error() -> None:

@@ -19,7 +19,7 @@ from autoshard.cli import main as cli_main
 from autoshard.emit import global_rel_error
 from autoshard.errors import AutoshardError
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
-from autoshard.planner.recompute import plan_recomputing
+from autoshard.planner.recompute import most_shards, plan_recomputing
 from autoshard.target import cost_model_for
 from autoshard.trace import Graph
 from autoshard.trace.buffers import buffers
@@ -118,6 +118,34 @@ def test_auto_recomputes_only_when_the_step_does_not_fit() -> None:
     with pytest.raises(DoesNotFit):
         plan_recomputing(graph, cost, recompute="none", memory_budget=(sel.peak_memory + roomy.peak_memory) / 2,
                          **kw)
+
+
+def test_most_shards_splits_only_what_the_axes_divide() -> None:
+    assert most_shards((25600, 102400), (384, 8)) == 8  # GPT-1T's MLP kernel: 384 = 3 x 128 divides neither
+    assert most_shards((3072, 2048, 25600), (384, 8)) == 3072  # its activations split both ways
+    assert most_shards((16, 64), (2, 4)) == 8 and most_shards((6,), (4,)) == 1 and most_shards((), (8,)) == 1
+    assert most_shards((12,), (2, 3)) == 6  # two axes on one dimension
+    assert most_shards((4, 9), (4, 3, 1)) == 12
+
+
+def test_a_mode_no_split_can_fit_is_refused_before_its_rewrite_and_build(caplog) -> None:
+    """On a mesh of 7 nothing in the tiny GPT divides: every value stays whole, so a budget under the step's
+    unsharded peak with full recompute cannot be met whatever the layouts, though that peak spread over 7
+    devices would fit. Every mode is refused from the bound (no problem built) and the message says why."""
+    import logging
+
+    from autoshard.trace.recompute import estimate
+
+    _, graph, _ = _gpt()
+    cost = cost_model_for("h100", (7,), ("x",))
+    full = estimate(graph, "full").peak_bytes
+    budget = full / 2
+    assert full / 7 < budget
+    with caplog.at_level(logging.INFO, logger="autoshard"), pytest.raises(DoesNotFit) as e:
+        plan_recomputing(graph, cost, memory_budget=budget, hardware="h100", time_budget_s=5)
+    assert "built the problem" not in caplog.text
+    assert caplog.text.count("as far as the mesh's axes divide it") == 3
+    assert "as far as the mesh's axes divide its dimensions" in str(e.value)
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])

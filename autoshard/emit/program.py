@@ -38,6 +38,10 @@ from cost_models.spec import ShardingSpec
 log = logging.getLogger("autoshard")
 
 
+class ArgumentMismatch(EmitError):
+    """An emitted step called with argument leaves whose shapes or dtypes differ from the traced ones."""
+
+
 class EmittedStep:
     """A traced step re-emitted as one jitted SPMD program; call it like the traced function.
 
@@ -89,6 +93,15 @@ class EmittedStep:
     # ---- the program -----------------------------------------------------------------------------------
 
     def _flat_step(self, *leaves: Any) -> tuple[Any, ...]:
+        # runs only when jax.jit traces, i.e. for an argument signature it has not compiled yet: the graph's
+        # ops carry the traced shapes, so leaves of other shapes are refused here, not replayed wrongly
+        for i, (t, x) in enumerate(zip(self.graph.inputs, leaves, strict=True)):
+            want = self.graph.tensors[t]
+            if tuple(x.shape) != want.shape or str(x.dtype) != want.dtype:
+                raise ArgumentMismatch(
+                    f"argument leaf {i} ({want.name}) is {x.dtype}{list(x.shape)}; the step was traced and "
+                    f"planned with {want.dtype}{list(want.shape)}: call autoshard.parallelize's step (it plans "
+                    "again for new shapes) or emit a plan made for these shapes")
         self.interpreter.reset()
         return tuple(self.interpreter.run(self.graph, (), leaves, pin_inputs=False))
 
@@ -104,8 +117,13 @@ class EmittedStep:
         return leaves
 
     def __call__(self, *args: Any) -> Any:
-        out = self.jitted(*self.flatten(*args))
-        return jax.tree_util.tree_unflatten(self.graph.out_tree, list(out))
+        return self.call_flat(self.flatten(*args))
+
+    def call_flat(self, leaves: Sequence[Any]) -> Any:
+        """The step on the flat leaves of arguments with the traced pytree structure (not checked here: the
+        caller flattened them and compared the structure); the result as the traced output pytree. Leaves of
+        other shapes or dtypes raise ``ArgumentMismatch`` (when jax.jit traces for them)."""
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, list(self.jitted(*leaves)))
 
     def place(self, *args: Any) -> tuple[Any, ...]:
         """``args`` as fresh arrays laid out with the input shardings, ready to be donated.

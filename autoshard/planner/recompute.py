@@ -14,11 +14,15 @@
   elementwise ops, no matmuls), so when both fit it is the faster, and a plan that fits as traced is
   never slowed by recompute.
 
-A mode is not solved when it cannot fit whatever the layouts: the step's peak with that mode, unsharded
-(``trace.recompute.estimate``), spread perfectly over the mesh's devices, already exceeds the budget
-(the step as traced included). That bound is what the solver proves for the step as traced on large
-meshes (GPT-39B bf16 at batch 1024 on 8x8: 428.5 GB bound, 429 GB proven); skipping saves building and
-solving (12-20 s there) a mode that cannot fit.
+A mode is not solved when it cannot fit whatever the layouts: the step's peak with that mode
+(``trace.recompute.estimate``), with every value split into as many shards as the mesh's axes can split
+it (``most_shards``: an axis splits a dimension its size divides, as every strategy does), already
+exceeds the budget (the step as traced included). That bound is what the solver proves for the step as
+traced on large meshes (GPT-39B bf16 at batch 1024 on 8x8: 428.5 GB bound, 429 GB proven); skipping saves
+rewriting, building and solving a mode that cannot fit (12-20 s there; ~52 s for GPT-1T on 384x8 A100s,
+whose weights no split of 384 = 3·128 divides, so they split 8 ways at most: with full recompute the step
+needs 8.8 GB per device spread perfectly over the 3072 devices but at least 1,146 GB with the splits the
+axes divide, and the solver's own least-memory check, after the rewrite and the build, found 1,191 GB).
 
 Formally, with ``G_m`` the step rewritten with mode ``m`` on every block and ``T(G)`` the optimal step
 time of ``G`` under the budget (``+inf`` when nothing fits), ``auto`` returns
@@ -34,16 +38,20 @@ its trace before emitting, so the program runs what was planned.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.planning import plan_graph
-from autoshard.trace.graph import Graph
+from autoshard.trace.graph import Graph, Tensor
 from autoshard.trace.recompute import MODES, estimate, peak_holders
 from autoshard.trace.remat import blocks, rematerialize, uniform
-from cost_models import CostModel
+from cost_models import CostModel, LogicalMesh
 
 log = logging.getLogger("autoshard")
 
@@ -81,11 +89,11 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         if recompute == "auto" and mode != "none" and not names:
             break  # nothing to recompute: the step as traced was the only candidate
         if recompute == "auto" and budget is not None:
-            bound = estimate(graph, mode).peak_bytes / cost.mesh.num_devices
+            bound = estimate(graph, mode, nbytes=least_bytes(cost.mesh)).peak_bytes
             if bound > budget:
                 needs[mode] = bound
-                log.info("autoshard: the step %s cannot fit: at least %s per device even sharded perfectly",
-                         describe(mode), _gb(bound))
+                log.info("autoshard: the step %s cannot fit: at least %s per device with every value split "
+                         "as far as the mesh's axes divide it", describe(mode), _gb(bound))
                 continue
         config = uniform(graph, mode) if mode != "none" else {}
         target = recomputed(graph, {b: m for b, m in config.items() if m != "none"})
@@ -113,9 +121,9 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         as_traced = f"\nAs traced: {str(first).splitlines()[0]}"
     else:  # every bound from the estimate: say what the step holds at its peak
         largest = ", ".join(f"{what} ({_gb(n)})" for what, n in peak_holders(graph))
-        as_traced = (" Each bound is the step's peak with that setting, spread perfectly over the "
-                     f"{cost.mesh.num_devices} devices; as traced, the largest values live there (unsharded): "
-                     f"{largest}.")
+        as_traced = (" Each bound is the step's peak with that setting, every value split over the "
+                     f"{cost.mesh.num_devices} devices as far as the mesh's axes divide its dimensions; as "
+                     f"traced, the largest values live there (unsharded): {largest}.")
     raise DoesNotFit(
         f"the step does not fit in {_gb(budget)} per device on mesh {cost.mesh}, recompute or not ({tried}, "
         f"of its {len(names or ())} blocks). Use more devices, microbatches (microbatches=B, --microbatches B: "
@@ -123,6 +131,33 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         f"(memory_budget=None, --memory-budget none) to see what it would need.{as_traced}",
         needed=needs.get("full", first.needed if first is not None else None),
         as_traced=needs.get("none")) from None
+
+
+def most_shards(shape: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    """The most shards a value of ``shape`` splits into on a mesh with axes of ``sizes``: each axis given to
+    at most one dimension, each dimension divisible by the product of its axes (every strategy splits so:
+    ``strategies.registry.assignments``, which also caps the axes per dimension, so this is an upper bound
+    on what they reach). A scalar, or a value no axis divides, is one shard."""
+    return _most_shards(tuple(int(n) for n in shape), tuple(k for k in sizes if k > 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_shards(shape: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    best = 1
+    for choice in itertools.product(range(-1, len(shape)), repeat=len(sizes)):
+        per_dim = [1] * len(shape)
+        for k, d in zip(sizes, choice, strict=True):
+            if d >= 0:
+                per_dim[d] *= k
+        if all(n % f == 0 for n, f in zip(shape, per_dim, strict=True)):
+            best = max(best, math.prod(per_dim))
+    return best
+
+
+def least_bytes(mesh: LogicalMesh) -> Callable[[Tensor], float]:
+    """A value's least bytes per device on ``mesh`` (``most_shards`` of them), for ``estimate``."""
+    sizes = tuple(mesh.shape)
+    return lambda t: t.nbytes / most_shards(t.shape, sizes)
 
 
 def describe(mode: str) -> str:
