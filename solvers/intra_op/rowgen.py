@@ -211,7 +211,7 @@ def _row_generation(
             return RowGenResult(choice=None, objective=None, bound=None, optimal=False, infeasible=True,
                                 rounds=rounds)
         info = h.getInfo()
-        dual = float(info.mip_dual_bound)
+        dual = float(info.mip_dual_bound) / model.scale
         if np.isfinite(dual) and abs(dual) < 1e300:
             bound = dual if bound is None else max(bound, dual)
         if info.primal_solution_status != 2:

@@ -1,5 +1,8 @@
 """Behaviour of the intra-op solver beyond optimality: errors, +inf handling, time budget, JSON, presolve."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -251,3 +254,34 @@ def test_a_solve_prints_nothing_on_the_terminal() -> None:
     assert out.returncode == 0, out.stderr
     assert "cost" in out.stderr
     assert out.stdout == ""
+
+
+DATA = Path(__file__).parent.parent / "data" / "solver"
+
+
+def test_an_ilp_in_seconds_reaches_the_optimum_a_local_search_found() -> None:
+    """GPT-1T's block on a 3x8 submesh (its update ops; the planner's costs are seconds, the largest 0.64, the
+    smallest 2e-19). HiGHS given those costs as they are declared optimal an answer 0.18% above a known
+    feasible one (``….known.json``, found by the windowed local search); the ILP's objective is scaled
+    (``ilp.OBJECTIVE_SCALE``), and the answer is now at least as good as the known one, proven."""
+    p = IntraOpProblem.from_json(DATA / "gpt1t_block_3x8_update.json.gz")
+    known = np.array(json.loads((DATA / "gpt1t_block_3x8_update.known.json").read_text()))
+    sol = solve_intra_op(p, time_budget_s=20.0)
+    assert sol.method == "ilp" and sol.optimal
+    assert sol.cost <= p.cost_of(known) * (1 + 1e-9)
+    assert sol.lower_bound == pytest.approx(sol.cost, rel=1e-6)
+
+
+@pytest.mark.parametrize("unit", [1e-6, 1.0, 1e6])
+def test_the_answer_does_not_depend_on_the_unit_of_cost(unit: float) -> None:
+    """The same problem in seconds, microseconds or megaseconds: the same optimum, scaled, and a lower bound
+    in the problem's own unit (the ILP's objective is scaled for HiGHS and its bound scaled back)."""
+    base = _grid(3, 3, 11, memory=True)
+    p = IntraOpProblem(node_costs=[c * unit for c in base.node_costs], node_memory=base.node_memory,
+                       intervals=base.intervals, edges=base.edges, edge_costs=[m * unit for m in base.edge_costs],
+                       memory_limit=base.memory_limit)
+    ref = brute_force_intra_op(base)
+    sol = solve_intra_op(p, time_budget_s=20.0)
+    assert sol.optimal
+    assert sol.cost == pytest.approx(ref.cost * unit, rel=1e-9)
+    assert sol.lower_bound == pytest.approx(sol.cost, rel=1e-6)
