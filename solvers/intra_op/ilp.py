@@ -303,8 +303,8 @@ def _solve_highs(core: Core, model: IlpModel, time_limit: float, warm: np.ndarra
     word = h.modelStatusToString(status).lower()
     if status == highspy.HighsModelStatus.kOptimal:
         word = "optimal"
-    elif status == highspy.HighsModelStatus.kTimeLimit:
-        word = "time limit"
+    elif status in (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt):
+        word = "time limit"  # an interrupt is ours: the deadline (``interrupt_at_deadline``)
     elif status == highspy.HighsModelStatus.kInfeasible:
         return None, None, None, "infeasible"
     choice = obj = None

@@ -35,7 +35,7 @@ import numpy as np
 
 from solvers.intra_op import anneal as annealing
 from solvers.intra_op.bound import lagrangian_bound
-from solvers.intra_op.ilp import highs_available, ilp_columns, ilp_fits, solve_ilp
+from solvers.intra_op.ilp import ILP_COLUMNS_PER_SECOND, highs_available, ilp_columns, ilp_fits, solve_ilp
 from solvers.intra_op.lagrange_search import improve_by_prices
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
@@ -90,6 +90,20 @@ PRESOLVE_SHARE = 0.5
 ROWGEN_MIN_ROWS = 2000
 # At most this share of the budget is kept back for expanding and checking the answer.
 RESERVE_CAP = 0.1
+# A core of at most this many columns goes to one ILP when HiGHS could set it up in all the time left
+# (``ilp.ilp_fits`` allows it ``ILP_SETUP_SHARE`` of it, a rule made on cores of 50k-200k columns): such
+# cores are proven optimal in a fraction of a second, where the local search + windows path stops at its
+# deadline somewhere else each run. GPT-1T's 129 layers on 17 submesh shapes (the planner's 0.15-0.6 s layer
+# solves, replayed): the 170-208-node cores (3k-20k columns) proven optimal in 0.1-0.5 s, where the windowed
+# path ran its whole 0.47 s to the same cost or above (89.914 against 89.888 ms); the 397-node head cores
+# given 0.24 s ended at HiGHS's limit 0.7-1% worse on two shapes and 0.03-2% better on five; the 160 prices
+# summed 6,663 ms against 6,660.
+SMALL_ILP_COLUMNS = 25_000
+
+
+def small_ilp(seconds: float) -> int:
+    """The most columns a core may have to go to one ILP by the ``SMALL_ILP_COLUMNS`` rule in ``seconds``."""
+    return min(SMALL_ILP_COLUMNS, int(ILP_COLUMNS_PER_SECOND * max(0.0, seconds)))
 
 
 def solve_intra_op(
@@ -106,10 +120,12 @@ def solve_intra_op(
     """Best assignment found within ``time_budget_s`` seconds (proven optimal when ``optimal``).
 
     ``backend`` is ``"highs"`` (highspy, the default; CBC through pulp when highspy is missing) or
-    ``"cbc"``. A core whose ILP would have more than ``max_ilp_columns`` columns, or more than the time
-    left allows HiGHS to set up (``ilp.ilp_fits``), is not handed to one ILP (HiGHS would not
-    finish its root LP in time); windows of it are re-solved exactly instead, and
-    ``lower_bound`` is then only the trivial bound (every node and edge at its own minimum). ``optimal`` means proven within relative gap ``mip_rel_gap``. Raises InfeasibleError when
+    ``"cbc"``. A core goes to one ILP when it has at most ``max_ilp_columns`` columns and HiGHS can set
+    it up in the time left (``ilp.ilp_fits``; a core of at most ``SMALL_ILP_COLUMNS`` columns by
+    ``small_ilp``). A larger core is searched instead (HiGHS would not finish its root LP in time), with
+    windows of it re-solved exactly, and ``lower_bound`` is then the trivial bound (every node and edge
+    at its own minimum) or a Lagrangian one. ``optimal`` means proven within relative gap
+    ``mip_rel_gap``. Raises InfeasibleError when
     no finite, memory-feasible assignment exists and that is proven; never raises because time ran out.
 
     ``initial``: a known assignment of every node (e.g. the answer on a restricted strategy set) to start
@@ -163,7 +179,8 @@ def solve_intra_op(
 
     ls = LocalSearch(core)
     columns = ilp_columns(core)
-    one_ilp = columns <= max_ilp_columns and ilp_fits(columns, work_deadline - time.perf_counter())
+    left = work_deadline - time.perf_counter()
+    one_ilp = columns <= max_ilp_columns and (ilp_fits(columns, left) or columns <= small_ilp(left))
     # starts: 15% of what is left for a large core, 5% when one ILP or annealing will follow
     left = max(0.0, work_deadline - time.perf_counter())
     anneals = not one_ilp and 0.95 * left >= annealing.MIN_SECONDS and annealing.available()

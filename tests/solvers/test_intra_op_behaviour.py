@@ -285,3 +285,14 @@ def test_the_answer_does_not_depend_on_the_unit_of_cost(unit: float) -> None:
     assert sol.optimal
     assert sol.cost == pytest.approx(ref.cost * unit, rel=1e-9)
     assert sol.lower_bound == pytest.approx(sol.cost, rel=1e-6)
+
+
+def test_a_small_core_is_proven_optimal_in_a_short_solve() -> None:
+    """The same layer given half a second, as the pipeline's layer pricing gives it: its 6k-column core goes
+    to one ILP (``solve.small_ilp``) and is proven optimal, where the local search + windows path used to
+    run to its deadline and stop wherever it stood then (a price that moved with the machine's load)."""
+    p = IntraOpProblem.from_json(DATA / "gpt1t_block_3x8_update.json.gz")
+    known = np.array(json.loads((DATA / "gpt1t_block_3x8_update.known.json").read_text()))
+    sol = solve_intra_op(p, time_budget_s=0.5)
+    assert sol.method == "ilp" and sol.optimal
+    assert sol.cost <= p.cost_of(known) * (1 + 1e-9)
