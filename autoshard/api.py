@@ -317,10 +317,10 @@ def _check_mesh(plan: Plan | PipelinePlan, mesh: jax.sharding.Mesh) -> None:
                             f"mesh={want} (or a jax Mesh of that shape), or plan again for this mesh")
 
 
-def _cache_key(args: tuple[Any, ...]) -> Any:
-    """Arguments that compile to the same program get the same key: the pytree structure and each leaf's
-    shape and dtype as JAX sees it (a Python ``0`` and the int32 array a step returns for it are alike)."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
+def _cache_key(leaves: list[Any], tree: Any) -> Any:
+    """Arguments that compile to the same program get the same key: the pytree structure (``tree``, of the
+    flat ``leaves``) and each leaf's shape and dtype as JAX sees it (a Python ``0`` and the int32 array a
+    step returns for it are alike)."""
     # dtype objects, not strings: str(dtype) took ~25 us a leaf, milliseconds a step on GPT-sized trees
     return tree, tuple((x.shape, x.dtype) if hasattr(x, "dtype") else ((), jax.numpy.result_type(x))
                        for x in leaves)
@@ -423,7 +423,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
                 return last.step.call_flat(leaves)
             except ArgumentMismatch:
                 pass
-        key = _cache_key(args)
+        key = _cache_key(leaves, tree)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._compile(args)

@@ -204,7 +204,6 @@ def default_num_layers(graph: Graph, parts: StepParts) -> int:
     return max(2, min(MAX_DEFAULT_LAYERS, len(tags) + 1)) if tags else 8
 
 
-
 def assign_layers(graph: Graph, parts: StepParts, num_layers: int | None = None, *,
                   forced: Iterable[int] = ()) -> tuple[int, ...]:
     """A layer for every op: forward ops by clustering, the rest by the min rule (module docstring).

@@ -187,10 +187,13 @@ class _Flat:
         # at omats[adj_omoff[p] + s * k_b + u]. Edges between nodes of the same kind share their matrix
         # (IOPDDL N: 1.7k distinct of 13k, 7 MB instead of 48: the moves' reads stay in cache)
         distinct: dict[tuple, int] = {}
-        edge_mat = np.array([distinct.setdefault((m.shape, m.tobytes()), len(distinct)) for m in core.edge_costs],
-                            dtype=np.int64)
-        unique = list({key: m for m, key in zip(core.edge_costs, ((m.shape, m.tobytes()) for m in core.edge_costs),
-                                                    strict=True)}.values())
+        unique: list[np.ndarray] = []
+        edge_mat = np.empty(len(core.edge_costs), dtype=np.int64)
+        for e, m in enumerate(core.edge_costs):
+            j = distinct.setdefault((m.shape, m.tobytes()), len(unique))
+            if j == len(unique):
+                unique.append(m)
+            edge_mat[e] = j
         sizes = np.array([m.size for m in unique], dtype=np.int64)
         moff = np.zeros(len(unique) + 1, dtype=np.int64)
         np.cumsum(sizes, out=moff[1:])
