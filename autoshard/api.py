@@ -63,7 +63,7 @@ def plan(
     time_budget_s: float | None = None,
     roles: Mapping[str, str] | None = None,
     microbatches: int | None = None,
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     pipeline: bool | None = None,
     num_layers: int | None = None,
     max_stages: int | None = None,
@@ -81,8 +81,8 @@ def plan(
     to the ``"autoshard"`` logger at INFO.
 
     Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
-    (stages on submeshes, ``B`` microbatches, ``schedule`` "1f1b", "gpipe", "zb-h1" or "interleaved-1f1b"
-    with ``num_chunks`` chunks per stage, ``num_layers`` layers to
+    (stages on submeshes, ``B`` microbatches, ``schedule`` "auto" (1F1B or ZB-H1, whichever prices faster on
+    the stages cut), "1f1b", "gpipe", "zb-h1" or "interleaved-1f1b" with ``num_chunks`` chunks per stage, ``num_layers`` layers to
     cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
     the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
     ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one. With no
@@ -384,7 +384,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         time_budget_s: float | None = None,
         roles: Mapping[str, str] | None = None,
         microbatches: int | None = None,
-        schedule: str = "1f1b",
+        schedule: str = "auto",
         pipeline: bool | None = None,
         num_layers: int | None = None,
         max_stages: int | None = None,
@@ -428,11 +428,13 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         if compiled is None:
             compiled = self._compile(args)
             self._cache[key] = compiled
+        if compiled is not last:
             place = getattr(compiled.step, "place_state", None)
             if place is not None:
                 # laid out (and copied) as the program wants them: the next call, fed this call's
                 # results, then hits the same compiled program instead of compiling a second one for
-                # arguments that are already on the devices
+                # arguments that are already on the devices; and a step switching back to an earlier
+                # program brings arrays laid out by the other one, which jax.jit refuses as arguments
                 args = place(*args)
         self._last = compiled
         return compiled.step(*args)

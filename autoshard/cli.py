@@ -171,8 +171,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
     p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
                    help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"],
-                   help="pipeline schedule (interleaved-1f1b needs --stage-shape; --chunks per stage)")
+    p.add_argument("--schedule", default="auto", choices=["auto", "1f1b", "gpipe", "zb-h1", "interleaved-1f1b"],
+                   help="pipeline schedule (auto: 1f1b or zb-h1, whichever the planner prices faster; "
+                   "interleaved-1f1b needs --stage-shape; --chunks per stage)")
     p.add_argument("--chunks", type=_count, default=2, metavar="V", help="model chunks per stage (interleaved)")
     p.add_argument("--stage-shape", metavar="HxD", help="every stage on a submesh of H hosts x D devices")
     p.add_argument("--layers", type=_count, metavar="L", help="layers the pipeline planner cuts the model into")

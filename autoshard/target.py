@@ -196,15 +196,15 @@ class PipelineOptions:
     """How a step may be pipelined.
 
     ``microbatches``: microbatches per step (None: no pipeline is planned); ``pipeline``: True always
-    returns the pipelined plan, False never plans one, None returns the faster; ``schedule``: "1f1b",
-    "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the bubbles) or "interleaved-1f1b"
-    (``num_chunks`` model chunks per stage; needs ``stage_shape``);
-    "gpipe"; ``num_layers``: layers to cut the step into (default: one per named block, plus one);
+    returns the pipelined plan, False never plans one, None returns the faster; ``schedule``: "auto" (the
+    default: 1F1B or ZB-H1, whichever the planner prices faster on the stages it cuts), "1f1b", "gpipe",
+    "zb-h1" (zero-bubble H1: weight gradients deferred into the bubbles) or "interleaved-1f1b"
+    (``num_chunks`` model chunks per stage; needs ``stage_shape``); ``num_layers``: layers to cut the step into (default: one per named block, plus one);
     ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh."""
 
     microbatches: int | None = None
     pipeline: bool | None = None
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     num_chunks: int = 2
     num_layers: int | None = None
     max_stages: int | None = None
@@ -215,8 +215,9 @@ class PipelineOptions:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise PlanningError(f"{name}={v!r}: give a whole number >= 1, or None")
-        if self.schedule not in SCHEDULES:
-            raise PlanningError(f"schedule {self.schedule!r}: the pipeline runtime runs {', '.join(SCHEDULES)}")
+        if self.schedule not in (*SCHEDULES, "auto"):
+            raise PlanningError(f"schedule {self.schedule!r}: the pipeline runtime runs {', '.join(SCHEDULES)}; "
+                                "'auto' lets the planner pick")
         if self.pipeline and not self.microbatches:
             raise PlanningError("pipeline=True needs microbatches=B (the number of microbatches per step)")
 

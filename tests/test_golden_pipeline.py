@@ -135,10 +135,15 @@ def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d() -> None:
     assert any(r > 0 for r in reductions), "expected data parallel inside some stage"
     for st, r in zip(plan.stages, reductions, strict=True):
         assert st.update_time >= r, (st.update_time, r)
+    # the step: the microbatches' passes under the schedule the planner picked, then the slowest update
+    # once; 1F1B's passes take Σ t + (B − 1)·max t, and ZB-H1's (its own timeline) no longer
     times = [st.micro_time for st in plan.stages]
     once = max(st.update_time for st in plan.stages)
-    expected = sum(times) + (plan.num_microbatches - 1) * max(times) + once
-    assert math.isclose(plan.predicted_step_time, expected, rel_tol=1e-9)
+    priced = plan.solver.schedules
+    assert priced is not None and set(priced) == {"1f1b", "zb-h1"}
+    assert math.isclose(priced["1f1b"], sum(times) + (plan.num_microbatches - 1) * max(times), rel_tol=1e-9)
+    assert priced["zb-h1"] <= priced["1f1b"] and plan.schedule == min(priced, key=priced.get)
+    assert math.isclose(plan.predicted_step_time, priced[plan.schedule] + once, rel_tol=1e-9)
 
 
 def _gradient_reductions(plan: PipelinePlan, graph, cost: CostModel) -> list[float]:

@@ -25,7 +25,8 @@ class PipelineReport:
     """How a pipelined plan was found. ``dp_cost``: the stage DP's objective (seconds); ``layer_solves``:
     intra-op solves spent pricing layers; ``distinct_layers``: layers with different ops; times in
     seconds; ``intra_op_step_time``: the best intra-operator plan's time when one was also planned (a
-    string saying why there is none when it did not fit)."""
+    string saying why there is none when it did not fit); ``schedules``: with the schedule left to the
+    planner, the seconds each schedule it priced takes for the microbatches' passes (the update excluded)."""
 
     dp_cost: float
     layer_solves: int
@@ -35,6 +36,7 @@ class PipelineReport:
     stage_costing_seconds: float
     planning_seconds: float
     intra_op_step_time: float | str | None = None
+    schedules: Mapping[str, float] | None = None  # schedule "auto": each priced schedule's pipeline seconds
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -11,10 +11,14 @@ from autoshard.trace.summary import human_bytes
 def format_pipeline_plan(plan: PipelinePlan) -> str:
     """Stages, their submeshes, per-stage time and memory, and the bubble."""
     S = len(plan.stages)
+    priced = plan.solver.schedules
+    others = [f"{name} {human_time(t)}" for name, t in (priced or {}).items() if name != plan.schedule]
+    chosen = f" (the faster for these stages; microbatches' passes {human_time(priced[plan.schedule])}, " \
+        f"{', '.join(others)})" if priced and plan.schedule in priced and others else ""
     lines = [
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
         f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
-        f"{plan.schedule}, {plan.num_layers} layers",
+        f"{plan.schedule}{chosen}, {plan.num_layers} layers",
         f"predicted step time {human_time(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
@@ -41,10 +45,12 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
 def explain_pipeline(plan: PipelinePlan) -> str:
     """The pipeline plan's summary, with the step time split into stage work, bubble and update."""
     times = [st.micro_time for st in plan.stages]
-    B, S = plan.num_microbatches, len(plan.stages)
-    pipe = sum(times) + (B - 1) * max(times) if times else 0.0
+    B, V = plan.num_microbatches, len(plan.stages)
+    S = V // max(1, plan.num_chunks)  # physical stages; a stage runs its chunks
     work = sum(times) * B / S if S else 0.0
-    update = max((st.update_time for st in plan.stages), default=0.0)
+    # once per step, each physical stage its chunks' updates; the rest of the step is the schedule's passes
+    update = max((sum(plan.stages[u].update_time for u in range(s, V, S)) for s in range(S)), default=0.0)
+    pipe = plan.predicted_step_time - update
     total = plan.predicted_step_time or 1.0
     rows = [("stage work (mean per stage)", work), ("pipeline bubble", pipe - work),
             ("update (slowest stage)", update)]

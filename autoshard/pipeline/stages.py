@@ -52,6 +52,13 @@ the schedule keeps its own chunk's microbatches in flight (``Schedule.peak_infli
 share of the physical stage's budget (``_chunk_budgets``), and the step time is the schedule's simulated
 makespan (backward = 2 × forward) plus the largest per-stage sum of its chunks' once-per-step times.
 
+The schedule as a planner decision (``schedule_name="auto"``, the default of ``autoshard.plan``): the
+stages are cut and planned for 1F1B, then 1F1B and ZB-H1 are both priced on them (``_pipeline_time``) and
+the faster is the plan's schedule. ZB-H1 keeps the microbatches in flight 1F1B keeps (``schedules``), so
+the stages' plans and memory hold for both; its weight-gradient passes fill 1F1B's warm-up and cool-down
+idle slots (Qi et al. 2024), which pays where the bubble is large: GPT-1T's 128 stages of 3x8 over 1024
+microbatches, 119.30 s of pipeline under 1F1B, 115.47 s under ZB-H1 (``Schedule.simulate``).
+
 Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
 layers unrolled to pipeline them).
 """
@@ -110,15 +117,18 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
     (hosts, devices) makes every stage that submesh (so ``devices / size`` stages). The interleaved
-    schedule needs ``stage_shape`` and holds ``num_chunks`` model chunks per stage (``_interleaved``).
+    schedule needs ``stage_shape`` and holds ``num_chunks`` model chunks per stage (``_interleaved``);
+    ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
     ``SHARES.auto_seconds``)."""
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
-    if schedule_name not in SCHEDULE_NAMES:
-        raise PipelineError(f"schedule {schedule_name!r}: expected one of {', '.join(SCHEDULE_NAMES)}")
+    if schedule_name not in (*SCHEDULE_NAMES, "auto"):
+        raise PipelineError(f"schedule {schedule_name!r}: expected one of {', '.join(SCHEDULE_NAMES)} or 'auto'")
     interleaved = schedule_name == "interleaved-1f1b"
+    # "auto" cuts and plans the stages for 1F1B, whose microbatches in flight ZB-H1 shares, then picks
+    pricing = "1f1b" if schedule_name == "auto" else schedule_name
     if interleaved and (stage_shape is None or num_chunks < 2):
         raise PipelineError("the interleaved schedule runs on a given stage layout with several model chunks "
                             f"per stage: pass stage_shape=(hosts, devices) and num_chunks >= 2 (got "
@@ -145,8 +155,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         raise PipelineError(f"{limit} stages of {chunks} chunks need at least {chunks * limit} layers; the step "
                             f"has {layers}: pass num_layers >= {chunks * limit} or fewer chunks")
     try:
-        inflight = inflight_rule(schedule_name, limit, num_microbatches, chunks)
-        by_chunk = chunk_inflight_rule(schedule_name, limit, num_microbatches, chunks) if interleaved else None
+        inflight = inflight_rule(pricing, limit, num_microbatches, chunks)
+        by_chunk = chunk_inflight_rule(pricing, limit, num_microbatches, chunks) if interleaved else None
     except ValueError as e:
         raise PipelineError(str(e)) from None
 
@@ -267,15 +277,13 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             update_specs=remap(part.update),
         ))
     times = [st.micro_time for st in stages]
-    sched = schedule(schedule_name, num_stages, num_microbatches, chunks)
-    if interleaved or sched.weight_pass:  # the schedule's own timeline: a backward costs twice a forward
-        third = [t / 3 for t in times]
-        sim = (sched.simulate(third, third, weight_times=third) if sched.weight_pass
-               else sched.simulate(third, [2 * t for t in third]))
-        pipe, bubble = sim.makespan, sim.bubble_fraction
-    else:
-        pipe = sum(times) + (num_microbatches - 1) * max(times)
-        bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
+    names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 else (pricing,)
+    priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
+    chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
+    pipe, bubble = priced[chosen_schedule]
+    if len(names) > 1:
+        log.info("autoshard: schedule %s chosen (%s)", chosen_schedule,
+                 ", ".join(f"{name}: {human_time(t)} of pipeline" for name, (t, _) in priced.items()))
     per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
     step_time = pipe + max(sum(stages[u].update_time for u in us) for us in per_stage)
     held_bytes = [sum(stages[u].memory for u in us) for us in per_stage]
@@ -294,13 +302,32 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             "more microbatches (smaller ones), recompute, more devices per stage, or another schedule")
     report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
                             dp_seconds=dp_seconds, dp_candidates=dp_candidates,
-                            stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start)
+                            stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start,
+                            schedules={name: t for name, (t, _) in priced.items()} if len(names) > 1 else None)
     return PipelinePlan(
-        mesh=cost.mesh, hardware=hardware, num_microbatches=num_microbatches, schedule=schedule_name,
+        mesh=cost.mesh, hardware=hardware, num_microbatches=num_microbatches, schedule=chosen_schedule,
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
     )
+
+
+def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_microbatches: int,
+                   chunks: int) -> tuple[float, float]:
+    """Seconds the forward and backward passes of ``num_microbatches`` take under schedule ``name`` with
+    (virtual) stages taking ``times`` a microbatch, and the bubble fraction. 1F1B and GPipe: ``Σ_s t_s +
+    (B − 1)·max_s t_s``; the interleaved and zero-bubble schedules: their own timeline
+    (``Schedule.simulate``), a backward costing twice a forward (ZB-H1: its input- and weight-gradient
+    parts one forward each)."""
+    sched = schedule(name, num_stages, num_microbatches, chunks)
+    if chunks > 1 or sched.weight_pass:
+        third = [t / 3 for t in times]
+        sim = (sched.simulate(third, third, weight_times=third) if sched.weight_pass
+               else sched.simulate(third, [2 * t for t in third]))
+        return sim.makespan, sim.bubble_fraction
+    pipe = sum(times) + (num_microbatches - 1) * max(times)
+    bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
+    return pipe, bubble
 
 
 def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Sequence[Any], num_stages: int,
@@ -379,6 +406,9 @@ def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None,
     return (stage_shape,)
 
 
+# ``schedule_name="auto"``: the schedules priced on the stages planned for 1F1B, the faster kept (the first
+# of equals). GPipe is 1F1B's time with more microbatches in flight; interleaving needs a stage layout given.
+AUTO_SCHEDULES = ("1f1b", "zb-h1")
 MAX_RECUTS = 4  # stage DP runs after the first whose stages' joined plans overflow (then planned whole)
 
 
