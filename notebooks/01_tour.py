@@ -181,8 +181,9 @@ print(f"{path}: {path.stat().st_size / 1e6:.1f} MB; same plan: {again.predicted_
 # With `microbatches=4, pipeline=True` the step is also cut into pipeline stages. Here every stage gets a
 # 1x4 submesh (`stage_shape`), so the 8 devices make two stages; the step is cut into `num_layers=4`
 # layers first, and the stage DP decides which layers go to which stage. Each stage is its own compiled
-# program on its own four devices; the microbatches run in a 1F1B schedule, with gradients accumulated
-# over the microbatches before one update. `.plan` is now a `PipelinePlan`.
+# program on its own four devices; the microbatches run in the schedule the planner prices faster on
+# those stages (1F1B, or ZB-H1, which runs each backward's weight-gradient half in 1F1B's idle slots), with
+# gradients accumulated over the microbatches before one update. `.plan` is now a `PipelinePlan`.
 
 # %%
 pipelined = autoshard.parallelize(gpt.train_step, mesh=(2, 4), hardware="h100", microbatches=4, pipeline=True,
@@ -204,7 +205,8 @@ print(pipelined.explain())
 # The summary lists each stage's layers, its submesh and device ids, its forward+backward time per
 # microbatch and its memory per device, and the bubble: the share of the step the devices sit idle
 # while the pipeline fills and drains. With 2 stages and 4 microbatches the textbook bubble of a 1F1B
-# schedule is (S-1)/(B+S-1) = 1/5 when the stages are balanced; uneven stages idle more.
+# schedule is (S-1)/(B+S-1) = 1/5 when the stages are balanced; uneven stages idle more, and ZB-H1 fills
+# part of it (the summary shows the schedule chosen and what the other would take).
 #
 # Next: `02_plan_explorer` sweeps meshes and memory budgets and draws layouts and schedules;
 # `03_auto_vs_hand` compares the automatic plan with hand-written layouts.
