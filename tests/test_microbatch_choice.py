@@ -17,7 +17,7 @@ import autoshard
 from autoshard._examples import load_module
 from autoshard.api import _activations
 from autoshard.pipeline import PipelinePlan
-from autoshard.pipeline.microbatches import candidates, first_recompute, search
+from autoshard.pipeline.microbatches import candidates, first_recompute, interleaving, search
 from autoshard.pipeline.partition import PipelineError
 from autoshard.planner.plan import DoesNotFit, Plan
 from autoshard.target import cost_model_for
@@ -178,3 +178,54 @@ def test_the_first_count_is_sized_by_the_step_as_traced_also_when_it_fits_by_rec
     assert _activations(need, SimpleNamespace(recompute={}), None) is None
     assert _activations(need, None, DoesNotFit("does not fit", needed=5e9, as_traced=7e9)) == 7e9
     assert asked == ["none"]  # the bound the failed planning proved is not estimated again
+
+
+def test_the_interleaved_pipeline_priced_beside_uniform_stages_doubles_them_and_halves_the_count() -> None:
+    """Megatron's GPT-1T layout from the plan the DP makes at 1024 microbatches (128 stages of 3x8, a block
+    each): 64 stages of 6x8 over 512 microbatches of 6 rows, two chunks a stage. Inside a host a stage
+    doubles its devices; nothing is proposed where the stages differ, the counts do not divide, or the
+    layers are too few for two chunks per stage."""
+    assert interleaving([(3, 8)] * 128, 1024, 3072, (384, 8), 129) == (512, (6, 8))
+    assert interleaving([(1, 2)] * 4, 8, 64, (1, 8), 8) == (4, (1, 4))
+    assert interleaving([(1, 8)] * 8, 128, 1024, (8, 8), 49) == (64, (2, 8))
+    assert interleaving([(1, 4), (1, 8)], 8, 64, (1, 16), 8) is None  # stages of two shapes
+    assert interleaving([(1, 4)] * 2, 8, 64, (1, 8), 8) is None  # one stage of 1x8 left: nothing to interleave
+    assert interleaving([(3, 8)] * 128, 1024, 3072, (384, 8), 127) is None  # 64 stages x 2 chunks > 127 layers
+    assert interleaving([(1, 2)] * 4, 6, 12, (1, 8), 8) is None  # 3 microbatches over 2 stages
+    assert interleaving([(2, 8)] * 4, 8, 8, (8, 8), 16) is None  # 2 rows a microbatch over 4 hosts
+
+
+def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_the_planner_chooses() -> None:
+    """``_try_interleaving``: the interleaved plan replaces the chosen one when it prices faster; it is not
+    planned when the user fixed the schedule or the stages, when no budget was given and the chosen plan
+    idles little, or when the user's budget has too little left; a failure keeps the chosen plan."""
+    from autoshard.api import _try_interleaving
+    from autoshard.target import PipelineOptions
+
+    def pipe(t: float, bubble: float = 0.2):
+        return SimpleNamespace(stages=[SimpleNamespace(submesh=(1, 2))] * 4, num_microbatches=8, cluster=(1, 8),
+                               num_layers=8, predicted_step_time=t, bubble_fraction=bubble, schedule="1f1b")
+
+    asked = []
+
+    def plan_one(count, seconds, shape):
+        asked.append((count, shape))
+        return pipe(0.9)
+
+    auto = PipelineOptions()
+    faster = _try_interleaving(pipe(1.0), plan_one, 64, auto, None, 5.0)
+    assert faster.predicted_step_time == 0.9 and asked == [(4, (1, 4))]
+    slower = pipe(0.5)
+    assert _try_interleaving(slower, plan_one, 64, auto, None, 5.0) is slower
+    for options, left, bubble in ((PipelineOptions(schedule="1f1b"), None, 0.2),
+                                  (PipelineOptions(stage_shape=(1, 2)), None, 0.2),
+                                  (auto, None, 0.05), (auto, 1.0, 0.2)):
+        chosen = pipe(1.0, bubble)
+        assert _try_interleaving(chosen, plan_one, 64, options, left, 5.0) is chosen
+    assert len(asked) == 2
+
+    def fails(count, seconds, shape):
+        raise PipelineError("no cut fits")
+
+    chosen = pipe(1.0)
+    assert _try_interleaving(chosen, fails, 64, auto, 10.0, 5.0) is chosen
