@@ -80,6 +80,12 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
       8x8 its short solve gave a 381 s plan where the layouts' gave 10-11 s; first, it overran its share
       and left the layouts nothing when building had eaten most of the budget (a loaded machine).
 
+    The layouts of the grid and ``tied`` are left out when each would get under
+    ``SHARES.min_grid_seed_seconds`` of the first round: GPT with 4 blocks on 2x4 (1,480 nodes, a 366-node
+    tied core), 4 s: eleven tied seeds of 0.10-0.12 s priced 4,955-6,886 us (their least-memory starts,
+    barely moved), the second round 900-978 us, and the final solve, left 1.7 s, ended at 122.9-135.2 us;
+    given the whole 4 s it reaches 73.0 us.
+
     Second round, the rest of ``budget_s``: the tied problem again, with no inputs pinned beyond ``pins``,
     started from each of the ``SHARES.second_round`` best of the first round (``tied, from <name>``): a layout's
     global structure, with every tensor free to leave it (a ZeRO-sharded optimizer state here, a
@@ -125,6 +131,10 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     if automatic:  # last: the whole tied problem is the slowest to solve, and a short solve of it the worst
         jobs.append(("tied", problem, False, None))
     second = automatic and len(jobs) > 1
+    if automatic and (SHARES.first_round if second else 1.0) * budget_s / len(jobs) < SHARES.min_grid_seed_seconds:
+        # too short for the grid's tied solves to leave their start: the final solve gets their time
+        jobs = [job for job in jobs if job[2]]
+        second = False
     deadline = start + (SHARES.first_round if second else 1.0) * budget_s
     for n, (name, pinned, given, initial) in enumerate(jobs):
         # what is left of the round, shared by the jobs left: a job that overran costs them all

@@ -7,7 +7,9 @@ from it (the solver keeps at least ``min_solve`` of it). Of the solver's time, o
 ``T`` (None), ``T = auto_seconds(nodes)``: a few seconds for a small model, a minute for a large one.
 ``autoshard.plan`` takes tracing from the user's budget too, and when it plans both an intra-operator
 plan and a pipeline, gives the intra-operator plan ``intra_with_pipeline`` of what is left. Of the seed budget, ``first_round`` goes to one short tied solve per starting layout and
-the rest to re-solving the ``second_round`` best of them with their layouts unpinned.
+the rest to re-solving the ``second_round`` best of them with their layouts unpinned; when a starting
+layout of the grid would get under ``min_grid_seed_seconds`` that way, the grid is left out and its time
+goes to the final solve (``plan_graph`` gives the final solve whatever the seeds did not use).
 
 The pipeline planner (``pipeline.stages``) gives ``layer_pricing · T`` to pricing every distinct layer on
 every submesh shape (two solves each: update ops, microbatched ops; at least ``min_layer_seconds``
@@ -32,6 +34,7 @@ class Shares:
     first_round: float = 0.6  # of the seed budget, one short solve per seed
     second_round: int = 2  # best first-round seeds solved again with their layouts unpinned
     min_seed_seconds: float = 0.05  # a seed given less is skipped
+    min_grid_seed_seconds: float = 0.25  # the grid's seeds are left out when each would get less (``seeds``)
     layer_pricing: float = 0.4  # pipeline: of the budget, for the per-layer prices
     stage_plans: float = 0.6  # pipeline: for the chosen stages planned whole
     min_stage_seconds: float = 1.0  # pipeline: at least this per whole-stage solve
