@@ -32,8 +32,8 @@ above in that order; ``solve_ilp`` runs HiGHS through ``highspy`` (or CBC throug
 The objective HiGHS gets is scaled (``IlpModel.scale``) so that its largest coefficient is at least
 ``OBJECTIVE_SCALE``: the planner's costs are seconds (a GPT-1T layer's largest is 0.64, its smallest 2e-19),
 and at that scale HiGHS 1.16 declared optimal answers its own warm start beats. GPT-1T's block on 3x8
-(127-node core, 6,475 columns): "optimal" at 177.015 ms unscaled, 176.694 ms (truly optimal: the windowed
-local search had found it) with the costs multiplied by anything from 3 to 1e6; over the 36 layer cores
+(127-node core, 6,475 columns; core objectives): "optimal" at 177.015 ms unscaled, 176.694 ms (truly
+optimal: the windowed local search had found it) with the costs multiplied by anything from 3 to 1e6; over the 36 layer cores
 of that plan with at most 80k columns, scaled runs reached the same or a better answer, and proved the
 large ones faster (a 161-node, 59k-column core: optimal in 13.9 s scaled, 321.5 ms at a 20 s limit
 unscaled, against 191.0). Costs already that large (IOPDDL's) are passed as they are.
