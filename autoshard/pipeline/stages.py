@@ -319,8 +319,8 @@ def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_micro
     (B − 1)·max_s t_s``; the interleaved and zero-bubble schedules: their own timeline
     (``Schedule.simulate``), a backward costing twice a forward (ZB-H1: its input- and weight-gradient
     parts one forward each)."""
-    sched = schedule(name, num_stages, num_microbatches, chunks)
-    if chunks > 1 or sched.weight_pass:
+    if chunks > 1 or name not in ("1f1b", "gpipe"):  # the formula needs no schedule built (1 s at 128 x 1024)
+        sched = schedule(name, num_stages, num_microbatches, chunks)
         third = [t / 3 for t in times]
         sim = (sched.simulate(third, third, weight_times=third) if sched.weight_pass
                else sched.simulate(third, [2 * t for t in third]))

@@ -131,11 +131,13 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     if automatic:  # last: the whole tied problem is the slowest to solve, and a short solve of it the worst
         jobs.append(("tied", problem, False, None))
     second = automatic and len(jobs) > 1
-    if automatic and (SHARES.first_round if second else 1.0) * budget_s / len(jobs) < SHARES.min_grid_seed_seconds:
+    first_round = (SHARES.first_round if second else 1.0) * budget_s
+    if automatic and first_round / len(jobs) < SHARES.min_grid_seed_seconds:
         # too short for the grid's tied solves to leave their start: the final solve gets their time
         jobs = [job for job in jobs if job[2]]
         second = False
-    deadline = start + (SHARES.first_round if second else 1.0) * budget_s
+        first_round = budget_s
+    deadline = start + first_round
     for n, (name, pinned, given, initial) in enumerate(jobs):
         # what is left of the round, shared by the jobs left: a job that overran costs them all
         seconds = (deadline - time.perf_counter()) / (len(jobs) - n)
