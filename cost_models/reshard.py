@@ -5,8 +5,11 @@ OneFlow's S/B/P boxing):
 
 1. **Pending sums.** Axes partial in ``src`` but not in ``dst``: where ``dst`` splits some dimension over
    the axis, one ``reduce_scatter`` over those axes (the reduced result lands already split); the remaining
-   ones get one ``all_reduce``. Axes partial in ``dst`` but not in ``src`` cost nothing (a device keeps its
-   value and the others contribute zero).
+   ones get one ``all_reduce``. Axes partial in ``dst`` but not in ``src`` cost nothing when they split no
+   dimension of ``src`` (a device keeps its value and the others contribute zero). One that does is
+   gathered first (step 4): XLA's partitioner never turns a split into a pending sum of zero-padded blocks,
+   so a plan that did (a split bias read as a pending sum, then all-reduced) priced a program that is
+   never run; the emitted step all-gathers it.
 2. **Slice (free).** Axes that ``dst`` splits a dimension over and that the current layout does not use
    are applied by slicing locally.
 3. **Move (all-to-all).** An axis that splits dimension ``i`` now and dimension ``j != i`` in ``dst``:
@@ -88,7 +91,6 @@ def plan_reshard(
         partial.difference_update(allred)
 
     # classify axes currently splitting dimensions
-    new_partial = dst.partial - src.partial
     moves: list[tuple[str, int, int]] = []
     gathers: list[str] = []
     for i, d in enumerate(dims):
@@ -98,8 +100,6 @@ def plan_reshard(
             keep += 1
         for a in d[keep:]:
             j = dst.dim_of(a)
-            if a in new_partial:
-                continue  # free: this device keeps its block, the others contribute zeros
             if j is not None and j != i:
                 moves.append((a, i, j))
             else:

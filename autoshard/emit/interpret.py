@@ -79,6 +79,11 @@ class Interpreter:
         self.constraints[key] = self.constraints.get(key, 0) + 1
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
+    @staticmethod
+    def _split_inputs(graph: Graph, scope: Mapping[int, ShardingSpec]) -> frozenset[int]:
+        """The inputs of ``graph`` pinned to a layout that splits them (``_regather``'s candidates)."""
+        return frozenset(t for t in graph.inputs if (s := scope.get(t)) is not None and not s.is_replicated())
+
     # ---- evaluation ----------------------------------------------------------------------------------
 
     def run(self, graph: Graph, key: Scope, args: Sequence[Any], *, pin_inputs: bool = True) -> list[Any]:
@@ -112,7 +117,7 @@ class Interpreter:
             env[tid] = val = self._pin(val, tid, scope, key)
             return val
 
-        self._eval(graph.ops, key, env, read)
+        self._eval(graph.ops, key, env, read, regather=self._split_inputs(graph, scope))
         outvars = graph.jaxpr.jaxpr.outvars
         return [read(t, a, i) for i, (t, a) in enumerate(zip(graph.outputs, outvars, strict=True))]
 
@@ -139,10 +144,13 @@ class Interpreter:
         self._eval(ops, (), env, read)
         return [env[t] for t in outputs]
 
-    def _eval(self, ops: Sequence[Op], key: Scope, env: dict[int, Any], read: Callable[..., Any]) -> None:
+    def _eval(self, ops: Sequence[Op], key: Scope, env: dict[int, Any], read: Callable[..., Any], *,
+              regather: frozenset[int] = frozenset()) -> None:
         scope = self.specs.get(key, {})
         for op in ops:
             invals = [read(t, a, op) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
+            if regather and op.phase == "backward":
+                invals = _regather(op, invals, regather)
             outs = self._bind(op, key, invals)
             if len(outs) != len(op.outputs):
                 raise EmitError(f"{op.where()} returned {len(outs)} results, the graph expects {len(op.outputs)}")
@@ -214,6 +222,27 @@ class Interpreter:
     def _remat(self, op: Op, key: Scope, invals: list[Any]) -> Any:
         jaxpr, consts = self.rebuild(op.bodies[0], (*key, (op.id, 0)), op.eqn.primitive.name)
         return op.eqn.primitive.bind(*consts, *invals, **jc.remat_params(op.eqn, jaxpr))
+
+
+def _regather(op: Op, invals: list[Any], split: frozenset[int]) -> list[Any]:
+    """A backward op's split inputs read through an optimization barrier tied to its other operands.
+
+    The planner prices every reader's resharding of a tensor on its own edge and holds a gathered copy only
+    while its reader runs (``planner.build``): a ZeRO-3 weight is gathered for the forward matmul and again
+    for the backward one, as FSDP does. Left alone, XLA's CSE merges the two gathers and keeps the whole
+    weight alive from the forward pass to the backward one, which is neither the collectives nor the memory
+    the plan priced. The barrier makes the backward read a different value, available only once the op's
+    backward operands are, so the gather runs again where the backward op needs it."""
+    mine = [i for i, t in enumerate(op.inputs) if t in split]
+    ties = [i for i, (t, a) in enumerate(zip(op.inputs, op.eqn.invars, strict=True))
+            if t not in split and not isinstance(a, Literal)]
+    if not mine or not ties:
+        return invals
+    tied = jax.lax.optimization_barrier(tuple(invals[i] for i in mine + ties))
+    out = list(invals)
+    for i, x in zip(mine + ties, tied, strict=True):
+        out[i] = x
+    return out
 
 
 def _select_args(jaxpr: Jaxpr, off: int, n: int, total: int) -> Callable[..., list[Any]]:

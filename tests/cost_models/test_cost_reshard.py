@@ -42,6 +42,9 @@ def test_partial_sums() -> None:
     assert kinds("R·R +P(gpu)", "R·R") == [("all_reduce", ("gpu",), FULL)]
     assert kinds("R·R +P(gpu)", "S(gpu)·R") == [("reduce_scatter", ("gpu",), FULL)]
     assert kinds("R·R +P(gpu)", "R·R +P(gpu)") == []
+    assert kinds("R·R", "R·R +P(gpu)") == []  # one device keeps the value, the others hold zeros
+    # a split is gathered, never turned into zero-padded pending sums (XLA's partitioner gathers it)
+    assert kinds("S(gpu)·R", "R·R +P(gpu)") == [("all_gather", ("gpu",), FULL)]
     # reduce-scatter over gpu, then all-reduce of the smaller block over node
     assert kinds("R·R +P(node,gpu)", "R·S(gpu)") == [
         ("reduce_scatter", ("gpu",), FULL),
