@@ -16,6 +16,8 @@ Modules, in the order a solve uses them:
 * ``ilp``: the ILP (the mathematics is in its docstring) through HiGHS, CBC as the fallback;
 * ``rowgen``: the same ILP with its memory rows added as answers break them (cores with many rows);
 * ``restrict``: the exact ILP over a few strategies per node, for cores too large for one ILP;
+* ``trws``: Lagrangian search whose inner solver is message passing (TRW-S, compiled in ``_trws_kernel``),
+  the first search for cores too large for one ILP when the budget allows;
 * ``anneal``: simulated annealing (its loop compiled by numba in ``_anneal_kernel``) for cores too large
   for one ILP when the budget allows;
 * ``lns``: exact re-solves of windows, for cores too large for one ILP;

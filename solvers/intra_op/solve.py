@@ -10,8 +10,10 @@ priced in, ``tree_dp``; least memory everywhere; ``initial``), each improved by 
   by row generation (``rowgen``) when it has more than ``ROWGEN_MIN_ROWS`` of them (production cores:
   a few hundred nodes, tens of thousands of rows), else all at once (``ilp``), until optimal or the
   deadline.
-* A larger core with time enough (``annealing.MIN_SECONDS``): simulated annealing, one walk with memory
-  as a cost whose price per term adapts to where the rows overflow, one that keeps every row (``anneal``,
+* A larger core with time enough (``annealing.MIN_SECONDS``): first the Lagrangian search with message
+  passing (``trws``: memory priced per row, each pricing's unconstrained problem minimised by TRW-S, the
+  decoded points repaired and improved by ICM), its points merged exactly (``merge``); then, from its best
+  point, simulated annealing, one walk with memory as a cost whose price per term adapts to where the rows overflow, one that keeps every row (``anneal``,
   compiled), their points merged exactly after each round (``merge``: the ILP over only the strategies
   they use); when it is small enough for the time, the ILP over a guided restriction between the first
   annealing rounds and the last (``restrict.improve_by_guides``: each node keeps its strategy, those of a
@@ -39,6 +41,7 @@ from solvers.intra_op.ilp import ILP_COLUMNS_PER_SECOND, highs_available, ilp_co
 from solvers.intra_op.lagrange_search import improve_by_prices
 from solvers.intra_op.lns import improve_by_windows
 from solvers.intra_op.local_search import LocalSearch
+from solvers.intra_op.merge import Merger
 from solvers.intra_op.presolve import Core, Reduced, presolve
 from solvers.intra_op.problem import InfeasibleError, IntraOpProblem
 from solvers.intra_op.restrict import (
@@ -52,6 +55,7 @@ from solvers.intra_op.restrict import (
 from solvers.intra_op.rowgen import solve_by_row_generation
 from solvers.intra_op.solution import IntraOpSolution, PresolveStats
 from solvers.intra_op.tree_dp import ForestDP, block_descent, lagrangian_start
+from solvers.intra_op.trws import improve_by_messages
 
 __all__ = ["solve_intra_op"]
 
@@ -66,6 +70,12 @@ ANNEAL_SHARE = 0.85
 # from whatever start): 1.050 after one round of the guided ILP, 1.046 after two
 ANNEAL_FIRST = 0.3
 GUIDES_UNTIL = 0.85
+# Before annealing, the Lagrangian search with message passing (``trws``) gets this share of the annealing
+# time, and the merge of its points up to MERGE_UNTIL; the annealing (and the guided ILP) the rest, from its
+# best point. IOPDDL at 180 s, one run each (benchmarks/iopddl_results.md, "Message passing"): N 0.9958 of
+# the best known (annealing first: 1.08-1.14), M 1.0026 (1.045), K 0.9609 (0.98-1.04)
+MESSAGES_SHARE = 0.4
+MERGE_UNTIL = 0.45
 # Block descent stops by itself once 8 rounds in a row change nothing; up to this share of the time left
 # is its. From a good start it is what improves a large core: GPT-6.7B on 8x8 from its best seed (224.7
 # ms), 12 s: 222.4 ms with a quarter of the time, 222.2 ms (what 30 s reach) with 0.6; windows after it
@@ -202,6 +212,9 @@ def solve_intra_op(
             now = time.perf_counter()
             left = work_deadline - now
             phase = ANNEAL_SHARE * left
+            incumbent = _by_messages(core, ls, incumbent, now + MESSAGES_SHARE * phase, now + MERGE_UNTIL * phase)
+            t = time.perf_counter()
+            now, phase = t, max(0.0, phase - (t - now))
             guided = (backend == "highs" and highs_available()
                       and guides_fit(guided_columns(core, incumbent), (GUIDES_UNTIL - ANNEAL_FIRST) * phase))
             if guided:
@@ -210,10 +223,11 @@ def solve_intra_op(
                 improve_by_guides(core, ls, now + GUIDES_UNTIL * phase)
                 ls.start_from(annealing.anneal(core, ls.choice.copy(), now + phase, seed=1,
                                                rounds=range(half, annealing.ROUNDS)))
-                how, method = "annealed, guided ILP, improved by windows", "annealing + guided ILP + windowed ILP"
+                how, method = ("priced by messages, annealed, guided ILP, improved by windows",
+                               "messages + annealing + guided ILP + windowed ILP")
             else:
                 ls.start_from(annealing.anneal(core, incumbent, now + phase))
-                how, method = "annealed, improved by windows", "annealing + windowed ILP"
+                how, method = "priced by messages, annealed, improved by windows", "messages + annealing + windowed ILP"
             ls.improve(time.perf_counter() + 0.02 * left)
         else:
             how, method = "improved by windows", "local search + windowed ILP"
@@ -276,6 +290,20 @@ def solve_intra_op(
     status = "feasible (time budget reached)" if res.status == "time limit" else f"feasible ({res.status})"
     return _finish(problem, reduced.expand(choice, problem.num_nodes), bound, status, method, start, stats,
                    False, verify)
+
+
+def _by_messages(core: Core, ls: LocalSearch, incumbent: np.ndarray, until: float, merge_until: float
+                 ) -> np.ndarray:
+    """``trws.improve_by_messages`` from ``incumbent`` until ``until``, its points merged exactly (``merge``)
+    until ``merge_until``; the best feasible point (``incumbent`` when nothing is cheaper)."""
+    ls.start_from(incumbent)
+    points = improve_by_messages(core, ls, until)
+    best = ls.choice.copy()
+    if points and time.perf_counter() < merge_until:
+        merged = Merger(core).merge([incumbent, *points], merge_until)
+        if core.objective(merged) < core.objective(best):
+            best = merged
+    return best
 
 
 def _starts(core: Core, ls: LocalSearch, share: float, left: float,

@@ -68,7 +68,7 @@ def test_a_large_core_with_time_enough_is_annealed_within_its_budget(monkeypatch
     t0 = time.perf_counter()
     sol = solve_intra_op(p, time_budget_s=budget, max_ilp_columns=1000)
     wall = time.perf_counter() - t0
-    assert sol.method == "annealing + windowed ILP", sol.status
+    assert sol.method == "messages + annealing + windowed ILP", sol.status
     assert sol.feasible
     sol.verify(p)
     assert wall <= 1.05 * budget + 3.0  # set-up (checking the problem, presolve's graph) is not budgeted

@@ -1,0 +1,80 @@
+"""The compiled passes of ``trws`` (numba, cached on disk): imported only when a solve runs them.
+
+Kept apart for the reasons of ``_anneal_kernel``: importing ``solvers`` never needs numba, and numba caches
+module-level functions. Layout as ``anneal._Flat``: adjacency entry ``p`` of node ``a`` (neighbour
+``adj_nbr[p]``) has ``R^ab(s, u)`` at ``omats[adj_omoff[p] + s * k_b + u]``; ``rev[p]`` is the entry of ``b``
+that points back at ``a``; ``msg[moff[p]:moff[p] + k_a]`` is the message into ``a`` along entry ``p``."""
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def sweep(order, pos, k, koff, theta, adj_off, adj_nbr, adj_omoff, omats, rev, moff, msg, gamma, h, forward):
+    # one pass of TRW-S over the nodes in ``order`` (reversed when not ``forward``): each node's
+    # reparametrised unary h = theta + its incoming messages, then its messages to the neighbours after it
+    # in the pass's direction, normalised to a minimum of 0
+    n = order.shape[0]
+    for idx in range(n):
+        a = order[idx] if forward else order[n - 1 - idx]
+        ka = k[a]
+        base_a = koff[a]
+        for s in range(ka):
+            h[s] = theta[base_a + s]
+        for p in range(adj_off[a], adj_off[a + 1]):
+            mp = moff[p]
+            for s in range(ka):
+                h[s] += msg[mp + s]
+        ga = gamma[a]
+        for p in range(adj_off[a], adj_off[a + 1]):
+            b = adj_nbr[p]
+            if (pos[b] > pos[a]) != forward:
+                continue
+            kb = k[b]
+            out = moff[rev[p]]
+            mp = moff[p]
+            for u in range(kb):
+                msg[out + u] = np.inf
+            row = adj_omoff[p]
+            for s in range(ka):
+                base = ga * h[s] - msg[mp + s]
+                r = row + s * kb
+                for u in range(kb):
+                    v = base + omats[r + u]
+                    if v < msg[out + u]:
+                        msg[out + u] = v
+            lo = msg[out]
+            for u in range(1, kb):
+                if msg[out + u] < lo:
+                    lo = msg[out + u]
+            for u in range(kb):
+                msg[out + u] -= lo
+
+
+@njit(cache=True, nogil=True)
+def decode(order, pos, k, koff, theta, adj_off, adj_nbr, adj_omoff, omats, moff, msg, x, h):
+    # a point from the messages: in ``order``, each node takes the argmin of its unary, the edge costs to the
+    # neighbours already decided, and the messages from those not yet decided
+    n = order.shape[0]
+    for idx in range(n):
+        a = order[idx]
+        ka = k[a]
+        base_a = koff[a]
+        for s in range(ka):
+            h[s] = theta[base_a + s]
+        for p in range(adj_off[a], adj_off[a + 1]):
+            b = adj_nbr[p]
+            if pos[b] < pos[a]:
+                kb = k[b]
+                r = adj_omoff[p] + x[b]
+                for s in range(ka):
+                    h[s] += omats[r + s * kb]
+            else:
+                mp = moff[p]
+                for s in range(ka):
+                    h[s] += msg[mp + s]
+        best = 0
+        for s in range(1, ka):
+            if h[s] < h[best]:
+                best = s
+        x[a] = best
