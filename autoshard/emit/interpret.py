@@ -14,6 +14,12 @@ Where values come from
   constvar, and kept their values in ``graph.constants`` (keyed by tensor: jax 0.11 shares one jaxpr
   between call sites, so a variable of an inlined call can stand for a different value at each site).
 
+FSDP's second gather
+--------------------
+A backward op reading a split input of its scope (a ZeRO-3 weight) reads it through an optimization barrier
+tied to the op's other operands (``_regather``): XLA then gathers the weight again for the backward matmul,
+as the plan priced it, instead of reusing the forward's gathered copy (CSE) and holding it across the step.
+
 Control flow
 ------------
 ``with_sharding_constraint`` reaches only the level it is called at, so scan, while, cond and remat bodies

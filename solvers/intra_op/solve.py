@@ -213,6 +213,7 @@ def solve_intra_op(
             left = work_deadline - now
             phase = ANNEAL_SHARE * left
             incumbent = _by_messages(core, ls, incumbent, now + MESSAGES_SHARE * phase, now + MERGE_UNTIL * phase)
+            inc_obj = core.objective(incumbent)  # what the phases below must beat
             t = time.perf_counter()
             now, phase = t, max(0.0, phase - (t - now))
             guided = (backend == "highs" and highs_available()
