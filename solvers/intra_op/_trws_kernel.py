@@ -78,3 +78,50 @@ def decode(order, pos, k, koff, theta, adj_off, adj_nbr, adj_omoff, omats, moff,
             if h[s] < h[best]:
                 best = s
         x[a] = best
+
+
+@njit(cache=True, nogil=True)
+def chain_bound(k, koff, theta, adj_off, adj_omoff, omats, rev, moff, msg, share, chain_off, chain_nodes,
+                chain_entries, hbar, v, w):
+    # TRW-S's lower bound: the messages' reparametrisation θ̄_a = θ_a + Σ_b M_{b→a}, θ̄_ab(s, u) = R^ab(s, u)
+    # − M_{a→b}(u) − M_{b→a}(s) (the same energy at every point) split into monotonic chains, node a's unary
+    # shared equally by the share[a] = 1 / n_a chains through it; the sum of the chains' minima (a DP along
+    # each) is below the minimum of their sum
+    n = k.shape[0]
+    for a in range(n):
+        for s in range(k[a]):
+            t = theta[koff[a] + s]
+            for p in range(adj_off[a], adj_off[a + 1]):
+                t += msg[moff[p] + s]
+            hbar[koff[a] + s] = t
+    total = 0.0
+    for c in range(chain_off.shape[0] - 1):
+        a = chain_nodes[chain_off[c]]
+        for s in range(k[a]):
+            v[s] = share[a] * hbar[koff[a] + s]
+        for i in range(chain_off[c] + 1, chain_off[c + 1]):
+            b = chain_nodes[i]
+            p = chain_entries[i]  # entry of a (the previous node) pointing at b
+            ka = k[a]
+            kb = k[b]
+            into_a = moff[p]
+            into_b = moff[rev[p]]
+            row = adj_omoff[p]
+            for u in range(kb):
+                w[u] = np.inf
+            for s in range(ka):
+                base = v[s] - msg[into_a + s]
+                r = row + s * kb
+                for u in range(kb):
+                    val = base + omats[r + u]
+                    if val < w[u]:
+                        w[u] = val
+            for u in range(kb):
+                v[u] = w[u] - msg[into_b + u] + share[b] * hbar[koff[b] + u]
+            a = b
+        best = np.inf
+        for s in range(k[a]):
+            if v[s] < best:
+                best = v[s]
+        total += best
+    return total

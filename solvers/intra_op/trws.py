@@ -21,6 +21,15 @@ most ``REPAIR_ROWS`` of the rows overflow, a copy is repaired (``lagrange_search
 freeing memory on the worst row at the least cost per byte) and improved by ICM with the rows
 (``local_search``). The best feasible point seen is kept.
 
+A lower bound comes with it: the messages' reparametrisation (``θ̄_a = θ_a + Σ_b M_{b→a}``, ``θ̄_ab(s, u) =
+R^ab(s, u) − M_{a→b}(u) − M_{b→a}(s)``, the same energy at every point) split into TRW-S's monotonic chains
+(each edge on one, node ``a``'s unary shared by the ``1 / γ_a`` chains through it), each chain minimised by
+a DP: the sum of their minima is below the priced problem's minimum, whatever the messages (``+inf``
+entries stand as ``_Flat``'s finite penalty, which can only lower it). Less
+``Σ_r λ_r slack_r`` it bounds the memory-constrained problem (Lagrangian duality); the best over the rounds is
+returned. IOPDDL, 20 s of the search alone: M 0.9755 of the best known, N 0.876, K 0.768 (the forest
+bound of ``bound.py`` the solve reported before: 0.14-0.20, 0.351, 0.05).
+
 Why: the annealing's walks (``anneal``) make local moves and end in whichever basin their first round
 falls into; messages weigh every node's choice against its whole neighbourhood at once. IOPDDL, 60 s of
 this alone from the solve's start, one thread (``benchmarks/iopddl_results.md``): M 1.0036 of the best
@@ -78,6 +87,48 @@ class _Messages:
         self.gamma = 1.0 / np.maximum(np.maximum(before, after), 1.0)
         self.msg = np.zeros(int(self.moff[-1]))
         self.h = np.zeros(int(f.k.max(initial=1)))
+        self._chains(node_of, later)
+
+    def _chains(self, node_of: np.ndarray, later: np.ndarray) -> None:
+        """Monotonic chains covering every edge once (TRW-S's trees): at each node the i-th edge from an
+        earlier neighbour continues along the i-th edge to a later one; a node lies on
+        ``max(#earlier, #later, 1)`` chains, the ``1 / γ`` its unary is shared by."""
+        f = self.flat
+        n = f.k.shape[0]
+        ins: list[list[int]] = [[] for _ in range(n)]
+        outs: list[list[int]] = [[] for _ in range(n)]
+        for p, (a, up) in enumerate(zip(node_of.tolist(), later.tolist(), strict=True)):
+            (outs if up else ins)[a].append(p)
+        nxt: dict[int, int] = {}
+        for b in range(n):
+            for q_in, q_out in zip(ins[b], outs[b], strict=False):
+                nxt[q_in] = q_out
+        continued = set(nxt.values())
+        nodes: list[int] = []
+        entries: list[int] = []
+        off = [0]
+        nbr, rev = f.adj_nbr.tolist(), self.rev.tolist()
+        for a in self.order.tolist():
+            starts = [p for p in outs[a] if p not in continued]
+            if not ins[a] and not outs[a]:
+                nodes.append(a)
+                entries.append(-1)
+                off.append(len(nodes))
+            for p in starts:
+                nodes.append(a)
+                entries.append(-1)
+                q: int | None = p
+                while q is not None:
+                    nodes.append(nbr[q])
+                    entries.append(q)
+                    q = nxt.get(rev[q])
+                off.append(len(nodes))
+        self.chain_off = np.asarray(off, np.int64)
+        self.chain_nodes = np.asarray(nodes, np.int64)
+        self.chain_entries = np.asarray(entries, np.int64)
+        self.share = self.gamma
+        self.hbar = np.zeros(f.cost.shape[0])
+        self.w = np.zeros_like(self.h)
 
     def solve(self, theta: np.ndarray, iterations: int, x: np.ndarray, deadline: float = np.inf) -> None:
         """``iterations`` TRW-S iterations on unaries ``theta`` (flat, as ``_Flat.cost``; fewer when
@@ -93,13 +144,27 @@ class _Messages:
             kern.sweep(*graph, self.rev, self.moff, self.msg, self.gamma, self.h, False)
         kern.decode(*graph, self.moff, self.msg, x, self.h)
 
+    def lower_bound(self, theta: np.ndarray) -> float:
+        """TRW-S's bound on ``min_x Σ_a theta_a(x_a) + Σ_ab R^ab(x_a, x_b)`` at the current messages: the
+        messages' reparametrisation split into the monotonic chains, each minimised exactly (valid for any
+        messages; the optimum itself once TRW-S has converged on a tree)."""
+        from solvers.intra_op import _trws_kernel as kern
 
-def improve_by_messages(core: Core, ls: LocalSearch, deadline: float) -> list[np.ndarray]:
+        f = self.flat
+        return float(kern.chain_bound(f.k, f.koff, theta, f.adj_off, f.adj_omoff, f.omats, self.rev, self.moff,
+                                      self.msg, self.share, self.chain_off, self.chain_nodes, self.chain_entries,
+                                      self.hbar, self.h, self.w))
+
+
+def improve_by_messages(core: Core, ls: LocalSearch, deadline: float) -> tuple[list[np.ndarray], float]:
     """Rounds of the module docstring until ``deadline``; ``ls`` ends at the best feasible point found (its
     start when none is cheaper). Returns the distinct feasible points the rounds ended at, cheapest first
-    (at most ``POOL``; for a merge)."""
+    (at most ``POOL``; for a merge), and a lower bound on the core's objective (without ``constant``;
+    ``-inf`` when none was computed): the best over the rounds of the Lagrangian dual bound
+    ``LB(θ_λ) − Σ_r λ_r slack_r``, ``LB`` the messages' chain bound on the priced problem (a point that fits
+    has ``Σ_r λ_r (usage_r − slack_r) <= 0``, so it costs at least its priced energy less ``Σ_r λ_r slack_r``)."""
     if core.num_nodes == 0 or not core.edge_nodes.shape[0] or not ls.feasible():
-        return []
+        return [], -np.inf
     msgs = _Messages(core)
     f = msgs.flat
     best, best_obj = ls.choice.copy(), ls.objective()
@@ -115,10 +180,13 @@ def improve_by_messages(core: Core, ls: LocalSearch, deadline: float) -> list[np
     priced = np.zeros(f.cost.shape[0])
     x = np.zeros(core.num_nodes, np.int64)
     pool: dict[bytes, tuple[float, np.ndarray]] = {}
+    bound = -np.inf
     while time.perf_counter() < deadline:
         cum = np.concatenate([[0.0], np.cumsum(lam)])
         f.term_prices(cum[f.term_hi] - cum[f.term_lo], priced)
-        msgs.solve(f.cost + priced, ITERATIONS, x, deadline)
+        theta = f.cost + priced
+        msgs.solve(theta, ITERATIONS, x, deadline)
+        bound = max(bound, msgs.lower_bound(theta) - float(lam @ core.slack))
         if not rows:
             ls.start_from(x.copy())
             ls.improve(deadline)
@@ -139,7 +207,7 @@ def improve_by_messages(core: Core, ls: LocalSearch, deadline: float) -> list[np
     if found and found[0][0] < best_obj:
         best = found[0][1]
     ls.start_from(best)
-    return [p for _, p in found]
+    return [p for _, p in found], bound
 
 
 
