@@ -10,6 +10,17 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True)
+def unary(a, k, koff, theta, adj_off, moff, msg, out, at):
+    # node a's reparametrised unary theta_a + Σ_b M_{b→a}, written to out[at:at + k[a]]
+    for s in range(k[a]):
+        out[at + s] = theta[koff[a] + s]
+    for p in range(adj_off[a], adj_off[a + 1]):
+        mp = moff[p]
+        for s in range(k[a]):
+            out[at + s] += msg[mp + s]
+
+
+@njit(cache=True, nogil=True)
 def sweep(order, pos, k, koff, theta, adj_off, adj_nbr, adj_omoff, omats, rev, moff, msg, gamma, h, forward):
     # one pass of TRW-S over the nodes in ``order`` (reversed when not ``forward``): each node's
     # reparametrised unary h = theta + its incoming messages, then its messages to the neighbours after it
@@ -18,13 +29,7 @@ def sweep(order, pos, k, koff, theta, adj_off, adj_nbr, adj_omoff, omats, rev, m
     for idx in range(n):
         a = order[idx] if forward else order[n - 1 - idx]
         ka = k[a]
-        base_a = koff[a]
-        for s in range(ka):
-            h[s] = theta[base_a + s]
-        for p in range(adj_off[a], adj_off[a + 1]):
-            mp = moff[p]
-            for s in range(ka):
-                h[s] += msg[mp + s]
+        unary(a, k, koff, theta, adj_off, moff, msg, h, 0)
         ga = gamma[a]
         for p in range(adj_off[a], adj_off[a + 1]):
             b = adj_nbr[p]
@@ -89,11 +94,7 @@ def chain_bound(k, koff, theta, adj_off, adj_omoff, omats, rev, moff, msg, share
     # each) is below the minimum of their sum
     n = k.shape[0]
     for a in range(n):
-        for s in range(k[a]):
-            t = theta[koff[a] + s]
-            for p in range(adj_off[a], adj_off[a + 1]):
-                t += msg[moff[p] + s]
-            hbar[koff[a] + s] = t
+        unary(a, k, koff, theta, adj_off, moff, msg, hbar, koff[a])
     total = 0.0
     for c in range(chain_off.shape[0] - 1):
         a = chain_nodes[chain_off[c]]
