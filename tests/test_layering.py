@@ -84,6 +84,7 @@ PASSES = (
     "autoshard.profiler",
     "autoshard._examples",
     "autoshard.distributed",
+    "autoshard.nnx_steps",
     "autoshard.api",
     "autoshard.megatron",
     "autoshard.cli",
