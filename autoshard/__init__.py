@@ -11,6 +11,7 @@ from autoshard.api import explain, parallelize, plan
 from autoshard.pipeline.partition import pipeline_stage
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.plan import Plan
+from autoshard.strategies.custom import register_rule
 from autoshard.target import PipelineOptions, Target
 from autoshard.trace import Graph, Op, Role, Tensor, TraceError, trace
 
@@ -29,5 +30,6 @@ __all__ = [
     "parallelize",
     "pipeline_stage",
     "plan",
+    "register_rule",
     "trace",
 ]

@@ -28,8 +28,10 @@ are rebuilt: the body Graph is evaluated by this same interpreter (with its own 
 body closes over (constants of the body) become extra leading operands: a scan's constants, a while's
 condition and body constants and a remat's operands grow (``autoshard.trace.jaxpr_compat`` writes the
 params of each jax release); a cond's branches all take every branch's
-constants so that their signatures agree. Other ops with bodies (``custom_linear_solve``, ``shard_map``, ...)
-are bound unchanged: no constraint reaches inside them, and this is logged once per primitive.
+constants so that their signatures agree. Other ops with bodies (``custom_linear_solve``, ...) are bound
+unchanged: no constraint reaches inside them, and this is logged once per primitive. A ``shard_map`` region is
+bound as the user wrote it, moved onto the device mesh, without a warning: its layouts are fixed by its specs,
+and the planner planned around them (``strategies.custom``).
 """
 
 from __future__ import annotations
@@ -173,12 +175,14 @@ class Interpreter:
             if op.bodies and rule is not None and _convert_constvars is not None:
                 outs = rule(self, op, key, invals)
             else:
-                if op.bodies and name not in self._warned:
+                if op.bodies and name not in self._warned and name not in _OPAQUE:
                     self._warned.add(name)
                     log.warning(
                         "autoshard.emit: %s has nested jaxprs that emission does not rebuild; it is bound "
                         "as traced and no sharding constraint reaches inside it", op.where())
                 subfuns, params = jc.bind_params(eqn)
+                if name == "shard_map":
+                    params = jc.region_on_mesh(params, self.mesh)
                 outs = eqn.primitive.bind(*subfuns, *invals, **params)
         return list(outs) if eqn.primitive.multiple_results else [outs]
 
@@ -260,6 +264,11 @@ def _select_args(jaxpr: Jaxpr, off: int, n: int, total: int) -> Callable[..., li
 
     return call
 
+
+_OPAQUE = frozenset({"shard_map", "custom_partitioning"})
+"""Ops with bodies bound as traced by design: a ``shard_map`` region runs as written (on the device mesh:
+``jaxpr_compat.region_on_mesh``), and a ``custom_partitioning`` body is only the call's single-device meaning
+(its partition callback says how it runs split)."""
 
 _REBUILD: dict[str, Callable[[Interpreter, Op, Scope, list[Any]], Any]] = {
     "scan": Interpreter._scan,

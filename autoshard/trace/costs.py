@@ -9,7 +9,12 @@ Conventions follow XLA's HloCostAnalysis closely enough that totals agree with
 - elementwise arithmetic (transcendentals included): 1 per output element.
 - reductions and cumulative ops: 1 per input element.
 - data movement (reshape, transpose, broadcast, slicing, gather, concatenate, convert, ...): 0.
+- collectives inside a ``shard_map`` region (``psum``, ``all_gather``, ``ppermute``, ...): 0; the region's
+  rule prices their time (``COLLECTIVES``).
 - sort: n · log2(n) comparisons per sorted row.
+
+Custom kernels (``pallas_call``, ``ffi_call``) count what ``autoshard.register_rule`` registered for them,
+else a Pallas kernel's own ``cost_estimate``, else 0 (the sharding rule warns about an unregistered one).
 
 Primitives with no rule count 0 flops; the tracer logs one warning per such primitive.
 """
@@ -101,6 +106,15 @@ def _fft(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any])
     return (0.5 if real else 1.0) * 5.0 * batches * n * max(math.log2(max(n, 2)), 1.0)
 
 
+# Collectives inside a shard_map region, by the kind the cost model prices them as (``strategies.custom``
+# adds their time to the region's); no flops. The rest of the region's communication primitives are free.
+COLLECTIVES = {
+    "psum": "all_reduce", "psum_invariant": "all_reduce", "pmax": "all_reduce", "pmin": "all_reduce",
+    "all_gather": "all_gather", "all_gather_invariant": "all_gather", "reduce_scatter": "reduce_scatter",
+    "all_to_all": "all_to_all", "ragged_all_to_all": "all_to_all", "ppermute": "send_recv",
+}
+COMMUNICATION = (*COLLECTIVES, "pbroadcast", "axis_index", "psend", "precv")
+
 # Host callbacks run outside the device program: no device flops (their operands are gathered first).
 CALLBACKS = "debug_callback debug_print io_callback pure_callback".split()
 
@@ -124,7 +138,44 @@ DATA_MOVEMENT = (
     "empty empty2 broadcast full stack unstack"
 ).split()
 
+def custom_call_name(primitive: str, params: Mapping[str, Any]) -> str:
+    """The name of the kernel a custom call runs: a ``pallas_call``'s ``name`` (else its kernel function's),
+    an ``ffi_call``'s target; for any other primitive its own name."""
+    if primitive == "pallas_call":
+        name = params.get("name") or getattr(params.get("name_and_src_info"), "name", None)
+        if not name:  # jax 0.10: the kernel's jaxpr knows the function ("my_kernel at file.py:12")
+            info = getattr(getattr(params.get("jaxpr"), "debug_info", None), "func_src_info", None) or ""
+            name = info.split(" at ")[0].strip()
+        return str(name) if name else primitive
+    if primitive == "ffi_call":
+        return str(params.get("target_name") or primitive)
+    return primitive
+
+
+KERNEL_FLOPS: dict[str, float | Callable[[list[Shape], list[Shape]], float] | None] = {}
+"""Flops of registered kernels by name (``autoshard.register_rule`` fills it)."""
+
+
+def kernel_flop_rule(primitive: str) -> FlopRule:
+    """The flop rule of a custom call: the flops registered for its kernel's name (else for the primitive),
+    else a Pallas kernel's ``cost_estimate``, else 0."""
+
+    def rule(ins: Sequence[Shape], outs: Sequence[Shape], params: Mapping[str, Any]) -> float:
+        name = custom_call_name(primitive, params)
+        flops = KERNEL_FLOPS.get(name, KERNEL_FLOPS.get(primitive))
+        if callable(flops):
+            return float(flops([tuple(s) for s in ins], [tuple(s) for s in outs]))
+        if flops is not None:
+            return float(flops)
+        estimate = params.get("cost_estimate")
+        return float(getattr(estimate, "flops", 0) or 0)
+
+    return rule
+
+
 FLOP_RULES: dict[str, FlopRule] = {
+    "pallas_call": kernel_flop_rule("pallas_call"),
+    "ffi_call": kernel_flop_rule("ffi_call"),
     "dot_general": _dot_general,
     "conv_general_dilated": _conv,
     "sort": _sort,
@@ -141,6 +192,7 @@ FLOP_RULES: dict[str, FlopRule] = {
     "top_k": _sort,
     "fft": _fft,
     **dict.fromkeys(CALLBACKS, _zero),
+    **dict.fromkeys(COMMUNICATION, _zero),
     **dict.fromkeys(ELEMENTWISE, _per_output),
     **dict.fromkeys(REDUCTIONS, _per_input),
     **dict.fromkeys(DATA_MOVEMENT, _zero),

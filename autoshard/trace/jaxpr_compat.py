@@ -271,6 +271,63 @@ def remat_params(eqn: Any, body: Jaxpr) -> dict[str, Any]:
     return p
 
 
+# ---- shard_map ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RegionLayout:
+    """A ``shard_map`` equation's fixed layouts: the mesh it was written for (``names`` and ``sizes``), and
+    per operand and per result the mesh axes of each dimension (a spec shorter than the array leaves its
+    last dimensions whole)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    in_dims: tuple[tuple[tuple[str, ...], ...], ...]
+    out_dims: tuple[tuple[tuple[str, ...], ...], ...]
+
+
+def spec_dims(spec: Any, rank: int) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of each of ``rank`` dimensions in a ``PartitionSpec`` (missing entries: none)."""
+    entries = list(spec) if spec is not None else []
+    dims = []
+    for k in range(rank):
+        e = entries[k] if k < len(entries) else None
+        if isinstance(e, str):
+            dims.append((e,))
+        elif isinstance(e, tuple | list):
+            dims.append(tuple(str(a) for a in e))
+        else:  # None, or PartitionSpec.UNCONSTRAINED (no axes fixed)
+            dims.append(())
+    return tuple(dims)
+
+
+def region_layout(eqn: Any) -> RegionLayout:
+    """The layouts of a ``shard_map`` equation (its params ``mesh``, ``in_specs``, ``out_specs``)."""
+    p = eqn.params
+    if "mesh" not in p or "in_specs" not in p or "out_specs" not in p:
+        raise _fail(eqn, "no 'mesh', 'in_specs' or 'out_specs'")
+    mesh = p["mesh"]
+    names = tuple(str(a) for a in mesh.axis_names)
+    sizes = tuple(int(s) for s in mesh.axis_sizes)
+    ins = tuple(spec_dims(s, len(getattr(v.aval, "shape", ()))) for s, v in zip(p["in_specs"], eqn.invars,
+                                                                                  strict=True))
+    outs = tuple(spec_dims(s, len(getattr(v.aval, "shape", ()))) for s, v in zip(p["out_specs"], eqn.outvars,
+                                                                                   strict=True))
+    return RegionLayout(names, sizes, ins, outs)
+
+
+def region_on_mesh(params: Mapping[str, Any], mesh: Any) -> dict[str, Any]:
+    """A ``shard_map``'s bind params moved onto ``mesh`` (a ``jax.sharding.Mesh`` with the region's axis
+    names, possibly more): the region runs on the devices the rest of the program runs on. A region
+    written over an ``AbstractMesh`` gets ``mesh``'s abstract mesh."""
+    p = dict(params)
+    if isinstance(p.get("mesh"), jax.sharding.AbstractMesh):
+        p["mesh"] = mesh.abstract_mesh
+    elif "mesh" in p:
+        p["mesh"] = mesh
+    return p
+
+
 # ---- re-binding equations -----------------------------------------------------------------------------
 
 try:  # name stacks and tracebacks of re-bound equations (readable HLO metadata); optional
