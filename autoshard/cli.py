@@ -281,6 +281,10 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     _add_example_arguments(p)
     _add_mesh_arguments(p, time_budget=30.0, per_plan=True)
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    p.add_argument("--recompute", nargs="+", choices=["auto", "none", "selective", "full"], metavar="MODE",
+                   help="rematerialise the repeated blocks' activations: one of auto (the default: only when the step "
+                        "does not fit without it; the hand layouts are then priced recomputing the same way), none, "
+                        "selective, full. With --megatron, the settings the grid prices (default: none selective)")
     g = p.add_argument_group("pipelined hand layouts (Megatron's grid)")
     g.add_argument("--megatron", action="store_true",
                    help="price Megatron-style pipelines (stage shape x microbatches x schedule x recompute) beside "
@@ -290,7 +294,6 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", nargs="+", type=_count, default=[64, 128], metavar="B")
     g.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"])
     g.add_argument("--chunks", type=_count, default=2, metavar="V", help="model chunks per stage (interleaved)")
-    g.add_argument("--recompute", nargs="+", default=["none", "selective"], choices=["none", "selective", "full"])
     g.add_argument("--no-auto", action="store_true", help="skip the automatic plan")
 
 
@@ -306,9 +309,16 @@ def _compare_run(args: argparse.Namespace) -> int:
     example = load_example(args.model, args.preset, args.overrides, abstract=True)
     if args.megatron:
         return _megatron_run(args, target, example)
+    modes = args.recompute or ["auto"]
+    if len(modes) > 1:
+        from autoshard.target import PlanningError
+
+        raise PlanningError(f"--recompute {' '.join(modes)}: compare prices every layout at one recompute setting; "
+                            "give one (auto, the default, recomputes only when the step does not fit without it), "
+                            "or add --megatron to price each setting in the grid")
     graph = trace(example.train_step, *example.args)
     result = compare(graph, target.cost, hardware=target.hardware, memory_budget=target.memory_budget,
-                     time_budget_s=args.time_budget,
+                     time_budget_s=args.time_budget, recompute=modes[0],
                      log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
     print(result.text())
     if args.json:
@@ -330,7 +340,8 @@ def _megatron_run(args: argparse.Namespace, target: Target, example: Example) ->
     auto, t_auto = (None, 0.0) if args.no_auto else automatic_plan(example.train_step, example.args, target)
     shapes = [_stage_shape(s) for s in args.stage_shapes] if args.stage_shapes else None
     points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
-                           microbatches=args.microbatches, recompute=args.recompute, schedules=args.schedules,
+                           microbatches=args.microbatches, recompute=args.recompute or ["none", "selective"],
+                           schedules=args.schedules,
                            num_chunks=args.chunks, time_budget_s=args.time_budget, log=say)
     print(grid_table(points, auto, t_auto))
     if args.json:

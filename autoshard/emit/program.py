@@ -23,6 +23,7 @@ with ``with_sharding_constraint``, recursively inside scan/while/cond/remat bodi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,6 +54,7 @@ class EmittedStep:
 
     def __init__(self, graph: Graph, specs: Mapping[Scope, Mapping[int, ShardingSpec]],
                  mesh: jax.sharding.Mesh, *, donate: bool = True) -> None:
+        t0 = time.perf_counter()
         if graph.jaxpr is None or graph.in_tree is None or graph.out_tree is None:
             raise EmitError(
                 "emit needs a top-level Graph from autoshard.trace (it keeps the jaxpr and the argument "
@@ -89,6 +91,8 @@ class EmittedStep:
             out_shardings=self.out_shardings,
             donate_argnums=self.donate_argnums,
         )
+        # seconds building this object; None once the program is compiled (``_compile_logged``)
+        self._unlogged: float | None = time.perf_counter() - t0
 
     # ---- the program -----------------------------------------------------------------------------------
 
@@ -123,7 +127,25 @@ class EmittedStep:
         """The step on the flat leaves of arguments with the traced pytree structure (not checked here: the
         caller flattened them and compared the structure); the result as the traced output pytree. Leaves of
         other shapes or dtypes raise ``ArgumentMismatch`` (when jax.jit traces for them)."""
+        if self._unlogged is not None:
+            self._compile_logged(leaves)
         return jax.tree_util.tree_unflatten(self.graph.out_tree, list(self.jitted(*leaves)))
+
+    def _compile_logged(self, leaves: Sequence[Any]) -> None:
+        """The first call's work, done ahead of it and reported to the ``autoshard`` logger at INFO: the
+        emission (the graph's ops bound again under jax.jit, ``_flat_step``, and lowered to StableHLO) and
+        XLA's compilation. jax.jit keeps both, so the call that follows runs the compiled program."""
+        t0 = time.perf_counter()
+        lowered = self.jitted.lower(*leaves)
+        t1 = time.perf_counter()
+        lowered.compile()
+        t2 = time.perf_counter()
+        assert self._unlogged is not None
+        log.info("autoshard: emitted the step in %.1f s (%d ops bound again, %d sharding constraints, lowered "
+                 "to StableHLO)", self._unlogged + t1 - t0, len(self.graph.ops),
+                 sum(self.interpreter.constraints.values()))
+        log.info("autoshard: compiled the step in %.1f s (XLA, %d devices)", t2 - t1, self.mesh.devices.size)
+        self._unlogged = None
 
     def place(self, *args: Any) -> tuple[Any, ...]:
         """``args`` as fresh arrays laid out with the input shardings, ready to be donated.

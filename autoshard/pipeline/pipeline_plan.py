@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.pipeline.partition import PipelineError
-from autoshard.planner.plan import PlanError, specs_from_json, specs_to_json
+from autoshard.planner.plan import InputSignature, PlanError, check_inputs, specs_from_json, specs_to_json
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
@@ -100,6 +100,9 @@ class PipelinePlan:
     # block (layer tag) -> recompute mode for the blocks the microbatch graph recomputes (``trace.remat``,
     # applied to the microbatch-sized trace before it is cut into stages); empty: as traced
     recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # (name, shape, dtype) of each input leaf of the microbatch-sized trace (``planner.plan.input_signature``);
+    # empty in plans saved before it was recorded (``verify`` then compares the digest only)
+    inputs: tuple[InputSignature, ...] = ()
 
     @property
     def mfu(self) -> float | None:
@@ -123,6 +126,9 @@ class PipelinePlan:
         return tuple(stage_of_layer[layer] for layer in self.layer_of_op)
 
     def verify(self, graph: Graph | None = None) -> None:
+        """The stages cover the layers in order on the mesh's devices; with ``graph`` (the step traced at
+        microbatch size), its input leaves have the planned shapes and dtypes (``check_inputs``) and its ops
+        are those the plan cut into stages."""
         expect = 0
         for s, st in enumerate(self.stages):
             if st.layers[0] != expect or st.layers[1] < st.layers[0]:
@@ -143,6 +149,10 @@ class PipelinePlan:
             raise PlanError(f"the stages use {used} devices; the mesh has {math.prod(self.mesh.shape)}")
         if not math.isfinite(self.predicted_step_time) or self.predicted_step_time < 0:
             raise PlanError(f"predicted step time {self.predicted_step_time} is not finite and non-negative")
+        if graph is not None and self.inputs:
+            check_inputs(self.inputs, graph, note=(
+                f"\n(shapes at microbatch size: the step is traced with its batch split into {self.num_microbatches} "
+                "microbatches)"))
         if graph is not None and (len(graph.ops) != len(self.layer_of_op)
                                   or graph_digest(graph) != self.graph_digest):
             raise PlanError("this pipeline plan was made for another trace of the step (different ops); "
@@ -175,6 +185,7 @@ class PipelinePlan:
             "graph_digest": self.graph_digest,
             **({} if self.model_flops is None else {"model_flops": self.model_flops.to_dict()}),
             "recompute": dict(self.recompute),
+            "inputs": [{"name": n, "shape": list(shape), "dtype": dtype} for n, shape, dtype in self.inputs],
         }
 
     @classmethod
@@ -196,7 +207,8 @@ class PipelinePlan:
                    bubble_fraction=float(d["bubble_fraction"]), peak_memory=float(d["peak_memory"]),
                    memory_budget=d["memory_budget"], solver=PipelineReport.from_dict(d["solver"]), graph_digest=d["graph_digest"],
                    model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
-                   recompute=dict(d.get("recompute", {})))
+                   recompute=dict(d.get("recompute", {})),
+                   inputs=tuple((x["name"], tuple(x["shape"]), x["dtype"]) for x in d.get("inputs", ())))
         plan.verify()
         return plan
 

@@ -97,6 +97,7 @@ from autoshard.pipeline.partition import (
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
 from autoshard.planner.build import build_problem
+from autoshard.planner.plan import input_signature
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.seeds import assignment_choice
 from autoshard.planner.shares import SHARES
@@ -309,6 +310,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
+        inputs=input_signature(graph),
     )
 
 

@@ -32,6 +32,7 @@ from autoshard.planner.layouts import HandLayout, grid
 from autoshard.planner.plan import Plan, PlanError, decode_choice
 from autoshard.planner.planning import ProblemCache, plan_graph
 from autoshard.planner.readback import memory_at_peak
+from autoshard.planner.recompute import plan_recomputing
 from autoshard.planner.summary import human_time, tensor_class
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
@@ -249,8 +250,10 @@ class Comparison:
 
     def text(self, *, notes: bool = True) -> str:
         budget = human_bytes(self.memory_budget) if self.memory_budget else "none"
-        lines = [f"mesh {self.auto.mesh}   hardware {self.auto.hardware or '?'}   memory budget {budget}", "",
-                 f"  {'layout':<24}{'step time':>12}{'x auto':>9}{'memory/device':>15}  fits"]
+        lines = [f"mesh {self.auto.mesh}   hardware {self.auto.hardware or '?'}   memory budget {budget}"]
+        if self.auto.recompute:
+            lines.append(f"recompute: {recompute_note(self.auto)} (every row is priced on the step recomputing so)")
+        lines += ["", f"  {'layout':<24}{'step time':>12}{'x auto':>9}{'memory/device':>15}  fits"]
         best = self.best_hand
         for r in self.rows:
             mark = " *" if best is not None and r.name == best.layout.name else ""
@@ -275,29 +278,49 @@ class Comparison:
 
 def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | None = None, hardware: str = "",
             memory_budget: float | None = None, time_budget_s: float = 30.0, auto: Plan | None = None,
-            seeded: bool = True, log: Any = None) -> Comparison:
+            seeded: bool = True, log: Any = None, recompute: str = "auto") -> Comparison:
     """The automatic plan (``auto``, or planned here) beside each hand layout (``layouts.grid`` by default),
     all on ``cost`` within ``memory_budget``; each solve gets ``time_budget_s``. With ``seeded``, one more
-    automatic solve starts from the best of those plans (the ``auto + grid starts`` row)."""
+    automatic solve starts from the best of those plans (the ``auto + grid starts`` row).
+
+    ``recompute`` is the automatic plan's setting, as ``autoshard.plan`` takes it (``planner.recompute``:
+    ``"auto"`` recomputes the step's blocks only when no layout fits without it); when the plan recomputes,
+    the hand layouts are priced on the same rewritten step, so that the rows differ only in their layouts.
+    A given ``auto`` plan must be of ``graph`` as it is."""
     problems = ProblemCache(graph)
     if auto is None:
-        auto = plan_graph(graph, cost, hardware=hardware, memory_budget=memory_budget, time_budget_s=time_budget_s,
-                          problems=problems)
+        auto, planned = plan_recomputing(graph, cost, recompute=recompute, hardware=hardware,
+                                         memory_budget=memory_budget, time_budget_s=time_budget_s, problems=problems)
+        if planned is not graph:
+            graph, problems = planned, ProblemCache(planned)
         if log:
-            log(f"auto: {human_time(auto.predicted_step_time)}")
+            log(f"auto: {human_time(auto.predicted_step_time)}"
+                + (f" (recompute: {recompute_note(auto)})" if auto.recompute else ""))
     layouts = grid(graph, cost.mesh) if layouts is None else layouts
     priced = []
     for lay in layouts:
         p = price_layout(graph, cost, lay, hardware=hardware, memory_budget=memory_budget,
                          time_budget_s=time_budget_s, problems=problems)
-        priced.append(p)
+        priced.append(dataclasses.replace(p, plan=_recomputing_as(auto, p.plan)))
         if log:
             log(f"{lay.name}: {human_time(p.step_time)}{'' if p.feasible else ' (does not fit)'}")
     again = None
     if seeded:
         starts = [auto, *(p.plan for p in priced if p.feasible)]
-        again = plan_graph(graph, cost, hardware=hardware, memory_budget=memory_budget, time_budget_s=time_budget_s,
-                           problems=problems, starts=starts)
+        again = _recomputing_as(auto, plan_graph(graph, cost, hardware=hardware, memory_budget=memory_budget,
+                                                 time_budget_s=time_budget_s, problems=problems, starts=starts))
         if log:
             log(f"{SEEDED}: {human_time(again.predicted_step_time)}")
     return Comparison(auto=auto, priced=tuple(priced), memory_budget=memory_budget, seeded=again)
+
+
+def recompute_note(plan: Plan) -> str:
+    """What a plan recomputes: ``"selective on 2 blocks"`` (``"none"`` when nothing)."""
+    if not plan.recompute:
+        return "none"
+    return f"{'/'.join(sorted(set(plan.recompute.values())))} on {len(plan.recompute)} blocks"
+
+
+def _recomputing_as(auto: Plan, plan: Plan) -> Plan:
+    """``plan`` (of the step ``auto`` was planned on) recording ``auto``'s recompute, which its graph has."""
+    return dataclasses.replace(plan, recompute=dict(auto.recompute)) if auto.recompute else plan

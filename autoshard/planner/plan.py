@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +134,8 @@ class Plan:
 
     def verify(self, graph: Graph | None = None) -> None:
         """Every spec names mesh axes, fits its tensor's rank and splits only divisible dimensions; with a
-        graph, the plan's inputs and outputs are the graph's."""
+        graph, the plan's inputs are the graph's (names, then shapes and dtypes: ``check_inputs``) and its
+        layouts fit the graph's tensors."""
         for t in (*self.inputs, *self.outputs):
             try:
                 t.spec.validate(t.shape, self.mesh, require_divisible=True)
@@ -147,6 +148,7 @@ class Plan:
         names = [graph.tensors[i].name for i in graph.inputs]
         if names != [t.name for t in self.inputs]:
             raise PlanError("the plan's inputs are not this graph's inputs: plan another step, or retrace")
+        check_inputs([(t.name, t.shape, t.dtype) for t in self.inputs], graph)
         for scope, table in self.specs.items():
             g = graph
             for op_id, b in scope:
@@ -157,6 +159,42 @@ class Plan:
                     spec.validate(t.shape, self.mesh, require_divisible=True)
                 except ValueError as e:
                     raise PlanError(f"plan layout of {t.name} {list(t.shape)}: {e}") from None
+
+    # ---- the same plan on renamed axes ---------------------------------------------------------------
+
+    def with_axis_names(self, names: Sequence[str]) -> Plan:
+        """This plan with its mesh axes renamed by position (``names[i]`` for the plan's axis ``i``): every
+        layout, the mesh, and the collectives' keys in ``time_breakdown`` and ``collective_counts``
+        (``all_reduce(x)`` -> ``all_reduce(data)``). The layouts and the costs are unchanged; the plan runs
+        on a device mesh of the same shape that names its axes ``names``."""
+        names = tuple(str(n) for n in names)
+        if len(names) != len(self.mesh.axis_names) or len(set(names)) != len(names):
+            raise PlanError(f"cannot rename the plan's mesh axes {self.mesh.axis_names} to {names}: give one "
+                            "distinct name per axis")
+        to = dict(zip(self.mesh.axis_names, names, strict=True))
+        if all(a == b for a, b in to.items()):
+            return self
+
+        def spec(s: ShardingSpec) -> ShardingSpec:
+            return ShardingSpec(dims=tuple(tuple(to[a] for a in d) for d in s.dims),
+                                partial=frozenset(to[a] for a in s.partial))
+
+        def key(k: str) -> str:  # "all_reduce(x,y)" -> "all_reduce(data,model)"; "compute" stays
+            kind, paren, axes = k.partition("(")
+            parts = axes.rstrip(")").split(",")
+            if not paren or not k.endswith(")") or not all(a in to for a in parts):
+                return k
+            return f"{kind}({','.join(to[a] for a in parts)})"
+
+        def layout(t: TensorLayout) -> TensorLayout:
+            return dataclasses.replace(t, spec=spec(t.spec))
+
+        return dataclasses.replace(
+            self, mesh=dataclasses.replace(self.mesh, axis_names=names),
+            inputs=tuple(layout(t) for t in self.inputs), outputs=tuple(layout(t) for t in self.outputs),
+            specs={scope: {tid: spec(s) for tid, s in table.items()} for scope, table in self.specs.items()},
+            time_breakdown={key(k): v for k, v in self.time_breakdown.items()},
+            collective_counts={key(k): v for k, v in self.collective_counts.items()})
 
     # ---- JSON --------------------------------------------------------------------------------------
 
@@ -218,6 +256,35 @@ class Plan:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise PlanError(f"{path} is not an autoshard plan ({type(e).__name__}: {e})") from None
+
+
+# one input leaf of a planned step: (name, shape, dtype), as ``Plan.inputs`` and ``PipelinePlan.inputs`` record it
+InputSignature = tuple[str, tuple[int, ...], str]
+
+
+def input_signature(graph: Graph) -> tuple[InputSignature, ...]:
+    """The name, shape and dtype of each input leaf of ``graph``, in order."""
+    return tuple((t.name, tuple(t.shape), t.dtype) for t in (graph.tensors[i] for i in graph.inputs))
+
+
+def check_inputs(planned: Sequence[InputSignature], graph: Graph, *, note: str = "", limit: int = 3) -> None:
+    """Refuse a plan whose input leaves differ in shape or dtype from ``graph``'s (a plan saved for one size
+    of a model and run on another with the same parameter names), naming the first ``limit`` that differ.
+    ``note`` is added after the list (what size a pipelined plan's trace is)."""
+    given = {t.name: t for t in (graph.tensors[i] for i in graph.inputs)}
+    differ = [(name, shape, dtype, given[name]) for name, shape, dtype in planned
+              if name in given and (tuple(shape) != tuple(given[name].shape) or dtype != given[name].dtype)]
+    if not differ:
+        return
+    lines = [f"  {name}: planned {dtype}{list(shape)}, given {t.dtype}{list(t.shape)}"
+             for name, shape, dtype, t in differ[:limit]]
+    if len(differ) > limit:
+        lines.append(f"  ... and {len(differ) - limit} more")
+    raise PlanError(
+        f"the plan was made for a step with other input shapes or dtypes: {len(differ)} of its {len(planned)} "
+        "input leaves differ (same names, another model size or batch?):\n" + "\n".join(lines) + note
+        + "\nPlan again for this step (autoshard.parallelize without plan=, autoshard.plan, or `autoshard "
+        "plan`) and save that plan; a plan's layouts and times hold only for the shapes it was made for.")
 
 
 def specs_to_json(specs: Mapping[Scope, Mapping[int, ShardingSpec]]) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
-from autoshard.planner.planning import plan_graph
+from autoshard.planner.planning import ProblemCache, plan_graph
 from autoshard.trace.graph import Graph, Tensor
 from autoshard.trace.recompute import MODES, estimate, peak_holders
 from autoshard.trace.remat import blocks, rematerialize, uniform
@@ -71,9 +71,11 @@ def recomputed(graph: Graph, modes: dict[str, str] | Any) -> Graph:
 
 
 def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", time_budget_s: float | None = None,
-                     **kw: Any) -> tuple[Plan, Graph]:
+                     problems: ProblemCache | None = None, **kw: Any) -> tuple[Plan, Graph]:
     """Plan ``graph`` with the recompute setting ``recompute`` (see the module docstring); ``kw`` go to
-    ``plan_graph``. Returns the plan and the graph it is a plan of (rewritten when it recomputes)."""
+    ``plan_graph``, and ``problems`` (built for ``graph``) too when the step is planned as traced (a
+    rewritten step builds its own). Returns the plan and the graph it is a plan of (rewritten when it
+    recomputes)."""
     check_recompute(recompute)
     t0 = time.perf_counter()
     modes = ("none", "selective", "full") if recompute == "auto" else (recompute,)
@@ -103,7 +105,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             log.warning("autoshard: recompute=%r: the step has no repeated blocks to recompute; planned as "
                         "traced", recompute)
         try:
-            plan = plan_graph(target, cost, time_budget_s=left, **kw)
+            plan = plan_graph(target, cost, time_budget_s=left, problems=problems if target is graph else None, **kw)
         except DoesNotFit as e:
             if recompute != "auto":
                 raise
