@@ -84,11 +84,13 @@ def test_a_shard_map_region_is_planned_around_its_specs(caplog: pytest.LogCaptur
     regions = _ops(graph, "shard_map")
     assert len(regions) == 2  # the forward region and its transpose in the backward pass
     forward = regions[0]
-    assert plan.specs[()][forward.outputs[-1]] == _spec("x,y")  # the result leaves in the out_specs' layout
+    # the result (its place among the residuals differs between jax releases) leaves in the out_specs' layout
+    result = next(k for k, t in enumerate(forward.outputs) if graph.tensors[t].shape == (64, 64))
+    assert plan.specs[()][forward.outputs[result]] == _spec("x,y")
 
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
     (only,) = strategies_for(forward, RuleContext.of(graph, cost.mesh), cost)
-    assert only.in_specs == (_spec("x,-"), _spec("-,y")) and only.out_specs[-1] == _spec("x,y")
+    assert only.in_specs == (_spec("x,-"), _spec("-,y")) and only.out_specs[result] == _spec("x,y")
     # the edge into the region prices the resharding from its operand's layout to the in_specs'
     built = build_problem(graph, cost, None)
     node = next(i for i, n in enumerate(built.nodes) if n.kind == "op" and n.ops[0] == ((), forward.id))

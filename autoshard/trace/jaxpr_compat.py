@@ -23,6 +23,8 @@ What changed from jax 0.10 to 0.11, and how each accessor reads both:
   ``policy`` in both. jax 0.11 adds ``jax_remat3`` (off by default in 0.11.2): with it on,
   ``jax.checkpoint`` binds ``call_hi_primitive`` whose ``_prim`` (a ``RematTraced``) holds the body;
   autoshard does not read that yet (an unknown primitive: replicated, 0 flops, one warning).
+- ``shard_map``: unchanged (``mesh``, ``in_specs``, ``out_specs``, ``jaxpr``, ``newly_manual_axes``);
+  under ``grad`` a forward region returns its results before its residuals in 0.11, after them in 0.10.
 - ``jit`` (``jaxpr``), ``closed_call`` (``call_jaxpr``), ``custom_jvp_call`` (``call_jaxpr``) and
   ``custom_vjp_call`` (``call_jaxpr``): the same names; 0.11's call jaxprs carry their consts.
 
