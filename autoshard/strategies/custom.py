@@ -193,15 +193,16 @@ def factor_candidates(op: Op, ctx: RuleContext, rule: FactorRule) -> list[Candid
     return cands
 
 
-def _warn(op: Op, key: str, why: str, hint: str) -> None:
-    unruled.warn_once(key, "autoshard: %s (first seen at %s): %s; its operands and results are replicated. %s",
-                      op.primitive if key == op.primitive else key, op.source or "an unknown location", why, hint)
+def _warn(op: Op, what: str, why: str, hint: str) -> None:
+    """One warning per ``what`` (a primitive, or a primitive's kernel) per process (``trace.unruled``)."""
+    unruled.warn_once(what, "autoshard: %s (first seen at %s): %s; its operands and results are replicated. %s",
+                      what, op.source or "an unknown location", why, hint)
 
 
-def _candidates_or_warn(op: Op, ctx: RuleContext, rule: FactorRule, key: str, hint: str) -> list[Candidate]:
+def _candidates_or_warn(op: Op, ctx: RuleContext, rule: FactorRule, what: str, hint: str) -> list[Candidate]:
     got = factor_candidates(op, ctx, rule)
     if isinstance(got, str):
-        _warn(op, key, f"its sharding rule does not fit the op: {got}", hint)
+        _warn(op, what, f"its sharding rule does not fit the op: {got}", hint)
         return []
     return got
 
@@ -230,9 +231,9 @@ def custom_partitioning(op: Op, ctx: RuleContext) -> list[Candidate]:
     if rule is None or not hasattr(rule, "operand_mappings"):
         why = "its sharding_rule is a callable, which needs the lowering's mesh" if callable(rule) else \
             "it has no sharding_rule"
-        _warn(op, "custom_partitioning", why, hint)
+        _warn(op, op.primitive, why, hint)
         return []
-    return _candidates_or_warn(op, ctx, sdy_rule(rule), "custom_partitioning", hint)
+    return _candidates_or_warn(op, ctx, sdy_rule(rule), op.primitive, hint)
 
 
 # ---- custom kernels ---------------------------------------------------------------------------------------
@@ -293,13 +294,15 @@ def kernel(op: Op, ctx: RuleContext) -> list[Candidate]:
     name = costs.custom_call_name(op.primitive, op.eqn.params)
     found = KERNELS.get(name) or KERNELS.get(op.primitive)
     what = f"{op.primitive} kernel {name!r}" if name != op.primitive else f"primitive {op.primitive!r}"
-    hint = (f"Register one with autoshard.register_rule({name!r}, 'b h q d, ... -> b h q d', split=('b', 'h'), "
-            "flops=...) (see the README's 'Custom kernels').")
+    shapes = ", ".join(str(list(s)) for s in ctx.in_shapes(op))
+    results = ", ".join(str(list(s)) for s in ctx.out_shapes(op))
+    hint = (f"Register one with autoshard.register_rule({name!r}, sharding_rule, split=..., flops=...), naming "
+            f"a factor for each dimension of its operands {shapes} and results {results} (see the README's "
+            "'Custom kernels').")
     if found is None:
-        unruled.warn_once(f"{op.primitive}:{name}", "autoshard: no sharding rule for %s (first seen at %s); its "
-                          "operands and results are replicated. %s", what, op.source or "an unknown location", hint)
+        _warn(op, what, "no sharding rule is registered for it", hint)
         return []
-    return _candidates_or_warn(op, ctx, found.rule, f"{op.primitive}:{name}", hint)
+    return _candidates_or_warn(op, ctx, found.rule, what, hint)
 
 
 for _p in CUSTOM_CALLS:
