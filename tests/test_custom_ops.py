@@ -116,7 +116,7 @@ def test_a_shard_map_step_runs_like_jit(reverse: bool, caplog: pytest.LogCapture
     assert global_rel_error(jax.jit(step)(*args), got) <= TOL
 
 
-def test_a_shard_map_on_axes_the_plan_lacks_is_refused_by_name() -> None:
+def test_a_shard_map_on_another_mesh_is_refused_naming_both() -> None:
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
 
     def step(x: jax.Array) -> jax.Array:
@@ -125,8 +125,8 @@ def test_a_shard_map_on_axes_the_plan_lacks_is_refused_by_name() -> None:
     with pytest.raises(PlanningError) as e:
         autoshard.plan(step, jax.ShapeDtypeStruct((16, 4), jnp.float32), mesh=MESH, time_budget_s=1)
     msg = str(e.value)
-    assert "test_custom_ops.py" in msg and "{'data': 8}" in msg and "'data' (8)" in msg
-    assert "plan on mesh={'data': 8}" in msg
+    assert "test_custom_ops.py" in msg and "written for the mesh {'data': 8}" in msg
+    assert "the plan's mesh is {'x': 2, 'y': 4}" in msg and "plan on mesh={'data': 8}" in msg
 
 
 # ---- custom_partitioning -------------------------------------------------------------------------------
@@ -363,3 +363,28 @@ def test_reshard_on_explicit_axes_fixes_the_dimensions_it_names(x_type: str, lay
     other = CostModel.load("h100", mesh_shape=(8,), axis_names=("y",))
     with pytest.raises(PlanningError, match="Explicit mesh axes"):
         strategies_for(op, RuleContext.of(graph, other.mesh), other)
+
+
+def test_a_step_on_explicit_axes_reshards_into_a_region_and_runs_like_jit(caplog: pytest.LogCaptureFixture) -> None:
+    """Explicit sharding as jax writes it: reshard the operands to the region's layouts, then shard_map;
+    the reshards fix those layouts, and the program runs on the (Auto) device mesh."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+    def f(a: jax.Array, w: jax.Array) -> jax.Array:
+        a = jax.sharding.reshard(a, NamedSharding(mesh, P("x", "y")))
+        w = jax.sharding.reshard(w, NamedSharding(mesh, P("y", None)))
+        h = jax.shard_map(lambda a, w: jax.lax.psum(a @ w, "y"), mesh=mesh, in_specs=(P("x", "y"), P("y", None)),
+                          out_specs=P("x"))(a, w)
+        return jnp.sum(jnp.tanh(h) ** 2)
+
+    step = jax.value_and_grad(f, argnums=(0, 1))
+    args = (jax.random.normal(jax.random.key(3), (16, 32)), jax.random.normal(jax.random.key(4), (32, 8)))
+    unruled.forget()
+    par = autoshard.parallelize(step, mesh=(2, 4), time_budget_s=2)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        got = par(*args)
+    _no_missing_rules(caplog)
+    assert global_rel_error(jax.jit(step)(*args), got) <= TOL
+    fixed = [par.plan.specs[()][op.outputs[0]] for op in _ops(par.graph, "reshard")
+             if par.graph.tensors[op.outputs[0]].shape == (16, 32)]
+    assert fixed and all(s == _spec("x,y") for s in fixed), fixed

@@ -3,12 +3,13 @@ kernels (``pallas_call``, ``ffi_call``) and ``reshard``.
 
 - ``shard_map``: the region's ``in_specs`` and ``out_specs`` are fixed layouts. One candidate: operands
   arrive in the in_specs' layout (the edges into the region price the resharding), results leave in the
-  out_specs' layout. Its mesh axes are the plan's axes *of the same name and size*: a region is written
-  for a mesh (its body was traced at per-shard shapes, its collectives name the axes), so a plan on
-  another mesh cannot run it. Axes of size 1 may be missing from the plan's mesh; any other mismatch is a
-  ``PlanningError`` naming the region, its mesh and the plan's, and what to pass instead. (Mapping the
-  axes by position would rename the axes the body's collectives use; it is not done.) Emission binds the
-  region as the user wrote it, moved onto the device mesh (``jaxpr_compat.region_on_mesh``). The tracer
+  out_specs' layout. Its mesh axes are the plan's axes *by name*: a region is written for a mesh (its body
+  was traced at per-shard shapes on that mesh, its collectives name the axes), so its mesh must be the
+  plan's, with the same axis names, sizes and order; otherwise planning stops with a ``PlanningError``
+  naming the region, its mesh and the plan's, and what to pass instead. (Mapping axes by position would
+  rename the axes the body's collectives use; emitting a region written over some of the axes fails in
+  jax on a mesh with more.) Emission binds the region as the user wrote it, moved onto the device mesh
+  (``jaxpr_compat.region_on_mesh``: the same axes, possibly other devices or axis types). The tracer
   counts a region's flops as its body's, which is what each device runs, so the candidate's work is not
   divided again; the collectives its body runs (``psum``, ``all_gather``, ...) are priced as the op's own.
 - ``custom_partitioning``: read the Shardy ``sharding_rule`` (``"i j, j k -> i k"``, or an
@@ -321,19 +322,17 @@ def shard_map(op: Op, ctx: RuleContext) -> list[Candidate]:
     """One candidate: the region's in_specs and out_specs, on the plan's axes of the same names."""
     r = jc.region_layout(op.eqn)
     plan = dict(zip(ctx.mesh.axis_names, ctx.mesh.shape, strict=True))
-    bad = [(n, s) for n, s in zip(r.names, r.sizes, strict=True) if s > 1 and plan.get(n) != s]
-    if bad:
+    if (r.names, r.sizes) != (tuple(ctx.mesh.axis_names), tuple(ctx.mesh.shape)):
         region = _mesh_text(r.names, r.sizes)
         raise PlanningError(
             f"{op.where()} is a shard_map written for the mesh {region}, but the plan's mesh is "
-            f"{_mesh_text(ctx.mesh.axis_names, ctx.mesh.shape)}: its axes "
-            f"{', '.join(f'{n!r} ({s})' for n, s in bad)} are not axes of the plan's mesh with that size. A "
-            "shard_map's body is traced per shard and its collectives name its axes, so it runs only on a "
-            f"mesh with those axes: plan on mesh={region} (parallelize also takes the jax Mesh itself, "
-            "whose axis names it keeps), or write the shard_map over the mesh you plan for")
+            f"{_mesh_text(ctx.mesh.axis_names, ctx.mesh.shape)}. A shard_map's body is traced per shard on its "
+            "mesh and its collectives name that mesh's axes, so it runs only on a mesh with the same axes, in "
+            f"the same order and of the same sizes: plan on mesh={region} (parallelize also takes the jax Mesh "
+            "itself, whose axis names it keeps), or write the shard_map over the mesh you plan for")
 
     def spec(dims: tuple[tuple[str, ...], ...]) -> ShardingSpec:
-        return ShardingSpec(dims=tuple(tuple(a for a in d if a in plan) for d in dims))
+        return ShardingSpec(dims=dims)
 
     work = frozenset()  # the op's flops are one device's (its body's): nothing left to divide
     comm = tuple(_collectives(op.bodies[0], plan)) if op.bodies else ()
