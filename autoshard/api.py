@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoshard import distributed
+from autoshard import distributed, nnx_steps
 from autoshard.emit import emit
 from autoshard.emit.program import ArgumentMismatch, EmittedStep
 from autoshard.errors import AutoshardError
@@ -31,6 +31,7 @@ from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import plan_pipeline_recomputing
+from autoshard.pipeline.spmd_program import spmd_pipeline_step
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
@@ -49,9 +50,11 @@ from autoshard.target import (
 )
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
+from autoshard.trace.roles import with_batch_argnums
 
 log = logging.getLogger("autoshard")
 
+RUNTIMES = ("auto", "spmd", "mpmd")  # how a pipelined plan runs (``parallelize``'s docstring)
 # an intra-operator plan whose peak is above this share of the budget was shaped by memory (``_cramped``)
 CRAMPED = 0.9
 # with no time budget given, an interleaved pipeline is also priced when the chosen one idles at least this
@@ -66,7 +69,7 @@ def plan(
     hardware: HardwareLike = "h100",
     memory_budget: BudgetLike = "auto",
     time_budget_s: float | None = None,
-    roles: Mapping[str, str] | None = None,
+    roles: Mapping[str | int, str] | None = None,
     microbatches: int | None = None,
     schedule: str = "auto",
     pipeline: bool | None = None,
@@ -75,6 +78,7 @@ def plan(
     stage_shape: tuple[int, int] | None = None,
     num_chunks: int = 2,
     recompute: str = "auto",
+    batch_argnums: int | tuple[int, ...] | None = None,
 ) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
@@ -98,6 +102,10 @@ def plan(
     stages twice as large over half as many microbatches (``pipeline.microbatches.interleaving``: Megatron's
     layout for GPT-1T), and the faster kept.
 
+    Input roles (parameter, optimizer state, carried state, batch) are read off what the step does with
+    each leaf (``trace.roles``); ``roles`` overrides them by path prefix or argument position, and
+    ``batch_argnums`` marks whole arguments as the batch.
+
     ``recompute`` (``planner.recompute``): ``"auto"`` (the default) rematerialises the step's repeated blocks
     only when no layout fits without it (selective first, then full); ``"none"``, ``"selective"`` or
     ``"full"`` fix it. The plan says which (``Plan.recompute``) and ``parallelize`` emits it so; the model is
@@ -108,8 +116,8 @@ def plan(
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
                               max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks)
-    return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s, roles=roles,
-                    recompute=recompute)[0]
+    return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
+                    roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
 
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
@@ -120,6 +128,9 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     ``parallelize`` emits from them instead of tracing again."""
     check_time_budget(time_budget_s)
     t0 = time.perf_counter()
+    if not isinstance(step_fn, Graph) and nnx_steps.holds_nnx(args):  # updates nnx objects in place
+        call = nnx_steps.split(step_fn, args)
+        step_fn, args = call.step, call.args
     graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
     t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
     if t_trace is not None:
@@ -134,8 +145,6 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             t_trace: float | None, target: Target, options: PipelineOptions, *, time_budget_s: float | None,
             roles: Mapping[str, str] | None, recompute: str) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
     """``plan_for`` after tracing: the intra-operator plan, pipelined plans, or both and the faster."""
-    if not isinstance(step_fn, Graph):
-        _refuse_lost_updates(args, graph)
     _warn_undivided_batch(graph, target)
     left = None if time_budget_s is None else max(time_budget_s - (t_trace or 0.0), SHARES.min_solve * time_budget_s)
     intra_s = left if left is None or not options.planned else SHARES.intra_with_pipeline * left
@@ -356,12 +365,48 @@ def load_plan(path: str | Path) -> Plan | PipelinePlan:
     return Plan.load(path)
 
 
-def _check_mesh(plan: Plan | PipelinePlan, mesh: jax.sharding.Mesh) -> None:
+def _on_mesh(plan: Plan | PipelinePlan, mesh: jax.sharding.Mesh) -> Plan | PipelinePlan:
+    """``plan`` ready to run on ``mesh``: as it is when the mesh has the plan's axes (names and sizes, in any
+    order); when the mesh has the plan's shape under other names (``jax.make_mesh((2, 4), ("data", "model"))``
+    for a plan on ``x=2, y=4``), with its axes matched by position (``Plan.with_axis_names``: the program is
+    emitted with the mesh's names; a pipeline's stages name their own submeshes' axes, so it runs as it is).
+    Refused when the shapes differ, or when the mesh uses one of the plan's axis names at another position
+    (matching by position would then give that name another axis's meaning)."""
     have = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     want = dict(zip(plan.mesh.axis_names, plan.mesh.shape, strict=True))
-    if have != want:
-        raise PlanningError(f"the given plan was made for the mesh {want}, but this step runs on {have}: pass "
-                            f"mesh={want} (or a jax Mesh of that shape), or plan again for this mesh")
+    if have == want:
+        return plan
+    shape = tuple(plan.mesh.shape)
+    hint = (f"pass mesh={shape} or a jax Mesh of shape {shape} (its axes are matched to the plan's by position), "
+            "or plan again for this mesh")
+    if tuple(mesh.devices.shape) != shape:
+        raise PlanningError(f"the given plan was made for the mesh {want}, but this step runs on {have}: {hint}")
+    moved = [a for i, a in enumerate(mesh.axis_names) if a in want and plan.mesh.axis_names[i] != a]
+    if moved:
+        raise PlanningError(
+            f"the given plan was made for the mesh {want}, but this step runs on {have}: the shapes agree, but the "
+            f"mesh names its axis {moved[0]!r} after another of the plan's axes, so matching the axes by position "
+            f"would be ambiguous. Name the mesh's axes {tuple(plan.mesh.axis_names)} (or names the plan does not "
+            "use), or plan again for this mesh")
+    log.info("autoshard: the plan's mesh axes %s run on the mesh's axes %s (matched by position)",
+             ", ".join(plan.mesh.axis_names), ", ".join(mesh.axis_names))
+    return plan.with_axis_names(mesh.axis_names) if isinstance(plan, Plan) else plan
+
+
+def trace_for_plan(the_plan: Plan | PipelinePlan, fn: Callable[..., Any], args: tuple[Any, ...], *,
+                   roles: Mapping[str | int, str] | None = None) -> tuple[Graph, Graph | None]:
+    """The traces a saved plan runs (or is explained) on, checked against it (``verify``): for a ``Plan``
+    the step's trace with the plan's recompute applied, and None; for a ``PipelinePlan`` the step's trace
+    and the trace at microbatch size (``num_microbatches``) with the plan's recompute applied."""
+    graph = trace(fn, *args, roles=roles)
+    if isinstance(the_plan, Plan):
+        graph = recomputed(graph, the_plan.recompute)
+        the_plan.verify(graph)
+        return graph, None
+    micro = trace(fn, *microbatch_args(args, graph, None, the_plan.num_microbatches), roles=roles)
+    micro = recomputed(micro, the_plan.recompute)
+    the_plan.verify(micro)
+    return graph, micro
 
 
 def _cache_key(leaves: list[Any], tree: Any) -> Any:
@@ -369,36 +414,42 @@ def _cache_key(leaves: list[Any], tree: Any) -> Any:
     flat ``leaves``) and each leaf's shape and dtype as JAX sees it (a Python ``0`` and the int32 array a
     step returns for it are alike)."""
     # dtype objects, not strings: str(dtype) took ~25 us a leaf, milliseconds a step on GPT-sized trees
-    return tree, tuple((x.shape, x.dtype) if hasattr(x, "dtype") else ((), jax.numpy.result_type(x))
-                       for x in leaves)
+    return tree, tuple((x.shape, x.dtype) if hasattr(x, "dtype") else ((), _number_dtype(x)) for x in leaves)
 
 
-def _refuse_lost_updates(args: tuple[Any, ...], graph: Graph) -> None:
-    """A flax nnx step that updates its Model or Optimizer in place (``optimizer.update(model, grads)``)
-    and returns only metrics trains nothing once compiled: the program is a pure function (as under
-    ``jax.jit``), so an argument whose new value the step does not return keeps its old value."""
-    try:
-        from flax import nnx
-    except ImportError:
-        return
-    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
-    if base is None:
-        return
-    returned = set(graph.output_aliases.values())
-    start = 0
-    for i, arg in enumerate(args):
-        n = len(jax.tree_util.tree_leaves(arg))
-        modules = [x for x in jax.tree_util.tree_leaves(arg, is_leaf=lambda x: isinstance(x, base))
-                   if isinstance(x, base)]
-        if modules and n and not any(start <= j < start + n for j in returned):
-            kinds = ", ".join(sorted({type(m).__name__ for m in modules}))
-            raise PlanningError(
-                f"argument {i} holds flax nnx objects ({kinds}) and the step returns no new value for them: an "
-                "nnx step that updates its model or optimizer in place trains nothing once compiled, because "
-                "autoshard (like jax.jit) runs a pure function. Return the new state: "
-                "`graphdef, state = nnx.split((model, optimizer))` outside, and inside the step "
-                "`model, optimizer = nnx.merge(graphdef, state); ...; return nnx.state((model, optimizer)), metrics`")
-        start += n
+_NUMBERS = (bool, int, float, complex)
+
+
+def _number_dtype(x: Any) -> Any:
+    """The dtype JAX gives a Python number; a TypeError for any other leaf without a dtype (a string, which
+    ``jnp.result_type`` would read as a dtype name, a function, an arbitrary object): ``_not_an_array``."""
+    if not isinstance(x, _NUMBERS):
+        raise TypeError(f"{type(x).__name__} is not an array or a number")
+    return jax.numpy.result_type(x)
+
+
+def _not_an_array(fn: Callable[..., Any], args: tuple[Any, ...], error: TypeError) -> Exception:
+    """The error for the first argument leaf of ``fn(*args)`` that is neither an array nor a Python number,
+    named by its path (``batch.name``); ``error`` itself when every leaf is one."""
+    from autoshard.errors import TraceError
+    from autoshard.trace.roles import arg_names, leaf_name
+
+    names = arg_names(fn, len(args))
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        if hasattr(x, "dtype") or isinstance(x, _NUMBERS):
+            continue
+        name = leaf_name(names[path[0].idx], path[1:])
+        shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+        return TraceError(
+            f"argument {name} is a {type(x).__name__} ({shown}), not an array: a parallelized step's arguments "
+            "must hold arrays (jax or numpy) or Python numbers as leaves. If it does not change between calls, "
+            "make it static: a static field of its pytree (flax.struct.field(pytree_node=False), "
+            "equinox.field(static=True)), or take it out of the arguments and close over it (a closure, or "
+            "functools.partial(step, ...) over a parameter of its own), passing only arrays")
+    return error
+
+
+_MISS = object()  # parallelize._fast: no compiled program was found for the arguments
 
 
 @dataclasses.dataclass(slots=True)
@@ -406,6 +457,7 @@ class _Compiled:
     graph: Graph  # for a pipelined plan: the trace at microbatch size
     plan: Plan | PipelinePlan
     step: Any
+    fn: Callable[..., Any] | None = None  # the function compiled: the step, or an nnx step's pure form
 
 
 class parallelize:  # lower case: used as a decorator, like jax.jit
@@ -415,7 +467,12 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     devices present, and ``mesh`` defaults to all of them on one axis; a ``jax.sharding.Mesh`` (e.g. from
     ``jax.make_mesh``, or over a subset of the devices) runs on its own devices with its axis names.
     ``plan=`` (a Plan, a PipelinePlan or the path of a saved one) runs that plan instead of planning; it
-    must have been made for this step and this mesh's shape.
+    must have been made for this step and this mesh's shape. ``runtime`` says how a pipelined plan runs:
+    ``"spmd"`` as one program over a stage axis (``pipeline.spmd_program``: uniform stages; what runs across
+    processes), ``"mpmd"`` as one program per stage and action dispatched from this process
+    (``pipeline.runtime``: any stages, one process), ``"auto"`` (the default) SPMD when several processes
+    run, else MPMD. A flax nnx step that updates the objects it is
+    given (``optimizer.update(model, grads)``) runs as ``nnx.jit`` runs it (``autoshard.nnx_steps``).
 
         @autoshard.parallelize(mesh=(2, 4))
         def train_step(state, batch): ...
@@ -429,7 +486,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         hardware: HardwareLike = "auto",
         memory_budget: BudgetLike = "auto",
         time_budget_s: float | None = None,
-        roles: Mapping[str, str] | None = None,
+        roles: Mapping[str | int, str] | None = None,
         microbatches: int | None = None,
         schedule: str = "auto",
         pipeline: bool | None = None,
@@ -439,7 +496,12 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         num_chunks: int = 2,
         plan: Plan | PipelinePlan | str | Path | None = None,
         recompute: str = "auto",
+        batch_argnums: int | tuple[int, ...] | None = None,
+        runtime: str = "auto",
     ) -> None:
+        if runtime not in RUNTIMES:
+            raise PlanningError(f"runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
+        self.runtime = runtime
         self.fn = fn
         self.given_plan = load_plan(plan) if isinstance(plan, str | Path) else plan
         # resolved at the first call: "auto" hardware and the default mesh look at the devices, which must
@@ -452,30 +514,58 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
                                        num_chunks=num_chunks)
         self.time_budget_s = time_budget_s
         self.recompute = check_recompute(recompute)
-        self.roles = roles
+        self.roles = with_batch_argnums(roles, batch_argnums)
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
+        self._functional: list[nnx_steps.Functional] = []  # the pure forms of an nnx step, one per graph
 
     def __call__(self, *args: Any) -> Any:
         if self.fn is None:  # used as @parallelize(...): the first call receives the function
             (fn,) = args
             self.fn = fn
             return self
-        leaves, tree = jax.tree_util.tree_flatten(args)
+        flat = None
+        if self._last is None or self._last.fn is self.fn:  # (after an nnx call, no plain fast path to try)
+            flat = jax.tree_util.tree_flatten(args)
+            out = self._fast(self.fn, *flat)
+            if out is not _MISS:
+                return out
+        if nnx_steps.holds_nnx(args):  # a flax nnx step updating its objects in place: run as nnx.jit does
+            call = nnx_steps.split(self.fn, args, self._functional)
+            if call.functional not in self._functional:
+                self._functional.append(call.functional)
+            return call.finish(self._run(call.step, call.args))
+        return self._run(self.fn, args, flat)
+
+    def _fast(self, fn: Callable[..., Any], leaves: list[Any], tree: Any) -> Any:
+        """The steady state, a step fed its own last results: no signature built or hashed (~2 ms a call
+        on GPT-350M's 879 leaves); the program's own trace-time check refuses other shapes. ``_MISS`` when
+        the last program is not for these arguments."""
         last = self._last
-        if last is not None and isinstance(last.step, EmittedStep) and tree == last.step.graph.in_tree:
-            # the steady state, a step fed its own last results: no signature built or hashed (~2 ms a call
-            # on GPT-350M's 879 leaves); the program's own trace-time check refuses other shapes
+        if last is not None and last.fn is fn and isinstance(last.step, EmittedStep) and tree == last.step.graph.in_tree:
             try:
                 return last.step.call_flat(leaves)
-            except ArgumentMismatch:
+            except (ArgumentMismatch, TypeError):  # a TypeError: a leaf that is no array, named by _run
                 pass
-        key = _cache_key(leaves, tree)
+        return _MISS
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], flat: tuple[list[Any], Any] | None = None) -> Any:
+        """``fn(*args)`` by its compiled program, compiled at the first call with arguments like these;
+        ``flat``: ``args`` flattened, when ``_fast`` has already tried them."""
+        if flat is None:
+            flat = jax.tree_util.tree_flatten(args)
+            out = self._fast(fn, *flat)
+            if out is not _MISS:
+                return out
+        try:
+            key = _cache_key(*flat) if fn is self.fn else (fn, _cache_key(*flat))
+        except TypeError as e:
+            raise _not_an_array(fn, args, e) from None
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(args)
+            compiled = self._compile(fn, args)
             self._cache[key] = compiled
-        if compiled is not last:
+        if compiled is not self._last:
             place = getattr(compiled.step, "place_state", None)
             if place is not None:
                 # laid out (and copied) as the program wants them: the next call, fed this call's
@@ -502,37 +592,34 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             self._target = Target.of(dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)), hardware, budget)
         return self._target
 
-    def _compile(self, args: tuple[Any, ...]) -> _Compiled:
+    def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
-        if self.given_plan is not None:
-            the_plan, graph, micro = self._given(args, device_mesh)
-        elif distributed.multiprocess():  # planned on process 0, agreed by all: autoshard.distributed
+        if distributed.multiprocess():  # planned on process 0, agreed by all: autoshard.distributed
+            given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(
-                self.fn, args, self.roles, self.options, device_mesh,
-                lambda graph: plan_for(graph, (), self.target, self.options, time_budget_s=self.time_budget_s,
-                                       recompute=self.recompute)[0]))
+                fn, args, self.roles, self.options, device_mesh,
+                lambda shapes: plan_for(fn, shapes, self.target, self.options, time_budget_s=self.time_budget_s,
+                                        roles=self.roles, recompute=self.recompute)[0], given), fn=fn)
+        if self.given_plan is not None:
+            the_plan, graph, micro = self._given(fn, args, device_mesh)
         else:
-            the_plan, graph, micro = plan_for(self.fn, args, self.target, self.options,
+            the_plan, graph, micro = plan_for(fn, args, self.target, self.options,
                                               time_budget_s=self.time_budget_s, roles=self.roles,
                                               recompute=self.recompute)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
-            return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh))
+            return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh), fn)
         assert micro is not None
-        return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, list(device_mesh.devices.flat)))
+        devices = list(device_mesh.devices.flat)
+        if self.runtime == "spmd":
+            return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices), fn)
+        return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)
 
-    def _given(self, args: tuple[Any, ...], mesh: jax.sharding.Mesh) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+    def _given(self, fn: Callable[..., Any], args: tuple[Any, ...],
+               mesh: jax.sharding.Mesh) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
         """The user's plan checked against this step's trace and the devices, instead of planning."""
-        the_plan = self.given_plan
-        assert the_plan is not None
-        _check_mesh(the_plan, mesh)
-        graph = trace(self.fn, *args, roles=self.roles)
-        if isinstance(the_plan, Plan):
-            graph = recomputed(graph, the_plan.recompute)
-            the_plan.verify(graph)
-            return the_plan, graph, None
-        micro = trace(self.fn, *microbatch_args(args, graph, None, the_plan.num_microbatches), roles=self.roles)
-        micro = recomputed(micro, the_plan.recompute)
-        the_plan.verify(micro)
+        assert self.given_plan is not None
+        the_plan = _on_mesh(self.given_plan, mesh)
+        graph, micro = trace_for_plan(the_plan, fn, args, roles=self.roles)
         return the_plan, graph, micro
 
     @property

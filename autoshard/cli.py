@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from autoshard._examples import Example
     from autoshard.megatron import GridPoint
+    from autoshard.pipeline import PipelinePlan
+    from autoshard.planner.plan import Plan
     from autoshard.target import Target
+    from autoshard.trace import Graph
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +256,8 @@ def _explain_run(args: argparse.Namespace) -> int:
     if isinstance(data, dict) and data.get("kind") == "pipeline":
         pplan = PipelinePlan.from_dict(data)
         print(explain_pipeline(pplan))
+        if args.graph:  # checked against the model: traced at microbatch size, recomputing as the plan does
+            _plan_traces(pplan, args)
         if args.why:
             print("(--why answers for intra-operator plans only)")
         return 0
@@ -261,12 +266,7 @@ def _explain_run(args: argparse.Namespace) -> int:
     print(explanation.text())
     out: dict = {"plan": explanation.to_dict(), "why": []}
     if args.graph:
-        from autoshard._examples import load_example
-        from autoshard.trace import trace
-
-        example = load_example(args.graph, args.preset, args.overrides, abstract=True)
-        graph = trace(example.train_step, *example.args)
-        plan.verify(graph)
+        graph, _ = _plan_traces(plan, args)  # the step the plan was made for: its recompute applied
         for name in args.why:
             why = explain_tensor(graph, plan, None, name, resolve=args.resolve)
             print()
@@ -275,6 +275,16 @@ def _explain_run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0
+
+
+def _plan_traces(plan: Plan | PipelinePlan, args: argparse.Namespace) -> tuple[Graph, Graph | None]:
+    """``--graph``'s model traced as ``plan`` runs it (``api.trace_for_plan``: its recompute applied, at
+    microbatch size for a pipelined plan) and checked against the plan."""
+    from autoshard._examples import load_example
+    from autoshard.api import trace_for_plan
+
+    example = load_example(args.graph, args.preset, args.overrides, abstract=True)
+    return trace_for_plan(plan, example.train_step, example.args)
 
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:

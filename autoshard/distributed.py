@@ -4,8 +4,8 @@ global arrays assembled from what each process holds.
 Under ``jax.distributed`` every process runs the same Python program and calls the decorated step with its
 own arguments. ``@autoshard.parallelize`` then
 
-1. sees the step at its *global* size: a batch leaf (``Role.BATCH``, from the argument paths as the tracer
-   names them) is this process's part of the batch, its rows stacked over the processes in process order;
+1. sees the step at its *global* size: a batch leaf (``Role.BATCH``, read off the step's dataflow as the
+   tracer reads it: a leaf the step only consumes) is this process's part of the batch, its rows stacked over the processes in process order;
    every other leaf (params, optimizer state, counters) is the whole value, the same in every process;
 2. traces the step on every process (a deterministic pass: the tensor ids a plan names agree), plans on
    process 0 only (the planner's time-budgeted solver is not deterministic across processes) and
@@ -15,6 +15,10 @@ own arguments. ``@autoshard.parallelize`` then
    (``global_args``): batch parts with ``jax.make_array_from_process_local_data``, whole values with
    ``jax.make_array_from_callback``; arrays that are already global pass through (the previous step's
    results) or are moved to the wanted layout.
+
+A pipelined plan (``microbatches=``) runs the same way, as one SPMD program over a stage axis
+(``pipeline.spmd_program``): every process traces the step at its global size and at its global microbatch
+size, and runs the one program; its stages must be uniform.
 
 A process that dies must not leave the others waiting forever: ``initialize`` wraps
 ``jax.distributed.initialize`` with a bounded heartbeat, after which JAX's coordination service ends every
@@ -34,11 +38,14 @@ import numpy as np
 
 from autoshard.emit import EmittedStep, emit
 from autoshard.errors import AutoshardError
+from autoshard.pipeline.partition import microbatch_args
+from autoshard.pipeline.pipeline_plan import PipelinePlan
+from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step
 from autoshard.planner.plan import Plan
 from autoshard.planner.recompute import recomputed
 from autoshard.target import PipelineOptions
 from autoshard.trace import Graph, Role, trace
-from autoshard.trace import roles as _roles
+from autoshard.trace.tracer import input_roles
 
 log = logging.getLogger("autoshard")
 
@@ -73,17 +80,27 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 # ---- the step at its global size ------------------------------------------------------------------------
 
 
+def batch_leaves(fn: Callable[..., Any], args: tuple[Any, ...],
+                 roles: Mapping[str | int, Any] | None = None) -> list[bool]:
+    """For each flattened argument leaf, whether it is the batch (``Role.BATCH`` as ``autoshard.trace`` reads
+    roles off the step's dataflow, ``roles`` overrides included). The step is traced once, abstractly, at
+    the shapes given (this process's rows of the batch)."""
+    abstract = jax.tree.map(_abstract, args)
+    return [r is Role.BATCH for r in input_roles(fn, *abstract, roles=roles)]
+
+
 def local_leaves(fn: Callable[..., Any], args: tuple[Any, ...],
-                 roles: Mapping[str, Any] | None = None) -> list[bool]:
-    """For each flattened argument leaf, whether it is this process's part of the batch (``Role.BATCH`` as
-    ``autoshard.trace`` names roles, ``roles`` overrides included) rather than a whole value."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(args)
-    names_of_args = _roles.arg_names(fn, len(args))
-    paths = [(path[0].idx, tuple(path[1:])) for path, _ in flat]
-    found = [_roles.infer_role(a, names_of_args[a], p) for a, p in paths]
-    if roles:
-        _roles.apply_overrides([_roles.leaf_name(names_of_args[a], p) for a, p in paths], found, roles)
-    return [r is Role.BATCH and not _is_global(x) for r, (_, x) in zip(found, flat, strict=True)]
+                 roles: Mapping[str | int, Any] | None = None) -> list[bool]:
+    """For each flattened argument leaf, whether it is this process's part of the batch (a batch leaf,
+    ``batch_leaves``, that is not already a global array) rather than a whole value."""
+    flat = jax.tree_util.tree_leaves(args)
+    return [b and not _is_global(x) for b, x in zip(batch_leaves(fn, args, roles), flat, strict=True)]
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    return x
 
 
 def _is_global(x: Any) -> bool:
@@ -99,7 +116,7 @@ def global_shapes(fn: Callable[..., Any], args: tuple[Any, ...],
     n = jax.process_count()
     out = []
     for x, is_local in zip(leaves, local, strict=True):
-        shape, dtype = np.shape(x), jax.dtypes.canonicalize_dtype(getattr(x, "dtype", np.result_type(x)))
+        shape, dtype = np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
         if is_local:
             if not shape:
                 raise DistributedError(
@@ -147,7 +164,7 @@ def check_agreement(what: str, text: str) -> None:
             "of the same size), with the same autoshard and jax versions")
 
 
-def agreed_plan(graph: Graph, make: Callable[[], Plan]) -> Plan:
+def agreed_plan(graph: Graph, make: Callable[[], Plan | PipelinePlan]) -> Plan | PipelinePlan:
     """``make()`` run on process 0 only, its plan broadcast to every process as JSON, and checked: every
     process must have traced the same graph and must hold the same plan. An error on process 0 (no plan
     fits) is raised on every process."""
@@ -161,15 +178,15 @@ def agreed_plan(graph: Graph, make: Callable[[], Plan]) -> Plan:
     got = json.loads(_broadcast_bytes(payload))
     if "error" in got:
         raise DistributedError(f"process 0 could not plan the step: {got['error']}")
-    plan = Plan.from_dict(got["plan"])
-    plan.verify(recomputed(graph, plan.recompute))
+    data = got["plan"]
+    plan: Plan | PipelinePlan
+    if isinstance(data, dict) and data.get("kind") == "pipeline":
+        plan = PipelinePlan.from_dict(data)  # verified against the microbatch trace by the caller
+    else:
+        plan = Plan.from_dict(data)
+        plan.verify(recomputed(graph, plan.recompute))
     check_agreement("plan", json.dumps(plan.to_dict(), sort_keys=True))
     return plan
-
-
-def trace_global(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str, Any] | None) -> Graph:
-    """The step traced at its global size (``global_shapes``)."""
-    return trace(fn, *global_shapes(fn, args, roles), roles=roles)
 
 
 # ---- arguments as global arrays -------------------------------------------------------------------------
@@ -209,7 +226,7 @@ def _from_whole(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(whole.shape, sharding, lambda idx: whole[idx])
 
 
-def global_args(step: EmittedStep, local: Sequence[bool], args: tuple[Any, ...]) -> tuple[Any, ...]:
+def global_args(step: EmittedStep | SpmdPipelineStep, local: Sequence[bool], args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``args`` (this process's view) as global arrays in ``step``'s input shardings: batch parts (where
     ``local`` is true) stacked over the processes, whole values split or replicated, global arrays kept
     (or moved, where their layout is not the program's)."""
@@ -228,14 +245,18 @@ def global_args(step: EmittedStep, local: Sequence[bool], args: tuple[Any, ...])
 
 
 class GlobalStep:
-    """An ``EmittedStep`` called with one process's view of the arguments: each call first makes them
-    global arrays (``global_args``). ``emitted`` is the program itself."""
+    """An ``EmittedStep`` (or an SPMD pipeline step) called with one process's view of the arguments: each
+    call first makes them global arrays (``global_args``). ``emitted`` is the program itself."""
 
-    def __init__(self, emitted: EmittedStep, fn: Callable[..., Any], roles: Mapping[str, Any] | None) -> None:
-        self.emitted, self.fn, self.roles = emitted, fn, roles
+    def __init__(self, emitted: EmittedStep | SpmdPipelineStep) -> None:
+        self.emitted = emitted
+        graph = emitted.graph
+        self.batch = [graph.tensors[t].role is Role.BATCH for t in graph.inputs]  # read once, not per call
 
     def globalize(self, *args: Any) -> tuple[Any, ...]:
-        return global_args(self.emitted, local_leaves(self.fn, args, self.roles), args)
+        flat = jax.tree_util.tree_leaves(args)
+        local = [b and not _is_global(x) for b, x in zip(self.batch, flat, strict=True)]
+        return global_args(self.emitted, local, args)
 
     def place_state(self, *args: Any) -> tuple[Any, ...]:
         return self.emitted.place_state(*self.globalize(*args))
@@ -244,17 +265,24 @@ class GlobalStep:
         return self.emitted(*self.globalize(*args))
 
 
-def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str, Any] | None,
+def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str | int, Any] | None,
                        options: PipelineOptions, mesh: jax.sharding.Mesh,
-                       make: Callable[[Graph], Plan]) -> tuple[Graph, Plan, GlobalStep]:
+                       make: Callable[[tuple[Any, ...]], Plan | PipelinePlan],
+                       given: Plan | PipelinePlan | None = None) -> tuple[Graph, Plan | PipelinePlan, GlobalStep]:
     """What ``parallelize`` compiles when several processes run: the step traced at its global size on
-    every process, planned by ``make(graph)`` on process 0 (``agreed_plan``), emitted on ``mesh``."""
-    if options.planned:
-        raise DistributedError(
-            f"a pipelined plan (microbatches={options.microbatches}) runs one program per stage from a single "
-            "process; across processes, leave microbatches unset (an intra-operator plan), or write the "
-            "repeated layers as an SPMD pipeline with autoshard.pipeline.spmd.spmd_pipeline")
-    graph = trace_global(fn, args, roles)
-    plan = agreed_plan(graph, lambda: make(graph))
-    graph = recomputed(graph, plan.recompute)  # the plan's rewrite, applied alike on every process
-    return graph, plan, GlobalStep(emit(graph, plan.specs, mesh), fn, roles)
+    every process, planned by ``make(global_args)`` on process 0 (``agreed_plan``; ``given``: the user's
+    plan instead, checked on every process), emitted on ``mesh``. A pipelined plan runs as one SPMD program
+    (``pipeline.spmd_program``): the stages must be uniform."""
+    shapes = global_shapes(fn, args, roles)
+    graph = trace(fn, *shapes, roles=roles)
+    plan = given if given is not None else agreed_plan(graph, lambda: make(shapes))
+    if isinstance(plan, Plan):
+        graph = recomputed(graph, plan.recompute)  # the plan's rewrite, applied alike on every process
+        if given is not None:
+            plan.verify(graph)
+        return graph, plan, GlobalStep(emit(graph, plan.specs, mesh))
+    micro = trace(fn, *microbatch_args(shapes, graph, None, plan.num_microbatches), roles=roles)
+    micro = recomputed(micro, plan.recompute)
+    plan.verify(micro)
+    step = spmd_pipeline_step(micro, graph, plan, list(mesh.devices.flat))
+    return graph, plan, GlobalStep(step)

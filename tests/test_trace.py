@@ -206,9 +206,9 @@ def test_control_flow_becomes_ops_with_bodies() -> None:
         assert op.flops == max(b.total_flops for b in op.bodies)
     remat = next(op for op in graph.ops if op.primitive in ("checkpoint", "remat2"))
     assert any(o.primitive == "dot_general" for o in remat.bodies[0].ops)
-    # Body inputs inherit the role of what the op passes in: w is the step's state.
+    # Body inputs inherit the role of what the op passes in: w, differentiated and returned anew, is a parameter.
     body_roles = {t.role for t in fwd_scan.bodies[0].input_tensors()}
-    assert Role.STATE in body_roles
+    assert Role.PARAM in body_roles
 
 
 def test_while_with_unknown_trip_count() -> None:

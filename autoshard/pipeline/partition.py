@@ -83,9 +83,9 @@ def split_step(graph: Graph) -> StepParts:
     batch = {tid for tid in graph.inputs if graph.tensors[tid].role is Role.BATCH}
     if not batch:
         raise PipelineError(
-            "the step has no batch input: pipelining splits the batch into microbatches along dimension 0; "
-            "pass the batch as the step's second argument (or a pytree under 'batch'), or mark it with "
-            "roles={'<path>': 'batch'}"
+            "the step has no batch input (no argument leaf that the step only reads, with the batch's leading "
+            "dimension): pipelining splits the batch into microbatches along dimension 0; mark the batch with "
+            "batch_argnums=(<position>,) or roles={'<path>': 'batch'}"
         )
     grad_ops = [op for op in graph.ops if op.phase in (FORWARD, BACKWARD)]
     if not any(op.phase == BACKWARD for op in grad_ops):
@@ -470,6 +470,10 @@ def microbatch_args(args: Sequence[Any], graph: Graph, parts: StepParts | None =
     out = list(leaves)
     for i in batch:
         x = leaves[i]
+        if not np.shape(x):
+            raise PipelineError(f"batch input {graph.tensors[graph.inputs[i]].name!r} is a scalar: it has no rows "
+                                "to split into microbatches; give it a leading batch dimension, or mark it as "
+                                "carried state with roles={'<path>': 'state'}")
         n = x.shape[0]
         if n % num_microbatches:
             raise PipelineError(f"batch input {graph.tensors[graph.inputs[i]].name!r} has {n} rows, not divisible "

@@ -21,6 +21,7 @@ Every param that says where a body is or how a call's operands are laid out is r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -83,7 +84,7 @@ def _display_path(path: str) -> str:
 
 def _clean_scope(stack: str) -> tuple[list[str], str]:
     """Split a name stack into scope components without transform wrappers, and the phase it implies."""
-    phase = "backward" if "transpose(" in stack else ("forward" if "jvp(" in stack else "other")
+    phase = _roles.phase_of(stack)
     prev = None
     while prev != stack:
         prev, stack = stack, _WRAPPER.sub(r"\1", stack)
@@ -373,65 +374,95 @@ def _describe_args(names: Sequence[str], leaves: Sequence[Any], limit: int = 8) 
 def trace(
     fn: Callable[..., Any],
     *args: Any,
-    roles: Mapping[str, Role | str] | None = None,
+    roles: Mapping[str | int, Role | str] | None = None,
+    batch_argnums: Sequence[int] | int | None = None,
 ) -> Graph:
     """Trace ``fn(*args)`` into a Graph without running it.
 
     ``args`` may hold real arrays or ``jax.ShapeDtypeStruct`` leaves (nothing is allocated either way), so a
-    39B-parameter step can be traced on a laptop. Roles of the argument leaves are inferred from their
-    pytree paths (see ``autoshard.trace.roles``); ``roles`` overrides them by path prefix.
+    39B-parameter step can be traced on a laptop. Roles of the argument leaves are read from what the step
+    does with them (see ``autoshard.trace.roles``); ``roles`` overrides them by path prefix
+    (``{"state.ema": "param"}``) or argument position (``{2: "batch"}``), and ``batch_argnums`` marks whole
+    arguments as the batch.
     """
-    fname = getattr(fn, "__name__", type(fn).__name__)
-    if not callable(fn):
-        raise TraceError(f"autoshard.trace expects a function to trace, got {type(fn).__name__}: {fn!r}")
-    names_of_args = _roles.arg_names(fn, len(args))
-    try:
-        inspect.signature(fn).bind(*args)
-    except TypeError as e:
-        raise TraceError(
-            f"{fname} cannot take the {len(args)} example argument(s) given ({e}); "
-            f"pass one example per parameter of {fname}, e.g. trace({fname}, state, batch)"
-        ) from None
-    except ValueError:  # no signature available (builtins, some callables): let tracing decide
-        pass
-    flat, in_tree = jax.tree_util.tree_flatten_with_path(args)
-    in_paths = [(path[0].idx, tuple(path[1:])) for path, _ in flat]
-    in_names = [_roles.leaf_name(names_of_args[a], p) for a, p in in_paths]
-    leaves = [x for _, x in flat]
-    for n, x in zip(in_names, leaves, strict=True):
-        if not isinstance(x, _OK_LEAVES):
+    t = _Traced.of(fn, args, _roles.with_batch_argnums(roles, batch_argnums))
+    return graph_of_jaxpr(t.closed, t.in_names, t.roles, t.out_names, t.aliases, t.in_tree, t.out_tree)
+
+
+def input_roles(fn: Callable[..., Any], *args: Any, roles: Mapping[str | int, Role | str] | None = None,
+                batch_argnums: Sequence[int] | int | None = None) -> list[Role]:
+    """The role of each flattened argument leaf, as ``trace`` would give it, without building the Graph
+    (``autoshard.distributed`` reads which leaves are a process's rows of the batch before the step is
+    traced at its global size)."""
+    return _Traced.of(fn, args, _roles.with_batch_argnums(roles, batch_argnums)).roles
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Traced:
+    """A step's jaxpr with its inputs and outputs named and its inputs' roles read."""
+
+    closed: ClosedJaxpr
+    in_names: list[str]
+    roles: list[Role]
+    out_names: list[str]
+    aliases: dict[int, int]
+    in_tree: Any
+    out_tree: Any
+
+    @staticmethod
+    def of(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str | int, Role | str] | None) -> _Traced:
+        fname = getattr(fn, "__name__", type(fn).__name__)
+        if not callable(fn):
+            raise TraceError(f"autoshard.trace expects a function to trace, got {type(fn).__name__}: {fn!r}")
+        names_of_args = _roles.arg_names(fn, len(args))
+        try:
+            inspect.signature(fn).bind(*args)
+        except TypeError as e:
             raise TraceError(
-                f"example argument {n} is a {type(x).__name__}; example arguments must hold arrays, "
-                "jax.ShapeDtypeStruct or Python numbers (build abstract ones with jax.eval_shape), or mark "
-                "non-array fields static in the pytree"
-            )
-    try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
-            jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
-        raise TraceError(
-            f"{fname} is not traceable by JAX: it turns a traced value into a concrete NumPy or Python value "
-            f"({type(e).__name__}). Use jax.numpy instead of numpy inside the step, jax.lax.cond/while_loop "
-            f"instead of Python branching on array values. JAX's message:\n{str(e).splitlines()[0]}"
-        ) from e
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TraceError(
-            f"tracing {fname} with the example arguments failed: {type(e).__name__}: {first}\n"
-            f"The example arguments were:\n{_describe_args(in_names, leaves)}\n"
-            f"Check that their pytree structure, shapes and dtypes are what {fname} expects."
-        ) from e
+                f"{fname} cannot take the {len(args)} example argument(s) given ({e}); "
+                f"pass one example per parameter of {fname}, e.g. trace({fname}, state, batch)"
+            ) from None
+        except ValueError:  # no signature available (builtins, some callables): let tracing decide
+            pass
+        flat, in_tree = jax.tree_util.tree_flatten_with_path(args)
+        in_paths = [(path[0].idx, tuple(path[1:])) for path, _ in flat]
+        in_names = [_roles.leaf_name(names_of_args[a], p) for a, p in in_paths]
+        leaves = [x for _, x in flat]
+        for n, x in zip(in_names, leaves, strict=True):
+            if not isinstance(x, _OK_LEAVES):
+                raise TraceError(
+                    f"example argument {n} is a {type(x).__name__}; example arguments must hold arrays, "
+                    "jax.ShapeDtypeStruct or Python numbers (build abstract ones with jax.eval_shape), or mark "
+                    "non-array fields static in the pytree"
+                )
+        try:
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError,
+                jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError) as e:
+            raise TraceError(
+                f"{fname} is not traceable by JAX: it turns a traced value into a concrete NumPy or Python value "
+                f"({type(e).__name__}). Use jax.numpy instead of numpy inside the step, jax.lax.cond/while_loop "
+                f"instead of Python branching on array values. JAX's message:\n{str(e).splitlines()[0]}"
+            ) from e
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TraceError(
+                f"tracing {fname} with the example arguments failed: {type(e).__name__}: {first}\n"
+                f"The example arguments were:\n{_describe_args(in_names, leaves)}\n"
+                f"Check that their pytree structure, shapes and dtypes are what {fname} expects."
+            ) from e
 
-    role_list = [_roles.infer_role(a, names_of_args[a], p) for a, p in in_paths]
-    if roles:
-        _roles.apply_overrides(in_names, role_list, roles)
-    out_flat, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
-    out_paths = [tuple(p) for p, _ in out_flat]
-    single = not isinstance(out_shape, tuple | list)
-    out_names = [_roles.leaf_name("out", p) for p in out_paths]
-    aliases = _roles.output_aliases(in_paths, out_paths, closed.in_avals, closed.out_avals, single)
+        out_flat, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+        out_paths = [tuple(p) for p, _ in out_flat]
+        single = not isinstance(out_shape, tuple | list)
+        out_names = [_roles.leaf_name("out", p) for p in out_paths]
+        aliases = _roles.output_aliases(in_paths, out_paths, closed.in_avals, closed.out_avals, single,
+                                        args, out_shape)
+        role_list = _roles.infer_roles(in_paths, names_of_args, closed.in_avals, _roles.dataflow(closed), aliases)
+        if roles:
+            _roles.apply_overrides(in_names, role_list, roles, [a for a, _ in in_paths])
 
-    return graph_of_jaxpr(closed, in_names, role_list, out_names, aliases, in_tree, out_tree)
+        return _Traced(closed, in_names, role_list, out_names, aliases, in_tree, out_tree)
 
 
 def graph_of_jaxpr(closed: ClosedJaxpr, in_names: Sequence[str], roles: Sequence[Role], out_names: Sequence[str],

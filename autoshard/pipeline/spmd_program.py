@@ -1,0 +1,906 @@
+"""The planner's pipeline as one SPMD program: a tick loop over a stage axis, for uniform stages.
+
+Where the MPMD runtime (``runtime``) runs one program per stage and action from Python, this module emits
+the whole pipelined step as **one** ``jax.jit`` program over the whole mesh, which runs unchanged on one
+process or many (``jax.distributed``): the host dispatches one call per step, whatever the number of
+stages and microbatches.
+
+The step, traced at microbatch size and split by ``partition.split_step``, is cut by what its ops are:
+
+- **blocks**: the forward ops of the numbered blocks (``op.layer``: ``block_0``, ``layers_3``), ``K`` of them,
+  and the backward ops the layer rules of ``partition.propagate_layers`` give each block;
+- **head** (layer 0): the other forward ops no block output reaches (the embedding), and their backward;
+- **tail** (layer ``K+1``): the forward ops after the blocks (final norm, LM head, loss), and their backward;
+- **pre**: forward ops that read no batch value and are in no block (position tables, masks): run once
+  per step, before the loop;
+- **update**: the optimizer (``UPDATE``), run once per step after the loop on the means of the values
+  the microbatched part hands it (``partition``'s accumulated tensors).
+
+With ``S`` stages each stage gets ``n = K / S`` consecutive blocks (a *chunk*). Every chunk must be the
+same computation as chunk 0 up to its weights: the same ops in the same order with the same shapes,
+parameters and constants (``_same_as_template``). Then chunk 0's ops, re-bound by the emitter's
+interpreter, compute any chunk from that chunk's values. Each boundary tensor of a chunk is
+
+- ``act``: the residual stream, produced by the chunk before (the head, for chunk 0);
+- ``stacked``: a value made outside the loop that differs per chunk (its weights): stacked ``[S, ...]``
+  and split over the stage axis, so each stage holds only its own;
+- ``shared``: the same value for every chunk (a causal mask from ``pre``);
+- ``res``: a forward value the chunk's backward reads (kept for it in a residual buffer);
+- ``cot``: the cotangent of the residual stream, from the chunk after (the tail, for the last chunk).
+
+The program: ``jax.shard_map`` manual over the stage axis only (the other axes stay automatic, so XLA
+lays the stage's work out over them), around a ``lax.scan`` over the ticks of a schedule
+(``schedules.Schedule.slots``: at most one action per stage per tick). At tick ``t`` stage ``s`` reads its
+action from a static table and runs it under ``lax.switch``: nothing, ``F(m)`` or ``B(m)``.
+
+- ``F(m)``: the chunk's forward on the stream received for ``m`` (stage 0 first runs the head on
+  microbatch ``m`` of the batch); its residuals go to a residual buffer slot; the last stage then runs
+  the tail's forward and backward at once (the loss and its cotangent), keeping the cotangent for its
+  ``B(m)``; other stages send the stream on.
+- ``B(m)``: the chunk's backward from its residuals and the received cotangent; the gradients it returns
+  are summed into the stage's accumulators; stage 0 then runs the head's backward; other stages send
+  the cotangent back.
+- every tick ends with two ``ppermute`` on the stage axis: the stream one stage up, the cotangent one
+  stage down (zeros where nothing is sent); a received value is stored in the slot the table names.
+
+Buffers are bounded by the schedule, not by ``M``: slots are assigned by interval colouring of each
+value's life (written at one tick, read at a later one), so 1F1B holds at most ``S - s`` microbatches'
+residuals at stage ``s`` (``Schedule.peak_inflight``) and GPipe ``M``. Idle ticks skip their work
+(``lax.switch``) but still exchange zeros; a tick lasts as long as its slowest stage.
+
+After the loop the stacked accumulators come back split over the stage axis, the head's and tail's are
+summed over it (one reduction per step: only stages 0 and ``S-1`` hold non-zero sums), each is divided by
+``M`` (the mean over microbatches, as ``partition`` defines it), and the update runs on the whole mesh.
+
+Not yet: interleaved chunks, zero-bubble weight passes, an ``nn.scan`` layer stack (one op: its stack is
+not split), blocks that read per-microbatch values other than the residual stream (an attention mask
+built from the batch), and the plan's intra-stage layouts (XLA lays out the inner axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.emit.interpret import Interpreter
+from autoshard.pipeline.partition import (
+    BACKWARD,
+    FORWARD,
+    UPDATE,
+    PipelineError,
+    StepParts,
+    boundary,
+    propagate_layers,
+    split_step,
+)
+from autoshard.pipeline.pipeline_plan import PipelinePlan
+from autoshard.pipeline.schedules import Schedule, schedule
+from autoshard.trace.graph import Graph, Role
+
+log = logging.getLogger("autoshard")
+
+STAGE_AXIS = "stage"
+INNER_AXIS = "inner"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+
+# ---- what runs where (pure: tensor ids) ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Group:
+    """Some ops of the step (in schedule order) and what they exchange with the rest (``boundary``)."""
+
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @staticmethod
+    def of(graph: Graph, ops: Sequence[int]) -> Group:
+        ops = sorted(ops)
+        ins, outs = boundary(graph, ops)
+        return Group(tuple(ops), tuple(ins), tuple(outs))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UniformStages:
+    """A microbatch step cut into ``S`` uniform stages (the module docstring's parts), as tensor ids.
+
+    ``f_kinds[j]`` / ``b_kinds[j]``: the kind of chunk 0's forward / backward input ``j`` ("act:k" the
+    stream channel ``k``, "stacked", "shared", "res:r" residual ``r``, "cot:k" cotangent channel ``k``);
+    ``stacked_f[j][s]`` / ``stacked_b[j][s]``: the value stage ``s`` reads there. ``act_out[k]``: the forward
+    output position of stream channel ``k``; ``cot_out[k]``: the backward output position of cotangent
+    channel ``k``; ``residuals[r]``: chunk 0's tensor kept for the backward (a forward output or input).
+    ``acc_out``: the backward output positions that are accumulated (the chunk's weight gradients)."""
+
+    num_stages: int
+    blocks: tuple[str, ...]
+    pre: Group
+    head_f: Group
+    head_b: Group
+    tail_f: Group
+    tail_b: Group
+    chunk_f: tuple[Group, ...]
+    chunk_b: tuple[Group, ...]
+    update: Group
+    post: Group  # sums of gradients made on two stages, run after the loop on their means
+    accumulated: frozenset[int]  # what the loop sums over microbatches (``partition``'s, less ``post``'s)
+    f_kinds: tuple[str, ...]
+    b_kinds: tuple[str, ...]
+    act_out: tuple[int, ...]
+    cot_out: tuple[int, ...]
+    residuals: tuple[int, ...]
+    acc_out: tuple[int, ...]
+    head_act: tuple[int, ...]  # per stream channel: the head's tensor that chunk 0 reads
+    tail_cot: tuple[int, ...]  # per cotangent channel: the tail's tensor that the last chunk reads
+    head_res: tuple[int, ...]  # head forward values its backward reads
+
+
+def _fail(msg: str) -> PipelineError:
+    return PipelineError(f"the SPMD pipeline cannot run this step: {msg}")
+
+
+def _block_order(graph: Graph, parts: StepParts) -> list[str]:
+    seen: list[str] = []
+    for i in parts.ops(FORWARD):
+        tag = graph.ops[i].layer
+        if tag and tag not in seen:
+            seen.append(tag)
+    return seen
+
+
+def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None) -> UniformStages:
+    """Cut ``graph`` (a step traced at microbatch size) into ``num_stages`` uniform stages, or raise a
+    ``PipelineError`` that says why it cannot be (and what to change)."""
+    parts = parts or split_step(graph)
+    S = num_stages
+    if S < 2:
+        raise _fail("it needs at least 2 stages")
+    blocks = _block_order(graph, parts)
+    K = len(blocks)
+    fwd_flops = sum(graph.ops[i].flops for i in parts.ops(FORWARD)) or 1.0
+    stack = [graph.ops[i] for i in parts.ops(FORWARD) if graph.ops[i].primitive == "scan"
+             and (graph.ops[i].trip_count or 0) >= 2 and graph.ops[i].flops > 0.5 * fwd_flops]
+    if stack:
+        raise _fail(f"its layers are one scan ({stack[0].where()}, {stack[0].trip_count} iterations), which the "
+                    "SPMD pipeline does not split yet: write them unrolled (scan_layers=False)")
+    if K == 0:
+        raise _fail("the model has no numbered blocks to stack per stage: name the repeated blocks (block_0, "
+                    "block_1, ...), as flax does for submodules in a list")
+    if K < S or K % S:
+        raise _fail(f"the model has {K} numbered blocks ({', '.join(blocks[:3])}{', ...' if K > 3 else ''}), which "
+                    f"{S} stages cannot share evenly; use a stage count dividing {K} (max_stages=, stage_shape=)")
+    block_of = {tag: k for k, tag in enumerate(blocks)}
+    n_ops = len(graph.ops)
+    # which ops read the batch (directly or through other ops), and which read a block's output
+    batchy = [False] * n_ops
+    after_block = [False] * n_ops
+    batch_in = {t for t in graph.inputs if graph.tensors[t].role is Role.BATCH}
+    for op in graph.ops:
+        ins = [graph.tensors[t] for t in op.inputs]
+        batchy[op.id] = any(t.id in batch_in or (t.producer is not None and batchy[t.producer]) for t in ins)
+        after_block[op.id] = op.layer in block_of or any(
+            t.producer is not None and after_block[t.producer] for t in ins)
+    fwd = parts.ops(FORWARD)
+    # the head: forward ops the blocks read, directly or through other such ops (the embedding; not the
+    # labels, which only the loss reads)
+    feeds_block = [False] * n_ops
+    fwd_set = set(fwd)
+    for i in reversed(fwd):
+        op = graph.ops[i]
+        feeds_block[i] = op.layer in block_of or any(
+            c in fwd_set and feeds_block[c] for t in op.outputs for c in graph.tensors[t].consumers)
+    fwd_layer = []
+    pre: list[int] = []
+    for i in fwd:
+        op = graph.ops[i]
+        if op.layer in block_of:
+            fwd_layer.append(block_of[op.layer] + 1)
+        elif after_block[i] or (batchy[i] and not feeds_block[i]):
+            fwd_layer.append(K + 1)
+        elif batchy[i]:
+            fwd_layer.append(0)
+        else:  # pre: above every layer, so that the min rule never pulls a backward op towards it
+            fwd_layer.append(K + 2)
+            pre.append(i)
+    layer = list(propagate_layers(graph, fwd, fwd_layer))
+    pre_set = set(pre)
+    for op in reversed(graph.ops):  # an op that reads only pre values runs with its first reader
+        if layer[op.id] > K + 1 and op.id not in pre_set and parts.kind[op.id] != UPDATE:
+            users = [layer[c] for t in op.outputs for c in graph.tensors[t].consumers if layer[c] <= K + 1]
+            layer[op.id] = min(users) if users else 0
+    for op in graph.ops:
+        # the backward of a value made outside the blocks (the position table's gradient, read from the first
+        # block's input cotangent) runs with the head: the stage that holds that cotangent
+        if parts.kind[op.id] == BACKWARD and op.layer not in block_of and 1 <= layer[op.id] <= K:
+            if layer[op.id] != 1:
+                raise _fail(f"{op.where()} is outside the blocks but reads block {layer[op.id] - 1}'s gradients")
+            layer[op.id] = 0
+    by: dict[tuple[str, int], list[int]] = {}
+    for op in graph.ops:
+        kind = parts.kind[op.id]
+        if kind == UPDATE or op.id in pre_set:
+            continue
+        by.setdefault((kind, layer[op.id]), []).append(op.id)
+    n = K // S
+
+    def chunk(kind: str, s: int) -> Group:
+        return Group.of(graph, [i for b in range(s * n + 1, (s + 1) * n + 1) for i in by.get((kind, b), [])])
+
+    # a gradient summed from two places (tied input and output embeddings: the head's and the tail's parts)
+    # is summed after the loop instead: the mean over microbatches of a sum is the sum of the means
+    accumulated = set(parts.accumulated)
+    post: list[int] = []
+    for key in ((BACKWARD, 0), (BACKWARD, K + 1)):
+        for i in list(by.get(key, [])):
+            op = graph.ops[i]
+            srcs = {layer[graph.tensors[t].producer] for t in op.inputs if graph.tensors[t].producer is not None}
+            if op.primitive == "add_any" and len(srcs) > 1 and all(t in accumulated for t in op.outputs):
+                by[key].remove(i)
+                post.append(i)
+                accumulated -= set(op.outputs)
+                accumulated |= {t for t in op.inputs if graph.tensors[t].producer is not None}
+    chunk_f = tuple(chunk(FORWARD, s) for s in range(S))
+    chunk_b = tuple(chunk(BACKWARD, s) for s in range(S))
+    head_f, head_b = Group.of(graph, by.get((FORWARD, 0), [])), Group.of(graph, by.get((BACKWARD, 0), []))
+    tail_f, tail_b = Group.of(graph, by.get((FORWARD, K + 1), [])), Group.of(graph, by.get((BACKWARD, K + 1), []))
+    for s in range(1, S):
+        _same_as_template(graph, chunk_f[0], chunk_f[s], s, "forward")
+        _same_as_template(graph, chunk_b[0], chunk_b[s], s, "backward")
+    producer_group: dict[int, tuple[str, int]] = {}
+    for name, groups in (("f", chunk_f), ("b", chunk_b)):
+        for s, g in enumerate(groups):
+            for i in g.ops:
+                producer_group[i] = (name, s)
+    for name, g in (("head_f", head_f), ("head_b", head_b), ("tail_f", tail_f), ("tail_b", tail_b)):
+        for i in g.ops:
+            producer_group[i] = (name, -1)
+    per_mb = set(producer_group)
+
+    def made_by(t: int) -> tuple[str, int] | None:
+        p = graph.tensors[t].producer
+        return producer_group.get(p) if p is not None else None
+
+    def outside(t: int) -> bool:  # a value the loop receives from outside: step input, constant, pre output
+        p = graph.tensors[t].producer
+        return p is None or p not in per_mb
+
+    # chunk forward outputs: the stream (read by the next chunk) and residuals (read by its own backward)
+    act_out: list[int] = []
+    for k, t in enumerate(chunk_f[0].outputs):
+        readers = {producer_group.get(c) for c in graph.tensors[t].consumers}
+        if ("f", 1) in readers:
+            act_out.append(k)
+    if not act_out:
+        raise _fail("no value flows from one block to the next")
+    f_kinds: list[str] = []
+    stacked_f: list[list[int]] = []
+    res_tensors: list[int] = []  # chunk 0's residual tensors, in order
+    for j, t0 in enumerate(chunk_f[0].inputs):
+        col = [chunk_f[s].inputs[j] for s in range(S)]
+        src = made_by(col[1])
+        if src == ("f", 0):
+            k = chunk_f[0].outputs.index(col[1])
+            if k not in act_out or any(col[s] != chunk_f[s - 1].outputs[k] for s in range(2, S)) \
+                    or made_by(t0) != ("head_f", -1):
+                raise _fail(f"block input {graph.tensors[t0].name!r} does not come from the block before")
+            f_kinds.append(f"act:{act_out.index(k)}")
+        elif all(c == t0 for c in col):
+            if not outside(t0):
+                raise _fail(f"every block reads {graph.tensors[t0].name!r}, which is computed per microbatch "
+                            "outside the blocks; only the residual stream passes between stages (compute it "
+                            "inside each block, or from parameters and constants only)")
+            f_kinds.append("shared")
+        elif all(outside(c) for c in col):
+            f_kinds.append("stacked")
+        else:
+            raise _fail(f"block input {graph.tensors[t0].name!r} is neither a weight nor the residual stream")
+        stacked_f.append(col)
+    head_act = []
+    for k in act_out:
+        pos = [j for j, kind in enumerate(f_kinds) if kind == f"act:{act_out.index(k)}"]
+        head_act.append(chunk_f[0].inputs[pos[0]])
+    b_kinds: list[str] = []
+    stacked_b: list[list[int]] = []
+    cot_out: list[int] = []
+    for k, t in enumerate(chunk_b[1].outputs):
+        if any(producer_group.get(c) == ("b", 0) for c in graph.tensors[t].consumers):
+            cot_out.append(k)
+    for j, t0 in enumerate(chunk_b[0].inputs):
+        col = [chunk_b[s].inputs[j] for s in range(S)]
+        src = made_by(t0)
+        f_in = chunk_f[0].inputs.index(t0) if t0 in chunk_f[0].inputs else None
+        if src == ("f", 0) or (f_in is not None and f_kinds[f_in].startswith("act")):
+            # a forward value of the chunk, or its stream input: the same position at every stage
+            same = [chunk_f[s].outputs[chunk_f[0].outputs.index(t0)] if f_in is None else chunk_f[s].inputs[f_in]
+                    for s in range(S)]
+            if same != col:
+                raise _fail(f"stage backwards read their forwards' values differently ({graph.tensors[t0].name!r})")
+            if t0 not in res_tensors:
+                res_tensors.append(t0)
+            b_kinds.append(f"res:{res_tensors.index(t0)}")
+        elif made_by(col[0]) == ("b", 1):
+            k = chunk_b[1].outputs.index(col[0])
+            if k not in cot_out or any(chunk_b[s + 1].outputs[k] != col[s] for s in range(S - 1)):
+                raise _fail(f"a block's backward reads {graph.tensors[t0].name!r} from the block after it in "
+                            "different ways at different stages")
+            b_kinds.append(f"cot:{cot_out.index(k)}")
+        elif all(c == t0 for c in col) and outside(t0):
+            b_kinds.append("shared")
+        elif all(outside(c) for c in col):
+            b_kinds.append("stacked")
+        else:
+            raise _fail(f"a block's backward reads {graph.tensors[t0].name!r}, which is none of its weights, "
+                        "its forward's values or the cotangent from the block after")
+        stacked_b.append(col)
+    tail_cot = []
+    last = chunk_b[S - 1]
+    for k in range(len(cot_out)):
+        j = b_kinds.index(f"cot:{k}")
+        t = last.inputs[j]
+        if made_by(t) not in (("tail_b", -1), ("tail_f", -1)):
+            raise _fail(f"the last block's cotangent {graph.tensors[t].name!r} does not come from the layers "
+                        "after the blocks")
+        tail_cot.append(t)
+    acc_out = tuple(k for k, t in enumerate(chunk_b[0].outputs) if t in accumulated)
+    for k, t in enumerate(chunk_b[0].outputs):
+        if k not in acc_out and k not in cot_out:
+            raise _fail(f"a block's backward hands {graph.tensors[t].name!r} to something other than the "
+                        "optimizer or the block before")
+    for t in chunk_f[0].outputs:
+        if t in accumulated:
+            raise _fail(f"a block's forward returns {graph.tensors[t].name!r} from the gradient computation "
+                        "(an auxiliary loss per block is not supported yet)")
+    head_res = tuple(t for t in head_f.outputs if any(producer_group.get(c) == ("head_b", -1)
+                                                        for c in graph.tensors[t].consumers))
+    for t in head_f.outputs:
+        if t in accumulated:
+            raise _fail(f"the layers before the blocks return {graph.tensors[t].name!r} from the gradient "
+                        "computation (not supported yet)")
+    # what each group outside the blocks may read inside the loop
+    batch_ok = {t for t in graph.inputs if graph.tensors[t].role is Role.BATCH}
+    last_f = set(chunk_f[S - 1].outputs) | {chunk_f[S - 1].inputs[j] for j, k in enumerate(f_kinds)
+                                            if k.startswith("act")}
+    allowed = {
+        "the layers before the blocks (forward)": (head_f, set()),
+        "the layers before the blocks (backward)": (head_b, set(head_f.outputs)
+                                                    | {chunk_b[0].outputs[k] for k in cot_out}),
+        "the layers after the blocks (forward)": (tail_f, last_f),
+        "the layers after the blocks (backward)": (tail_b, last_f | set(tail_f.outputs)),
+    }
+    for what, (grp, ok) in allowed.items():
+        for t in grp.inputs:
+            if not (t in ok or t in batch_ok or outside(t)):
+                raise _fail(f"{what} read {graph.tensors[t].name!r}, made per microbatch on another stage "
+                            "(tied input and output embeddings are not supported yet)")
+    return UniformStages(
+        num_stages=S, blocks=tuple(blocks), pre=Group.of(graph, pre), head_f=head_f, head_b=head_b,
+        tail_f=tail_f, tail_b=tail_b, chunk_f=chunk_f, chunk_b=chunk_b,
+        update=Group.of(graph, parts.ops(UPDATE)), post=Group.of(graph, post), accumulated=frozenset(accumulated),
+        f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
+        act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
+        head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res)
+
+
+def _signature(graph: Graph, group: Group) -> list[tuple[Any, ...]]:
+    """What makes a group the computation it is, up to which outside values it reads: per op its
+    primitive, params, shapes, where each operand comes from (an op of the group, a boundary input's
+    position, or a constant's value)."""
+    pos = {op_id: k for k, op_id in enumerate(group.ops)}
+    ins = {t: j for j, t in enumerate(group.inputs)}
+    known = graph.constants
+    out = []
+    for op_id in group.ops:
+        op = graph.ops[op_id]
+        src = []
+        for t, atom in zip(op.inputs, op.eqn.invars, strict=True):
+            ten = graph.tensors[t]
+            if ten.producer is not None and ten.producer in pos:
+                src.append(("op", pos[ten.producer], graph.ops[ten.producer].outputs.index(t)))
+            elif t in ins:
+                src.append(("in", ins[t]))
+            else:
+                val = getattr(atom, "val", known.get(t))
+                arr = np.asarray(val) if val is not None else None
+                src.append(("const", ten.shape, ten.dtype, None if arr is None else arr.tobytes()))
+        shapes = tuple((graph.tensors[t].shape, graph.tensors[t].dtype) for t in op.outputs)
+        out.append((op.primitive, op.params, shapes, tuple(src)))
+    return out
+
+
+def _exports(graph: Graph, group: Group) -> list[tuple[int, int]]:
+    pos = {op_id: k for k, op_id in enumerate(group.ops)}
+    return [(pos[graph.tensors[t].producer], graph.ops[graph.tensors[t].producer].outputs.index(t))
+            for t in group.outputs]
+
+
+def _same_as_template(graph: Graph, template: Group, other: Group, stage: int, what: str) -> None:
+    if _exports(graph, template) != _exports(graph, other):
+        raise _fail(f"stage {stage}'s blocks hand other values to the rest of the step ({what}) than stage 0's")
+    a, b = _signature(graph, template), _signature(graph, other)
+    if len(a) != len(b):
+        raise _fail(f"stage {stage}'s blocks have {len(b)} {what} ops where stage 0's have {len(a)}: the stages "
+                    "are not the same computation")
+    for k, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            op = graph.ops[other.ops[k]]
+            raise _fail(f"stage {stage}'s {what} differs from stage 0's at {op.where()} ({x[0]} against "
+                        f"{y[0]}): every stage must run the same blocks with only their weights different")
+
+
+# ---- the tick tables (pure: numpy) --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ticks:
+    """A schedule as static tables indexed ``[tick, stage]``: the action (0 idle, 1 forward, 2 backward),
+    its microbatch, and the buffer slots it reads and writes. ``*_recv``: the slot where the value that
+    arrives at the end of the tick is stored (-1: nothing arrives)."""
+
+    kind: np.ndarray
+    micro: np.ndarray
+    act_read: np.ndarray
+    act_recv: np.ndarray
+    cot_read: np.ndarray
+    cot_recv: np.ndarray
+    cot_self: np.ndarray  # the last stage: slot for the tail's cotangent made during F
+    res_slot: np.ndarray  # F: the slot written; B: the slot read
+    act_slots: int
+    cot_slots: int
+    res_slots: int
+
+    @property
+    def num_ticks(self) -> int:
+        return int(self.kind.shape[0])
+
+
+def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Slots for values alive from the end of tick ``w`` to tick ``r`` (read at ``r``): two values share
+    a slot when one is read no later than the other is written."""
+    free: list[tuple[int, int]] = []  # (tick the slot frees up, slot)
+    slots: dict[Any, int] = {}
+    n = 0
+    for w, r, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        free.sort()
+        if free and free[0][0] <= w:
+            _, k = free.pop(0)
+        else:
+            k, n = n, n + 1
+        slots[key] = k
+        free.append((r, k))
+    return slots, max(n, 1)
+
+
+def ticks(sched: Schedule) -> Ticks:
+    """The tables of ``sched`` (non-interleaved, no weight pass): see ``Ticks``."""
+    if sched.num_chunks != 1 or sched.weight_pass:
+        raise _fail(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
+                    f"{' or '.join(SCHEDULES)}")
+    S, T = sched.num_stages, len(sched.slots)
+    when: dict[tuple[str, int, int], int] = {}
+    for t, slot in enumerate(sched.slots):
+        for a in slot:
+            when[(a.kind, a.stage, a.microbatch)] = t
+    M = sched.num_microbatches
+    kind = np.zeros((T, S), np.int32)
+    micro = np.zeros((T, S), np.int32)
+    for (k, s, m), t in when.items():
+        kind[t, s] = 1 if k == "forward" else 2
+        micro[t, s] = m
+    act_iv = [(when[("forward", s - 1, m)], when[("forward", s, m)], (s, m)) for s in range(1, S) for m in range(M)]
+    cot_iv = [(when[("backward", s + 1, m)], when[("backward", s, m)], (s, m)) for s in range(S - 1) for m in range(M)]
+    cot_iv += [(when[("forward", S - 1, m)], when[("backward", S - 1, m)], (S - 1, m)) for m in range(M)]
+    res_iv = [(when[("forward", s, m)], when[("backward", s, m)], (s, m)) for s in range(S) for m in range(M)]
+    act_slot, n_act, cot_slot, n_cot, res_slot, n_res = (*_colour_per_stage(act_iv), *_colour_per_stage(cot_iv),
+                                                         *_colour_per_stage(res_iv))
+    neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
+    act_read, act_recv, cot_read, cot_recv, cot_self, res = neg(), neg(), neg(), neg(), neg(), neg()
+    for (s, m), k in act_slot.items():
+        act_read[when[("forward", s, m)], s] = k
+        act_recv[when[("forward", s - 1, m)], s] = k
+    for (s, m), k in cot_slot.items():
+        cot_read[when[("backward", s, m)], s] = k
+        if s == S - 1:
+            cot_self[when[("forward", s, m)], s] = k
+        else:
+            cot_recv[when[("backward", s + 1, m)], s] = k
+    for (s, m), k in res_slot.items():
+        res[when[("forward", s, m)], s] = k
+        res[when[("backward", s, m)], s] = k
+    return Ticks(kind=kind, micro=micro, act_read=act_read, act_recv=act_recv, cot_read=cot_read,
+                 cot_recv=cot_recv, cot_self=cot_self, res_slot=res, act_slots=n_act, cot_slots=n_cot,
+                 res_slots=n_res)
+
+
+def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int]]]) -> tuple[dict[tuple[int, int], int], int]:
+    by_stage: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
+    for iv in intervals:
+        by_stage.setdefault(iv[2][0], []).append(iv)
+    slots: dict[tuple[int, int], int] = {}
+    n = 1
+    for ivs in by_stage.values():
+        got, k = _colour(ivs)
+        slots.update(got)
+        n = max(n, k)
+    return slots, n
+
+
+# ---- what the program costs (pure) ----------------------------------------------------------------------
+
+DISPATCH_S = 5e-5  # host seconds to launch one program when no profile measured it (``autoshard profile``)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpmdTime:
+    """The predicted seconds of one call of the SPMD program (``price``)."""
+
+    ticks: int
+    loop: float  # the tick loop: Σ_t max_s action(t, s) + the exchange
+    exchange: float  # of which: the two ppermutes per tick
+    update: float  # once per step after the loop (the slowest stage's reduction and update)
+    dispatch: float  # host: one program call
+
+    @property
+    def step(self) -> float:
+        return self.loop + self.update + self.dispatch
+
+
+def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
+          link: Any, inner: int, dispatch: float = DISPATCH_S) -> SpmdTime:
+    """The program as it runs: ticks in lockstep, each as long as its slowest stage's action.
+
+    With ``f_s = micro_time_s / 3`` and ``b_s = 2·micro_time_s / 3`` (a backward costs two forwards, the
+    convention of ``schedules.Schedule.simulate``; ``micro_time`` already holds receiving the stage's
+    inputs) and ``a(t, s)`` the action of stage ``s`` at tick ``t`` (``f_s``, ``b_s`` or 0 when idle):
+
+        loop     = Σ_t max_s a(t, s) + T · 2·(α + X / (n·β))     (every tick sends the stream up and its
+                                                                   cotangent down, zeros when idle)
+        step     = loop + max_s update_s + dispatch
+
+    ``X`` = ``stream_bytes`` of one microbatch, split over the stage's ``n = inner`` devices, on ``link``
+    (α latency, β bandwidth). Against the MPMD runtime's asynchronous 1F1B, where each stage runs at its
+    own pace, a stage doing a forward while another does a backward waits for it: the lockstep costs up to
+    ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange."""
+    T = t.num_ticks
+    f = np.asarray(micro_times, np.float64) / 3.0
+    b = 2.0 * f
+    per = np.where(t.kind == 1, f[None, :], np.where(t.kind == 2, b[None, :], 0.0))
+    exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
+    loop = float(per.max(axis=1).sum()) + exchange
+    return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),
+                    dispatch=dispatch)
+
+
+# ---- the program ------------------------------------------------------------------------------------------
+
+
+def stage_mesh(devices: Sequence[Any], num_stages: int) -> jax.sharding.Mesh:
+    """The devices as ``(stage, inner)``: stage ``s`` holds the ``s``-th contiguous block of devices."""
+    devs = np.asarray(list(devices), dtype=object)
+    if devs.size % num_stages:
+        raise _fail(f"{devs.size} devices do not split into {num_stages} equal stages")
+    return jax.sharding.Mesh(devs.reshape(num_stages, devs.size // num_stages), (STAGE_AXIS, INNER_AXIS))
+
+
+class SpmdPipelineStep:
+    """A step traced at microbatch size (``micro``), run as one SPMD program over ``mesh``
+    (``stage_mesh``) with ``num_microbatches`` microbatches in ``schedule_name``'s order. Called with the
+    full-size arguments (``full`` is the step traced at that size); returns the step's results."""
+
+    def __init__(self, micro: Graph, full: Graph, mesh: jax.sharding.Mesh, num_microbatches: int,
+                 schedule_name: str = "1f1b") -> None:
+        if schedule_name not in SCHEDULES:
+            raise _fail(f"the {schedule_name!r} schedule is not supported by the SPMD pipeline yet; use "
+                        f"{' or '.join(SCHEDULES)}")
+        t0 = time.perf_counter()
+        self.graph, self.micro, self.mesh = full, micro, mesh
+        self.predicted: SpmdTime | None = None  # set by ``spmd_pipeline_step`` from the plan's stage times
+        S = mesh.shape[STAGE_AXIS]
+        self.parts = split_step(micro)
+        self.cut = uniform_stages(micro, S, self.parts)
+        self.num_microbatches = M = num_microbatches
+        self.schedule = schedule(schedule_name, S, M)
+        self.ticks = ticks(self.schedule)
+        self.batch_pos = self.parts.batch_inputs
+        rows = {full.tensors[full.inputs[i]].shape[0] for i in self.batch_pos}
+        if len(rows) != 1 or next(iter(rows)) % M:
+            raise _fail(f"the batch inputs' rows {sorted(rows)} do not split into {M} equal microbatches")
+        replicated = NamedSharding(mesh, PartitionSpec())
+        by_rows = NamedSharding(mesh, PartitionSpec(INNER_AXIS)) if mesh.shape[INNER_AXIS] > 1 else replicated
+        batch = set(self.batch_pos)
+        self.in_shardings = tuple(
+            by_rows if i in batch and full.tensors[t].shape[0] % mesh.shape[INNER_AXIS] == 0 else replicated
+            for i, t in enumerate(full.inputs))
+        aliased = sorted(set(full.output_aliases.values()))
+        self._jitted = jax.jit(self._program, in_shardings=self.in_shardings, donate_argnums=tuple(aliased))
+        log.info("autoshard: SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks "
+                 "(built in %.2f s)", S, len(self.cut.blocks) // S, dict(mesh.shape), M, schedule_name,
+                 self.ticks.num_ticks, time.perf_counter() - t0)
+
+    # -- calling ------------------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != self.graph.in_tree:
+            raise _fail("the arguments' structure differs from the step it was built for")
+        return self.call_flat(leaves)
+
+    def call_flat(self, leaves: Sequence[Any]) -> Any:
+        outs = self._jitted(*leaves)
+        return jax.tree_util.tree_unflatten(self.graph.out_tree, outs)
+
+    def place_state(self, *args: Any) -> tuple[Any, ...]:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        placed = [x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
+                  for x, s in zip(leaves, self.in_shardings, strict=True)]
+        return tuple(jax.tree_util.tree_unflatten(tree, placed))
+
+    def lower(self, *args: Any) -> Any:
+        """The program lowered for ``args`` (arrays or ``jax.ShapeDtypeStruct``): its HLO, costs, memory."""
+        return self._jitted.lower(*jax.tree_util.tree_leaves(args))
+
+    # -- the program ----------------------------------------------------------------------------------------
+
+    def _program(self, *leaves: Any) -> list[Any]:
+        g, cut, M, S = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
+        interp = Interpreter(self.mesh, {})
+        env: dict[int, Any] = {}
+        for i, (t, x) in enumerate(zip(g.inputs, leaves, strict=True)):
+            if i in set(self.batch_pos):  # [rows, ...] -> [M, rows / M, ...]: microbatch m is rows m*r..(m+1)*r
+                x = jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:]))
+            env[t] = x
+        batch_t = [g.inputs[i] for i in self.batch_pos]
+        pre = interp.run_ops(g, [g.ops[i] for i in cut.pre.ops], cut.pre.inputs,
+                             [env[t] for t in cut.pre.inputs], cut.pre.outputs)
+        env.update(zip(cut.pre.outputs, pre, strict=True))
+
+        def value(t: int) -> Any:
+            if t in env:
+                return env[t]
+            if t in g.constants:
+                return g.constants[t]
+            raise _fail(f"no value for {g.tensors[t].name!r} outside the loop")
+
+        # what the loop reads from outside: stacked per stage, or whole
+        f_stacked = [j for j, k in enumerate(cut.f_kinds) if k == "stacked"]
+        b_stacked = [j for j, k in enumerate(cut.b_kinds) if k == "stacked"]
+        stacked = [jnp.stack([value(cut.chunk_f[s].inputs[j]) for s in range(S)]) for j in f_stacked]
+        stacked += [jnp.stack([value(cut.chunk_b[s].inputs[j]) for s in range(S)]) for j in b_stacked]
+        loop_groups = (cut.head_f, cut.head_b, cut.tail_f, cut.tail_b)
+        whole_ids = sorted({t for grp in loop_groups for t in grp.inputs if t in env or t in g.constants}
+                           | {cut.chunk_f[0].inputs[j] for j, k in enumerate(cut.f_kinds) if k == "shared"}
+                           | {cut.chunk_b[0].inputs[j] for j, k in enumerate(cut.b_kinds) if k == "shared"})
+        whole_ids = [t for t in whole_ids if t not in set(batch_t)]
+        whole = [value(t) for t in whole_ids]
+        batch = [env[t] for t in batch_t]
+        tables = {name: jnp.asarray(getattr(self.ticks, name)) for name in
+                  ("kind", "micro", "act_read", "act_recv", "cot_read", "cot_recv", "cot_self", "res_slot")}
+        stage_spec = PartitionSpec(STAGE_AXIS)
+        run = jax.shard_map(
+            self._loop, mesh=self.mesh,
+            in_specs=([stage_spec] * len(stacked), [PartitionSpec()] * len(whole), [PartitionSpec()] * len(batch),
+                      {k: PartitionSpec() for k in tables}),
+            out_specs=(stage_spec, PartitionSpec()), axis_names={STAGE_AXIS}, check_vma=False)
+        self._whole_ids, self._batch_t, self._f_stacked, self._b_stacked = whole_ids, batch_t, f_stacked, b_stacked
+        chunk_acc, once_acc = run(stacked, whole, batch, tables)
+        scale = lambda x: (x / jnp.asarray(M, x.dtype)).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) \
+            else x  # noqa: E731
+        for k, pos in enumerate(cut.acc_out):
+            for s in range(S):
+                env[cut.chunk_b[s].outputs[pos]] = scale(chunk_acc[k][s])
+        for t, x in once_acc.items():
+            env[t] = scale(x)
+        if cut.post.ops:
+            got = interp.run_ops(g, [g.ops[i] for i in cut.post.ops], cut.post.inputs,
+                                 [value(t) for t in cut.post.inputs], cut.post.outputs)
+            env.update(zip(cut.post.outputs, got, strict=True))
+        upd = interp.run_ops(g, [g.ops[i] for i in cut.update.ops], cut.update.inputs,
+                             [value(t) for t in cut.update.inputs], cut.update.outputs)
+        env.update(zip(cut.update.outputs, upd, strict=True))
+        return [value(t) for t in g.outputs]
+
+    def _loop(self, stacked: list[Any], whole: list[Any], batch: list[Any], tables: dict[str, Any]) -> Any:
+        g, cut, S = self.micro, self.cut, self.cut.num_stages
+        interp = Interpreter(self.mesh, {})
+        s = jax.lax.axis_index(STAGE_AXIS)
+        nf = len(self._f_stacked)
+        f_w = dict(zip(self._f_stacked, [x[0] for x in stacked[:nf]], strict=True))
+        b_w = dict(zip(self._b_stacked, [x[0] for x in stacked[nf:]], strict=True))
+        outer = dict(zip(self._whole_ids, whole, strict=True))
+        f0, b0 = cut.chunk_f[0], cut.chunk_b[0]
+
+        def aval(t: int) -> jax.ShapeDtypeStruct:
+            ten = g.tensors[t]
+            return jax.ShapeDtypeStruct(ten.shape, jnp.dtype(ten.dtype))
+
+        acts = [aval(t) for t in cut.head_act]
+        cots = [aval(b0.outputs[k]) for k in cut.cot_out]
+        res = [aval(t) for t in cut.residuals]
+        head_res = [aval(t) for t in cut.head_res]
+        accs = [aval(b0.outputs[k]) for k in cut.acc_out]
+        once_ids = [t for grp in (cut.head_f, cut.head_b, cut.tail_f, cut.tail_b) for t in grp.outputs
+                    if t in cut.accumulated]
+        T = self.ticks
+
+        def zeros(a: jax.ShapeDtypeStruct, lead: int | None = None) -> Any:
+            return jnp.zeros(((lead,) if lead is not None else ()) + a.shape, a.dtype)
+
+        carry0 = dict(
+            act=[zeros(a, T.act_slots) for a in acts], cot=[zeros(a, T.cot_slots) for a in cots],
+            res=[zeros(a, T.res_slots) for a in res], hres=[zeros(a, T.res_slots) for a in head_res],
+            acc=[zeros(a) for a in accs], once={t: zeros(aval(t)) for t in once_ids})
+
+        def micro_env(m: Any) -> dict[int, Any]:
+            e = dict(outer)
+            for t, x in zip(self._batch_t, batch, strict=True):
+                e[t] = jax.lax.dynamic_index_in_dim(x, m, 0, keepdims=False)
+            return e
+
+        def run(group: Any, e: dict[int, Any]) -> None:
+            outs = interp.run_ops(g, [g.ops[i] for i in group.ops], group.inputs, [e[t] for t in group.inputs],
+                                  group.outputs)
+            e.update(zip(group.outputs, outs, strict=True))
+
+        def add_once(c: dict, e: dict[int, Any], group: Any) -> None:
+            for t in group.outputs:
+                if t in c["once"]:
+                    c["once"][t] = c["once"][t] + e[t].astype(c["once"][t].dtype)
+
+        def put(buf: Any, k: Any, x: Any) -> Any:
+            return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), jnp.maximum(k, 0), 0)
+
+        def get(buf: Any, k: Any) -> Any:
+            return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(k, 0), 0, keepdims=False)
+
+        def forward(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
+            m = tables["micro"][t, s]
+            e = micro_env(m)
+
+            def from_head(c: dict) -> tuple[list[Any], list[Any]]:
+                run(cut.head_f, e)
+                return [e[x] for x in cut.head_act], [e[x] for x in cut.head_res]
+
+            def from_buffer(c: dict) -> tuple[list[Any], list[Any]]:
+                k = tables["act_read"][t, s]
+                return [get(b, k) for b in c["act"]], [zeros(a) for a in head_res]
+
+            stream, hres = jax.lax.cond(s == 0, from_head, from_buffer, c)
+            fe = dict(e)
+            for j, tid in enumerate(f0.inputs):
+                kind = cut.f_kinds[j]
+                if kind.startswith("act:"):
+                    fe[tid] = stream[int(kind[4:])]
+                elif kind == "stacked":
+                    fe[tid] = f_w[j]
+            run(f0, fe)
+            slot = tables["res_slot"][t, s]
+            c = dict(c, res=[put(b, slot, fe[x]) for b, x in zip(c["res"], cut.residuals, strict=True)],
+                     hres=[put(b, slot, x) for b, x in zip(c["hres"], hres, strict=True)])
+            out = [fe[f0.outputs[k]] for k in cut.act_out]
+
+            def tail(c: dict) -> dict:
+                te = dict(e)
+                last = cut.chunk_f[S - 1]
+                for k, x in enumerate(f0.outputs):
+                    te[last.outputs[k]] = fe[x]
+                for j, x in enumerate(f0.inputs):
+                    if cut.f_kinds[j].startswith("act:"):
+                        te[last.inputs[j]] = fe[x]
+                run(cut.tail_f, te)
+                run(cut.tail_b, te)
+                once = dict(c["once"])
+                c = dict(c, once=once)
+                add_once(c, te, cut.tail_f)
+                add_once(c, te, cut.tail_b)
+                k = tables["cot_self"][t, s]
+                return dict(c, cot=[put(b, k, te[x]) for b, x in zip(c["cot"], cut.tail_cot, strict=True)])
+
+            c = jax.lax.cond(s == S - 1, tail, lambda c: c, c)
+            return c, out, [zeros(a) for a in cots]
+
+        def backward(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
+            m = tables["micro"][t, s]
+            e = micro_env(m)
+            slot = tables["res_slot"][t, s]
+            k = tables["cot_read"][t, s]
+            be = dict(e)
+            for j, tid in enumerate(b0.inputs):
+                kind = cut.b_kinds[j]
+                if kind.startswith("res:"):
+                    be[tid] = get(c["res"][int(kind[4:])], slot)
+                elif kind.startswith("cot:"):
+                    be[tid] = get(c["cot"][int(kind[4:])], k)
+                elif kind == "stacked":
+                    be[tid] = b_w[j]
+            run(b0, be)
+            c = dict(c, acc=[a + be[b0.outputs[p]].astype(a.dtype) for a, p in zip(c["acc"], cut.acc_out, strict=True)])
+            out = [be[b0.outputs[p]] for p in cut.cot_out]
+
+            def head(c: dict) -> dict:
+                he = dict(e)
+                for x, v in zip(cut.head_res, c["hres"], strict=True):
+                    he[x] = get(v, slot)
+                for p, x in zip(cut.cot_out, out, strict=True):  # chunk 0's cotangents by their own ids
+                    he[b0.outputs[p]] = x
+                run(cut.head_b, he)
+                c = dict(c, once=dict(c["once"]))
+                add_once(c, he, cut.head_b)
+                return c
+
+            c = jax.lax.cond(s == 0, head, lambda c: c, c)
+            return c, [zeros(a) for a in acts], out
+
+        def idle(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
+            return c, [zeros(a) for a in acts], [zeros(a) for a in cots]
+
+        up = [(i, i + 1) for i in range(S - 1)]
+        down = [(i + 1, i) for i in range(S - 1)]
+
+        def tick(c: dict, t: Any) -> tuple[dict, None]:
+            c, send_act, send_cot = jax.lax.switch(tables["kind"][t, s], [idle, forward, backward], c, t)
+            got_act = [jax.lax.ppermute(x, STAGE_AXIS, up) for x in send_act]
+            got_cot = [jax.lax.ppermute(x, STAGE_AXIS, down) for x in send_cot]
+            ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]
+            act = [jnp.where(ka >= 0, put(b, ka, x), b) for b, x in zip(c["act"], got_act, strict=True)]
+            cot = [jnp.where(kc >= 0, put(b, kc, x), b) for b, x in zip(c["cot"], got_cot, strict=True)]
+            return dict(c, act=act, cot=cot), None
+
+        c, _ = jax.lax.scan(tick, carry0, jnp.arange(T.num_ticks))
+        chunk_acc = [a[None] for a in c["acc"]]
+        once = {t: jax.lax.psum(x, STAGE_AXIS) for t, x in c["once"].items()}
+        return chunk_acc, once
+
+
+def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: Sequence[Any]) -> SpmdPipelineStep:
+    """``plan`` (a pipelined plan of ``micro``, the step traced at microbatch size; ``full`` at full size)
+    as one SPMD program on ``devices`` (row-major over the plan's cluster): its physical stages' devices
+    become the rows of the stage axis. Schedules this program does not run yet are run as 1F1B, said in a
+    warning: zero-bubble's weight pass is folded into the backward, and interleaved chunks become one
+    contiguous chunk per stage (the same computation, a larger bubble)."""
+    S = plan.num_physical_stages
+    cluster = plan.cluster
+    rows = [[devices[i] for i in st.devices(cluster)] for st in plan.stages[:S]]
+    if len({len(r) for r in rows}) != 1:
+        raise _fail(f"its stages have submeshes of {sorted({len(r) for r in rows})} devices; the SPMD pipeline "
+                    "needs the same submesh for every stage (stage_shape=(hosts, devices) fixes it)")
+    name = plan.schedule
+    if name not in SCHEDULES:
+        log.warning("autoshard: the SPMD pipeline runs the plan's %r schedule as 1F1B (%s not supported yet)",
+                    name, "interleaved chunks are" if plan.num_chunks > 1 else "a separate weight pass is")
+        name = "1f1b"
+    mesh = jax.sharding.Mesh(np.asarray(rows, dtype=object), (STAGE_AXIS, INNER_AXIS))
+    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name)
+    step.predicted = _priced(plan, step)
+    if step.predicted is not None:
+        log.info("autoshard: the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "
+                 "exchanging; the plan's %s schedule priced %.4g s)", step.predicted.step, step.predicted.ticks,
+                 step.predicted.exchange, plan.schedule, plan.predicted_step_time)
+    return step
+
+
+def _priced(plan: PipelinePlan, step: SpmdPipelineStep) -> SpmdTime | None:
+    """``price`` of ``step`` with the stage times of ``plan``, on the links of the plan's hardware (None
+    when the hardware cannot be loaded here: a profile file saved elsewhere)."""
+    from cost_models import CostModel
+    from cost_models.errors import CostModelError
+
+    try:
+        cost = CostModel.load(plan.hardware, mesh=plan.mesh)
+    except (CostModelError, OSError, ValueError):
+        return None
+    S = plan.num_physical_stages
+    hosts = {st.origin[0] for st in plan.stages[:S]}
+    link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
+    stream = sum(step.micro.tensors[t].nbytes for t in step.cut.head_act)
+    dispatch = getattr(cost.profile, "overhead", 0.0) or DISPATCH_S
+    return price([st.micro_time for st in plan.stages[:S]], [st.update_time for st in plan.stages[:S]],
+                 step.ticks, stream_bytes=stream, link=link, inner=step.mesh.shape[INNER_AXIS], dispatch=dispatch)

@@ -1,0 +1,221 @@
+"""The planner's pipelines as one SPMD program (``autoshard.pipeline.spmd_program``): uniform stages cut
+from the traced step, schedules as tick tables, the same numbers as ``jax.jit`` on one process and on two
+(``jax.distributed``, 2 processes x 4 CPU devices, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard._examples import load_example
+from autoshard.emit import global_rel_error
+from autoshard.pipeline.partition import PipelineError, microbatch_args
+from autoshard.pipeline.schedules import schedule
+from autoshard.pipeline.spmd_program import stage_mesh, ticks, uniform_stages
+from autoshard.trace import trace
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).parent / "workers"
+sys.path.insert(0, str(WORKERS))
+from pipeline_forms import make  # noqa: E402
+
+TOL = 1e-5
+
+
+def _micro(layers: int = 4, micro: int = 4, **overrides: object):
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"layers={layers}"] +
+                      [f"{k}={v}" for k, v in overrides.items()], abstract=True)
+    full = trace(ex.train_step, *ex.args)
+    return trace(ex.train_step, *microbatch_args(ex.args, full, None, micro)), full
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_uniform_stages_stack_the_blocks_and_keep_head_and_tail_apart(stages: int) -> None:
+    micro, _ = _micro()
+    cut = uniform_stages(micro, stages)
+    assert cut.num_stages == stages and len(cut.blocks) == 4
+    assert len({len(g.ops) for g in cut.chunk_f}) == 1 and len({len(g.ops) for g in cut.chunk_b}) == 1
+    # one stream between stages (the residual), its cotangent back; each block's weights stacked per stage
+    assert [k for k in cut.f_kinds if k.startswith("act")] == ["act:0"]
+    assert len(cut.cot_out) == 1
+    assert cut.f_kinds.count("stacked") == 12 * (4 // stages)  # 12 weights a block, 4 / S blocks a stage
+    # every microbatched op is in exactly one group; the tied embedding's two gradient parts meet after
+    groups = [cut.pre, cut.head_f, cut.head_b, cut.tail_f, cut.tail_b, cut.post, *cut.chunk_f, *cut.chunk_b]
+    ops = [i for g in groups for i in g.ops]
+    assert len(ops) == len(set(ops)) == len(micro.ops) - len(cut.update.ops)
+    assert [micro.ops[i].primitive for i in cut.post.ops] == ["add_any"]
+
+
+def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None:
+    micro, _ = _micro()
+    with pytest.raises(PipelineError, match=r"4 numbered blocks .* 3 stages cannot share evenly; use a stage count"):
+        uniform_stages(micro, 3)
+    scanned, _ = _micro(scan_layers=True)
+    with pytest.raises(PipelineError, match="one scan"):
+        uniform_stages(scanned, 2)
+
+
+@pytest.mark.parametrize("name,stages,micro", [("1f1b", 4, 8), ("1f1b", 2, 16), ("gpipe", 4, 8), ("gpipe", 3, 5)])
+def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int) -> None:
+    sched = schedule(name, stages, micro)
+    t = ticks(sched)
+    assert t.num_ticks == len(sched.slots)
+    # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
+    assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
+    if name == "1f1b":
+        assert t.res_slots == min(stages, micro)
+    # replay the tables: every read finds the value written for the same microbatch, never overwritten
+    act, cot, res = {}, {}, {}
+    for k in range(t.num_ticks):
+        for s in range(stages):
+            m = int(t.micro[k, s])
+            if t.kind[k, s] == 1:
+                if s > 0:
+                    assert act[(s, int(t.act_read[k, s]))] == m
+                res[(s, int(t.res_slot[k, s]))] = m
+                if s == stages - 1:
+                    cot[(s, int(t.cot_self[k, s]))] = m
+            elif t.kind[k, s] == 2:
+                assert res[(s, int(t.res_slot[k, s]))] == m
+                assert cot[(s, int(t.cot_read[k, s]))] == m
+        for s in range(stages):  # the end-of-tick exchange
+            if t.act_recv[k, s] >= 0:
+                act[(s, int(t.act_recv[k, s]))] = int(t.micro[k, s - 1])
+            if t.cot_recv[k, s] >= 0:
+                cot[(s, int(t.cot_recv[k, s]))] = int(t.micro[k, s + 1])
+
+
+@pytest.mark.parametrize("form,name", [("optax", "1f1b"), ("state", "gpipe")])
+def test_one_program_matches_jit(form: str, name: str) -> None:
+    fn, args, batch = make(form)
+    want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
+    step = autoshard.parallelize(fn, mesh=(2, 4), microbatches=4, pipeline=True, schedule=name, stage_shape=(1, 2),
+                                 time_budget_s=8, runtime="spmd")
+    ref = jax.jit(fn)
+    got, want = list(args), list(want_args)
+    got_l, want_l = [], []
+    for _ in range(3):
+        *got, m1 = step(*got, batch)
+        *want, m2 = ref(*want, batch)
+        got_l.append(float(m1["loss"]))
+        want_l.append(float(m2["loss"]))
+    assert type(step._last.step).__name__ == "SpmdPipelineStep"
+    assert step.plan.schedule == name and step.plan.num_physical_stages == 4
+    assert global_rel_error(np.array(want_l), np.array(got_l)) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """The compiled module's computations: name -> their instruction lines."""
+    comps: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None and line.startswith(" "):
+            comps[name].append(line)
+    return comps
+
+
+def _reached(comps: dict[str, list[str]], roots: set[str]) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            todo += re.findall(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)", line)
+            todo += re.findall(r"%([\w.\-]+)", "".join(re.findall(r"branch_computations=\{([^}]*)\}", line)))
+    return seen
+
+
+def test_the_program_exchanges_on_the_stage_axis_and_reduces_once() -> None:
+    # 4 stages of one device: the loop's only collectives are the stage axis's collective-permutes; the
+    # gradients are summed in the loop and reduced over the stage axis once, after it
+    micro, full = _micro()
+    from autoshard.pipeline.spmd_program import SpmdPipelineStep
+
+    step = SpmdPipelineStep(micro, full, stage_mesh(jax.devices()[:4], 4), 4, "1f1b")
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4"], abstract=True)
+    comps = _computations(step.lower(*ex.args).compile().as_text())
+    bodies = {b for lines in comps.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
+    assert bodies, "no while loop in the compiled step"
+    in_loop = _reached(comps, bodies)
+    kinds = lambda names: {op for c in names for line in comps[c]  # noqa: E731
+                           for op in re.findall(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|"
+                                                r"all-to-all)(?:-start)?\(", line)}
+    assert kinds(in_loop) == {"collective-permute"}
+    assert "all-reduce" in kinds(set(comps) - in_loop)  # the head's and tail's gradients, once per step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe")])
+def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, "-u", str(WORKERS / "pipeline_worker.py"), str(port), str(r), "2",
+                               str(tmp_path), name, form], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
+    reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert [r["runtime"] for r in reports] == ["SpmdPipelineStep"] * 2  # one program, across processes
+    assert reports[0]["losses"] == reports[1]["losses"]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["kind"] == "pipeline" and plan["schedule"] == name
+    got = np.load(tmp_path / "result.npz")
+    fn, args, batch = make(form)
+    ref = jax.jit(fn)
+    want, losses = list(args), []
+    for _ in range(3):
+        *want, m = ref(*want, batch)
+        losses.append(float(m["loss"]))
+    leaves = jax.tree.leaves(want)
+    assert global_rel_error(np.array(losses), got["losses"]) <= TOL
+    assert global_rel_error(leaves, [got[f"leaf_{i}"] for i in range(len(leaves))]) <= TOL
+
+
+def test_the_price_is_the_lockstep_of_the_schedule() -> None:
+    from types import SimpleNamespace
+
+    from autoshard.pipeline.spmd_program import price
+
+    sched = schedule("1f1b", 2, 4)
+    link = SimpleNamespace(latency=1e-6, bandwidth=1e9)
+    got = price([3.0, 6.0], [0.5, 0.25], ticks(sched), stream_bytes=4e3, link=link, inner=2, dispatch=1e-4)
+    # by hand from the slots: each slot lasts as long as its slowest action (forward = 1/3, backward = 2/3
+    # of a stage's micro time), and every slot exchanges twice
+    f, b = [1.0, 2.0], [2.0, 4.0]
+    work = sum(max((f if a.kind == "forward" else b)[a.stage] for a in slot) for slot in sched.slots)
+    exchange = len(sched.slots) * 2 * (1e-6 + 2e3 / 1e9)
+    assert got.ticks == len(sched.slots)
+    assert got.loop == pytest.approx(work + exchange) and got.exchange == pytest.approx(exchange)
+    assert got.step == pytest.approx(work + exchange + 0.5 + 1e-4)
+    # the asynchronous 1F1B of the same stages (each stage at its own pace) is never slower
+    assert sched.simulate([1.0, 2.0], [2.0, 4.0]).makespan <= work
