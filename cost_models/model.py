@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cost_models.collectives import check_kind, collective_time
+from cost_models.collectives import bounded, check_kind, collective_time
 from cost_models.dtypes import DtypeLike, dtype_bytes
 from cost_models.errors import CostModelError
 from cost_models.hardware import Cluster, Device
@@ -176,12 +176,20 @@ class CostModel:
     def collective_time(self, kind: str, nbytes: float, axes: Axes) -> float:
         """Seconds for collective ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``,
         ``all_to_all``, ``send_recv``) over mesh ``axes`` (a name or several; several are priced as a
-        hierarchical collective). ``nbytes``: the larger per-device buffer (``cost_models.collectives``)."""
+        hierarchical collective). ``nbytes``: the larger per-device buffer (``cost_models.collectives``).
+
+        The measured curve of this kind, group size and links when the profile has one, else the analytic
+        alpha-beta formula; an all-reduce at most its reduce-scatter plus its all-gather on the same buffer
+        (``collectives.bounded``: the ring all-reduce is those two halves)."""
         check_kind(kind)
         names = self.mesh.normalize_axes(axes)
         p = self.mesh.size(names)
         if p <= 1 or nbytes <= 0:
             return 0.0
+        return bounded(kind, lambda k: self._own_collective_time(k, nbytes, names, p))
+
+    def _own_collective_time(self, kind: str, nbytes: float, names: tuple[str, ...], p: int) -> float:
+        """``collective_time`` before ``collectives.bounded``."""
         links = [self.mesh.link(a) for a in names]
         curve = self._collective.get(collective_key(kind, p, [lk.name for lk in links]))
         if curve is not None:
