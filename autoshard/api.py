@@ -79,6 +79,7 @@ def plan(
     num_chunks: int = 2,
     recompute: str = "auto",
     batch_argnums: int | tuple[int, ...] | None = None,
+    runtime: str = "auto",
 ) -> Plan | PipelinePlan:
     """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
 
@@ -102,6 +103,9 @@ def plan(
     stages twice as large over half as many microbatches (``pipeline.microbatches.interleaving``: Megatron's
     layout for GPT-1T), and the faster kept.
 
+    ``runtime="spmd"`` plans only pipelines the SPMD program runs (``parallelize``'s ``runtime``): equal
+    submeshes, the same number of blocks a stage, priced as that program's lockstep ticks run.
+
     Input roles (parameter, optimizer state, carried state, batch) are read off what the step does with
     each leaf (``trace.roles``); ``roles`` overrides them by path prefix or argument position, and
     ``batch_argnums`` marks whole arguments as the batch.
@@ -113,9 +117,12 @@ def plan(
     block's replay in its stage's backward program); ``"auto"`` only when no cut into stages fits without.
     """
     check_recompute(recompute)
+    if runtime not in RUNTIMES:
+        raise PlanningError(f"runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
-                              max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks)
+                              max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks,
+                              uniform=runtime == "spmd")
     return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
                     roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
 
@@ -200,7 +207,8 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         def stages(g: Graph, s: float | None) -> PipelinePlan:
             return plan_pipeline(g, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
                                  schedule_name=schedule, num_layers=options.num_layers, time_budget_s=s,
-                                 max_stages=options.max_stages, stage_shape=stage_shape, num_chunks=chunks)
+                                 max_stages=options.max_stages, stage_shape=stage_shape, num_chunks=chunks,
+                                 uniform=options.uniform)
 
         start = "none"
         if recompute == "auto":
@@ -267,7 +275,8 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     pricing: with the user's time budget, when what is left of it is at least half of what the count
     search took; without one, when ``piped`` idles at least ``INTERLEAVE_BUBBLE`` of its step (GPT-1T,
     128 stages of 3x8 over 1024 microbatches: 19.7%, its last stage, a block and the head, 1.17x a block)."""
-    if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
+    if (options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS
+            or options.uniform):  # the SPMD program runs no interleaved chunks yet
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
         return piped
@@ -594,23 +603,26 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
 
     def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
-        if distributed.multiprocess():  # planned on process 0, agreed by all: autoshard.distributed
+        multi = distributed.multiprocess()
+        spmd = self.runtime == "spmd" or (self.runtime == "auto" and multi)
+        options = dataclasses.replace(self.options, uniform=True) if spmd else self.options
+        if multi:  # planned on process 0, agreed by all: autoshard.distributed
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(
-                fn, args, self.roles, self.options, device_mesh,
-                lambda shapes: plan_for(fn, shapes, self.target, self.options, time_budget_s=self.time_budget_s,
+                fn, args, self.roles, options, device_mesh,
+                lambda shapes: plan_for(fn, shapes, self.target, options, time_budget_s=self.time_budget_s,
                                         roles=self.roles, recompute=self.recompute)[0], given), fn=fn)
         if self.given_plan is not None:
             the_plan, graph, micro = self._given(fn, args, device_mesh)
         else:
-            the_plan, graph, micro = plan_for(fn, args, self.target, self.options,
+            the_plan, graph, micro = plan_for(fn, args, self.target, options,
                                               time_budget_s=self.time_budget_s, roles=self.roles,
                                               recompute=self.recompute)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh), fn)
         assert micro is not None
         devices = list(device_mesh.devices.flat)
-        if self.runtime == "spmd":
+        if spmd:
             return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices), fn)
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)
 

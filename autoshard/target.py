@@ -200,7 +200,9 @@ class PipelineOptions:
     default: 1F1B or ZB-H1, whichever the planner prices faster on the stages it cuts), "1f1b", "gpipe",
     "zb-h1" (zero-bubble H1: weight gradients deferred into the bubbles) or "interleaved-1f1b"
     (``num_chunks`` model chunks per stage; needs ``stage_shape``); ``num_layers``: layers to cut the step into (default: one per named block, plus one);
-    ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh."""
+    ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh;
+    ``uniform``: only stages the SPMD pipeline program runs (equal submeshes, the same number of blocks
+    each), priced as that program runs them (``pipeline.stages._uniform``)."""
 
     microbatches: int | None = None
     pipeline: bool | None = None
@@ -209,6 +211,7 @@ class PipelineOptions:
     num_layers: int | None = None
     max_stages: int | None = None
     stage_shape: tuple[int, int] | None = None
+    uniform: bool = False
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "num_layers", "max_stages", "num_chunks"):

@@ -23,8 +23,8 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,7 +39,7 @@ MICRO_ROWS = 2
 STAGES = 4
 
 
-def _example(count: int, abstract: bool):  # noqa: ANN202
+def _example(count: int, abstract: bool):
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", f"batch={count * MICRO_ROWS}"],
                       abstract=abstract)
     return ex.train_step, ex.args
@@ -52,7 +52,7 @@ def _spmd(count: int, name: str) -> SpmdPipelineStep:
     return SpmdPipelineStep(micro, full, stage_mesh(jax.devices(), STAGES), count, name)
 
 
-def _time(call, state, batch) -> tuple[float, float]:  # noqa: ANN001
+def _time(call, state, batch) -> tuple[float, float]:
     host, wall = [], []
     for k in range(7):
         t0 = time.perf_counter()

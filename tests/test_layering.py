@@ -74,6 +74,7 @@ PASSES = (
     "autoshard.emit",
     "autoshard.pipeline.partition",
     "autoshard.pipeline.schedules",
+    "autoshard.pipeline.ticks",
     "autoshard.pipeline.pipeline_plan",
     "autoshard.pipeline.layer_prices",
     "autoshard.pipeline.stages",

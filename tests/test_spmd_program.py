@@ -22,7 +22,8 @@ from autoshard._examples import load_example
 from autoshard.emit import global_rel_error
 from autoshard.pipeline.partition import PipelineError, microbatch_args
 from autoshard.pipeline.schedules import schedule
-from autoshard.pipeline.spmd_program import stage_mesh, ticks, uniform_stages
+from autoshard.pipeline.spmd_program import stage_mesh, uniform_stages
+from autoshard.pipeline.ticks import price, ticks
 from autoshard.trace import trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,7 +205,7 @@ def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path,
 def test_the_price_is_the_lockstep_of_the_schedule() -> None:
     from types import SimpleNamespace
 
-    from autoshard.pipeline.spmd_program import price
+
 
     sched = schedule("1f1b", 2, 4)
     link = SimpleNamespace(latency=1e-6, bandwidth=1e9)
@@ -219,3 +220,32 @@ def test_the_price_is_the_lockstep_of_the_schedule() -> None:
     assert got.step == pytest.approx(work + exchange + 0.5 + 1e-4)
     # the asynchronous 1F1B of the same stages (each stage at its own pace) is never slower
     assert sched.simulate([1.0, 2.0], [2.0, 4.0]).makespan <= work
+
+
+def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_program() -> None:
+    # 4 wide blocks (hidden 2048, bf16) on 2 hosts of 4 H100s, 3 GB a device: the weights and Adam state
+    # (~2.6 GB a replica) fit no device whole; NVLink inside a host, InfiniBand between hosts
+    overrides = dict(hidden=2048, heads=16, seq_len=256, batch=32, vocab=1024, dtype="bfloat16")
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", *(f"{k}={v}" for k, v in overrides.items())],
+                      abstract=True)
+    plan = autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), hardware="h100", memory_budget=3e9,
+                          microbatches=8, pipeline=True, time_budget_s=20, runtime="spmd", recompute="none")
+    S = plan.num_physical_stages
+    # uniform: equal submeshes, none across the slow link, every host used, the same number of blocks a stage
+    assert len({st.submesh for st in plan.stages}) == 1 and all(st.submesh[0] == 1 for st in plan.stages)
+    assert {st.origin[0] for st in plan.stages} == {0, 1} and 4 % S == 0
+    assert plan.schedule == "1f1b" and plan.peak_memory <= 3e9
+    # each stage keeps its blocks' weights split over its devices (no device holds a replica)
+    micro, full = _micro(micro=8, **overrides)
+    kernels = [t for t in micro.inputs if micro.tensors[t].name.endswith("kernel")
+               and micro.tensors[t].name.startswith("state.params.block_")]
+    stored = {t: spec for st in plan.stages for t, spec in st.update_specs.get((), {}).items()}
+    assert len(kernels) == 16 and all(not stored[t].is_replicated() for t in kernels)
+    # one program: the stage axis exchanged by collective-permutes inside the loop, its reductions after it
+    from autoshard.pipeline.spmd_program import spmd_pipeline_step
+
+    step = spmd_pipeline_step(micro, full, plan, jax.devices())
+    text = step.lower(*ex.args).as_text()
+    loop = text[text.index("stablehlo.while"):]
+    assert "collective_permute" in loop
+    assert "all_reduce" in text and "all_reduce" not in loop[:loop.index("stablehlo.return")]

@@ -52,9 +52,14 @@ After the loop the stacked accumulators come back split over the stage axis, the
 summed over it (one reduction per step: only stages 0 and ``S-1`` hold non-zero sums), each is divided by
 ``M`` (the mean over microbatches, as ``partition`` defines it), and the update runs on the whole mesh.
 
+Inside a stage the plan's layouts hold: the mesh is ``(stage, *the stage's own axes)`` and every tensor the
+stage plans pins its layout there (``with_sharding_constraint`` inside the shard_map, whose other axes stay
+automatic); chunk 0's layouts, which the planner found for identical stages, serve every stage.
+
 Not yet: interleaved chunks, zero-bubble weight passes, an ``nn.scan`` layer stack (one op: its stack is
 not split), blocks that read per-microbatch values other than the residual stream (an attention mask
-built from the batch), and the plan's intra-stage layouts (XLA lays out the inner axes).
+built from the batch), and gradients kept unreduced over a stage's data-parallel axes across
+microbatches (XLA reduces them per microbatch inside the loop; the MPMD runtime defers them).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,6 +76,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
+from autoshard.emit.specs import named_sharding, normalize_key
 from autoshard.pipeline.partition import (
     BACKWARD,
     FORWARD,
@@ -82,14 +88,15 @@ from autoshard.pipeline.partition import (
     split_step,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.pipeline.schedules import Schedule, schedule
-from autoshard.trace.graph import Graph, Role
+from autoshard.pipeline.schedules import schedule
+from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, price, ticks
+from autoshard.trace.graph import Graph, Role, Scope
+from cost_models import ShardingSpec
 
 log = logging.getLogger("autoshard")
 
 STAGE_AXIS = "stage"
 INNER_AXIS = "inner"
-SCHEDULES = ("gpipe", "1f1b")
 
 
 
@@ -437,149 +444,6 @@ def _same_as_template(graph: Graph, template: Group, other: Group, stage: int, w
                         f"{y[0]}): every stage must run the same blocks with only their weights different")
 
 
-# ---- the tick tables (pure: numpy) --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Ticks:
-    """A schedule as static tables indexed ``[tick, stage]``: the action (0 idle, 1 forward, 2 backward),
-    its microbatch, and the buffer slots it reads and writes. ``*_recv``: the slot where the value that
-    arrives at the end of the tick is stored (-1: nothing arrives)."""
-
-    kind: np.ndarray
-    micro: np.ndarray
-    act_read: np.ndarray
-    act_recv: np.ndarray
-    cot_read: np.ndarray
-    cot_recv: np.ndarray
-    cot_self: np.ndarray  # the last stage: slot for the tail's cotangent made during F
-    res_slot: np.ndarray  # F: the slot written; B: the slot read
-    act_slots: int
-    cot_slots: int
-    res_slots: int
-
-    @property
-    def num_ticks(self) -> int:
-        return int(self.kind.shape[0])
-
-
-def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
-    """Slots for values alive from the end of tick ``w`` to tick ``r`` (read at ``r``): two values share
-    a slot when one is read no later than the other is written."""
-    free: list[tuple[int, int]] = []  # (tick the slot frees up, slot)
-    slots: dict[Any, int] = {}
-    n = 0
-    for w, r, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        free.sort()
-        if free and free[0][0] <= w:
-            _, k = free.pop(0)
-        else:
-            k, n = n, n + 1
-        slots[key] = k
-        free.append((r, k))
-    return slots, max(n, 1)
-
-
-def ticks(sched: Schedule) -> Ticks:
-    """The tables of ``sched`` (non-interleaved, no weight pass): see ``Ticks``."""
-    if sched.num_chunks != 1 or sched.weight_pass:
-        raise _fail(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
-                    f"{' or '.join(SCHEDULES)}")
-    S, T = sched.num_stages, len(sched.slots)
-    when: dict[tuple[str, int, int], int] = {}
-    for t, slot in enumerate(sched.slots):
-        for a in slot:
-            when[(a.kind, a.stage, a.microbatch)] = t
-    M = sched.num_microbatches
-    kind = np.zeros((T, S), np.int32)
-    micro = np.zeros((T, S), np.int32)
-    for (k, s, m), t in when.items():
-        kind[t, s] = 1 if k == "forward" else 2
-        micro[t, s] = m
-    act_iv = [(when[("forward", s - 1, m)], when[("forward", s, m)], (s, m)) for s in range(1, S) for m in range(M)]
-    cot_iv = [(when[("backward", s + 1, m)], when[("backward", s, m)], (s, m)) for s in range(S - 1) for m in range(M)]
-    cot_iv += [(when[("forward", S - 1, m)], when[("backward", S - 1, m)], (S - 1, m)) for m in range(M)]
-    res_iv = [(when[("forward", s, m)], when[("backward", s, m)], (s, m)) for s in range(S) for m in range(M)]
-    act_slot, n_act, cot_slot, n_cot, res_slot, n_res = (*_colour_per_stage(act_iv), *_colour_per_stage(cot_iv),
-                                                         *_colour_per_stage(res_iv))
-    neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
-    act_read, act_recv, cot_read, cot_recv, cot_self, res = neg(), neg(), neg(), neg(), neg(), neg()
-    for (s, m), k in act_slot.items():
-        act_read[when[("forward", s, m)], s] = k
-        act_recv[when[("forward", s - 1, m)], s] = k
-    for (s, m), k in cot_slot.items():
-        cot_read[when[("backward", s, m)], s] = k
-        if s == S - 1:
-            cot_self[when[("forward", s, m)], s] = k
-        else:
-            cot_recv[when[("backward", s + 1, m)], s] = k
-    for (s, m), k in res_slot.items():
-        res[when[("forward", s, m)], s] = k
-        res[when[("backward", s, m)], s] = k
-    return Ticks(kind=kind, micro=micro, act_read=act_read, act_recv=act_recv, cot_read=cot_read,
-                 cot_recv=cot_recv, cot_self=cot_self, res_slot=res, act_slots=n_act, cot_slots=n_cot,
-                 res_slots=n_res)
-
-
-def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int]]]) -> tuple[dict[tuple[int, int], int], int]:
-    by_stage: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
-    for iv in intervals:
-        by_stage.setdefault(iv[2][0], []).append(iv)
-    slots: dict[tuple[int, int], int] = {}
-    n = 1
-    for ivs in by_stage.values():
-        got, k = _colour(ivs)
-        slots.update(got)
-        n = max(n, k)
-    return slots, n
-
-
-# ---- what the program costs (pure) ----------------------------------------------------------------------
-
-DISPATCH_S = 5e-5  # host seconds to launch one program when no profile measured it (``autoshard profile``)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SpmdTime:
-    """The predicted seconds of one call of the SPMD program (``price``)."""
-
-    ticks: int
-    loop: float  # the tick loop: Σ_t max_s action(t, s) + the exchange
-    exchange: float  # of which: the two ppermutes per tick
-    update: float  # once per step after the loop (the slowest stage's reduction and update)
-    dispatch: float  # host: one program call
-
-    @property
-    def step(self) -> float:
-        return self.loop + self.update + self.dispatch
-
-
-def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
-          link: Any, inner: int, dispatch: float = DISPATCH_S) -> SpmdTime:
-    """The program as it runs: ticks in lockstep, each as long as its slowest stage's action.
-
-    With ``f_s = micro_time_s / 3`` and ``b_s = 2·micro_time_s / 3`` (a backward costs two forwards, the
-    convention of ``schedules.Schedule.simulate``; ``micro_time`` already holds receiving the stage's
-    inputs) and ``a(t, s)`` the action of stage ``s`` at tick ``t`` (``f_s``, ``b_s`` or 0 when idle):
-
-        loop     = Σ_t max_s a(t, s) + T · 2·(α + X / (n·β))     (every tick sends the stream up and its
-                                                                   cotangent down, zeros when idle)
-        step     = loop + max_s update_s + dispatch
-
-    ``X`` = ``stream_bytes`` of one microbatch, split over the stage's ``n = inner`` devices, on ``link``
-    (α latency, β bandwidth). Against the MPMD runtime's asynchronous 1F1B, where each stage runs at its
-    own pace, a stage doing a forward while another does a backward waits for it: the lockstep costs up to
-    ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange."""
-    T = t.num_ticks
-    f = np.asarray(micro_times, np.float64) / 3.0
-    b = 2.0 * f
-    per = np.where(t.kind == 1, f[None, :], np.where(t.kind == 2, b[None, :], 0.0))
-    exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
-    loop = float(per.max(axis=1).sum()) + exchange
-    return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),
-                    dispatch=dispatch)
-
-
 # ---- the program ------------------------------------------------------------------------------------------
 
 
@@ -597,12 +461,16 @@ class SpmdPipelineStep:
     full-size arguments (``full`` is the step traced at that size); returns the step's results."""
 
     def __init__(self, micro: Graph, full: Graph, mesh: jax.sharding.Mesh, num_microbatches: int,
-                 schedule_name: str = "1f1b") -> None:
+                 schedule_name: str = "1f1b", specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None = None
+                 ) -> None:
         if schedule_name not in SCHEDULES:
             raise _fail(f"the {schedule_name!r} schedule is not supported by the SPMD pipeline yet; use "
                         f"{' or '.join(SCHEDULES)}")
         t0 = time.perf_counter()
         self.graph, self.micro, self.mesh = full, micro, mesh
+        self.specs = dict(specs or {})  # the plan's layouts on the stage's own axes, by tensor of ``micro``
+        self.inner_axes = tuple(a for a in mesh.axis_names if a != STAGE_AXIS)
+        inner = int(np.prod([mesh.shape[a] for a in self.inner_axes]))
         self.predicted: SpmdTime | None = None  # set by ``spmd_pipeline_step`` from the plan's stage times
         S = mesh.shape[STAGE_AXIS]
         self.parts = split_step(micro)
@@ -615,11 +483,17 @@ class SpmdPipelineStep:
         if len(rows) != 1 or next(iter(rows)) % M:
             raise _fail(f"the batch inputs' rows {sorted(rows)} do not split into {M} equal microbatches")
         replicated = NamedSharding(mesh, PartitionSpec())
-        by_rows = NamedSharding(mesh, PartitionSpec(INNER_AXIS)) if mesh.shape[INNER_AXIS] > 1 else replicated
+        by_rows = NamedSharding(mesh, PartitionSpec(self.inner_axes)) if inner > 1 else replicated
         batch = set(self.batch_pos)
-        self.in_shardings = tuple(
-            by_rows if i in batch and full.tensors[t].shape[0] % mesh.shape[INNER_AXIS] == 0 else replicated
-            for i, t in enumerate(full.inputs))
+        top = self.specs.get((), {})
+
+        def laid(i: int, t: int) -> NamedSharding:
+            if i in batch:
+                return by_rows if full.tensors[t].shape[0] % inner == 0 else replicated
+            spec = top.get(micro.inputs[i])  # the plan's layout of a parameter or optimizer leaf
+            return named_sharding(mesh, spec) if spec is not None else replicated
+
+        self.in_shardings = tuple(laid(i, t) for i, t in enumerate(full.inputs))
         aliased = sorted(set(full.output_aliases.values()))
         self._jitted = jax.jit(self._program, in_shardings=self.in_shardings, donate_argnums=tuple(aliased))
         log.info("autoshard: SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks "
@@ -652,7 +526,7 @@ class SpmdPipelineStep:
 
     def _program(self, *leaves: Any) -> list[Any]:
         g, cut, M, S = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
-        interp = Interpreter(self.mesh, {})
+        interp = Interpreter(self.mesh, self.specs)
         env: dict[int, Any] = {}
         for i, (t, x) in enumerate(zip(g.inputs, leaves, strict=True)):
             if i in set(self.batch_pos):  # [rows, ...] -> [M, rows / M, ...]: microbatch m is rows m*r..(m+1)*r
@@ -706,11 +580,15 @@ class SpmdPipelineStep:
         upd = interp.run_ops(g, [g.ops[i] for i in cut.update.ops], cut.update.inputs,
                              [value(t) for t in cut.update.inputs], cut.update.outputs)
         env.update(zip(cut.update.outputs, upd, strict=True))
-        return [value(t) for t in g.outputs]
+        outs = [value(t) for t in g.outputs]
+        for o, i in g.output_aliases.items():  # a new state leaf leaves as its input came: the next step takes it
+            outs[o] = jax.lax.with_sharding_constraint(outs[o], self.in_shardings[i])
+        return outs
 
     def _loop(self, stacked: list[Any], whole: list[Any], batch: list[Any], tables: dict[str, Any]) -> Any:
         g, cut, S = self.micro, self.cut, self.cut.num_stages
-        interp = Interpreter(self.mesh, {})
+        # inside the shard_map the stage axis is manual: layouts pin on the mesh as seen from here
+        interp = Interpreter(jax.sharding.get_abstract_mesh(), self.specs)
         s = jax.lax.axis_index(STAGE_AXIS)
         nf = len(self._f_stacked)
         f_w = dict(zip(self._f_stacked, [x[0] for x in stacked[:nf]], strict=True))
@@ -877,8 +755,17 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
         log.warning("autoshard: the SPMD pipeline runs the plan's %r schedule as 1F1B (%s not supported yet)",
                     name, "interleaved chunks are" if plan.num_chunks > 1 else "a separate weight pass is")
         name = "1f1b"
-    mesh = jax.sharding.Mesh(np.asarray(rows, dtype=object), (STAGE_AXIS, INNER_AXIS))
-    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name)
+    # the stage's own axes (its plan's logical mesh) beside the stage axis: the plan's layouts pin onto them
+    stage = plan.stages[0].mesh
+    if STAGE_AXIS in stage.axis_names:
+        raise _fail(f"the stages' mesh already has an axis named {STAGE_AXIS!r}")
+    mesh = jax.sharding.Mesh(np.asarray(rows, dtype=object).reshape(S, *stage.shape), (STAGE_AXIS, *stage.axis_names))
+    specs: dict[Scope, dict[int, ShardingSpec]] = {}
+    for st in plan.stages:
+        for table in (st.specs, st.update_specs):
+            for key, by_tensor in table.items():
+                specs.setdefault(normalize_key(key), {}).update(by_tensor)
+    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs)
     step.predicted = _priced(plan, step)
     if step.predicted is not None:
         log.info("autoshard: the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "
@@ -903,4 +790,4 @@ def _priced(plan: PipelinePlan, step: SpmdPipelineStep) -> SpmdTime | None:
     stream = sum(step.micro.tensors[t].nbytes for t in step.cut.head_act)
     dispatch = getattr(cost.profile, "overhead", 0.0) or DISPATCH_S
     return price([st.micro_time for st in plan.stages[:S]], [st.update_time for st in plan.stages[:S]],
-                 step.ticks, stream_bytes=stream, link=link, inner=step.mesh.shape[INNER_AXIS], dispatch=dispatch)
+                 step.ticks, stream_bytes=stream, link=link, inner=step.mesh.size // S, dispatch=dispatch)

@@ -85,6 +85,7 @@ from autoshard.pipeline.layer_prices import (
     submesh_cost,
 )
 from autoshard.pipeline.partition import (
+    FORWARD,
     UPDATE,
     PipelineDoesNotFit,
     PipelineError,
@@ -96,6 +97,7 @@ from autoshard.pipeline.partition import (
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
+from autoshard.pipeline.ticks import price, ticks
 from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
 from autoshard.planner.readback import peak_memory_of
@@ -113,7 +115,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                   num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
                   time_budget_s: float | None = None, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None,
-                  num_chunks: int = 2) -> PipelinePlan:
+                  num_chunks: int = 2, uniform: bool = False) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
@@ -121,7 +123,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     schedule needs ``stage_shape`` and holds ``num_chunks`` model chunks per stage (``_interleaved``);
     ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
-    ``SHARES.auto_seconds``)."""
+    ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
+    replaces the stage DP, and the step is priced as that program runs (``ticks.price``)."""
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
@@ -138,6 +141,14 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
     cluster = cluster_of(cost.mesh)
     parts = split_step(graph)
+    if uniform:  # a layer ends where each numbered block starts: the uniform cut falls between blocks
+        fwd, _, _ = forward_sequence(graph, parts)
+        starts: dict[str, int] = {}
+        for k, i in enumerate(fwd):
+            tag = graph.ops[i].layer
+            if tag and tag not in starts:
+                starts[tag] = k
+        forced_boundaries = sorted({*forced_boundaries, *(k - 1 for k in list(starts.values())[1:] if k > 0)})
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
@@ -172,7 +183,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
-    if interleaved:
+    if uniform and not interleaved:
+        chosen, placement, dp_cost = _uniform(graph, parts, layer_of_op, stage_time, prices, submeshes, cluster,
+                                              num_microbatches, memory_budget, pricing, limit, costs)
+        dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
+    elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
         cuts = []
         for m in range(len(options)):
@@ -278,8 +293,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
             update_specs=remap(part.update),
         ))
     times = [st.micro_time for st in stages]
-    names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 else (pricing,)
-    priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
+    names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
+    if uniform and not interleaved:
+        priced = {pricing: _lockstep_time(pricing, stages, into, cost, cluster, num_microbatches)}
+    else:
+        priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
     chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
     pipe, bubble = priced[chosen_schedule]
     if len(names) > 1:
@@ -312,6 +330,84 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
         inputs=input_signature(graph),
     )
+
+
+def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
+             submeshes: Sequence[tuple[int, int]], cluster: tuple[int, int], num_microbatches: int,
+             memory_budget: float | None, pricing: str, limit: int, costs: Sequence[CostModel],
+             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float]:
+    """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
+    cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
+    stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
+    ``S = N / n_m`` divides ``K`` (and is at most ``limit``), with the stage DP's tables:
+
+        T(m) = Σ_s t'[a_s, b_s, m] + (B − 1)·max_s t'[a_s, b_s, m]      (``a_s, b_s``: stage s's layers)
+
+    under ``σ + inflight(r)·α <= budget`` per stage; the fastest ``m`` wins. Returns the stages as
+    ``(first layer, last layer, m)``, their origins (row-major tiles) and ``T``."""
+    tags: list[str] = []
+    span: dict[str, list[int]] = {}
+    for i in parts.ops(FORWARD):
+        tag = graph.ops[i].layer
+        if tag:
+            if tag not in span:
+                tags.append(tag)
+                span[tag] = [layer_of_op[i], layer_of_op[i]]
+            span[tag][0] = min(span[tag][0], layer_of_op[i])
+            span[tag][1] = max(span[tag][1], layer_of_op[i])
+    K, layers, n_devices = len(tags), stage_time.shape[0], cluster[0] * cluster[1]
+    static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
+    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]]] | None = None
+    tried: list[str] = []
+    for m, shape in enumerate(submeshes):
+        size = shape[0] * shape[1]
+        S = n_devices // size
+        if (n_devices % size or S < 2 or limit < S or not K or K % S or cluster[0] % shape[0]
+                or cluster[1] % shape[1]):
+            continue
+        n = K // S
+        ends = [span[tags[(s + 1) * n - 1]][1] for s in range(S - 1)] + [layers - 1]
+        starts = [0] + [e + 1 for e in ends[:-1]]
+        if any(span[tags[s * n]][0] < starts[s] for s in range(1, S)):
+            tried.append(f"{shape[0]}x{shape[1]}: a block's ops share a layer with the block before")
+            continue
+        inflight = inflight_rule(pricing, S, num_microbatches)
+        if memory_budget is not None and any(
+                static[a, b, m] + inflight[S - 1 - s] * active[a, b, m] > memory_budget * (1 + 1e-6)
+                for s, (a, b) in enumerate(zip(starts, ends, strict=True))):
+            tried.append(f"{S} stages of {shape[0]}x{shape[1]}: over the memory budget")
+            continue
+        t = [float(stage_time[a, b, m]) for a, b in zip(starts, ends, strict=True)]
+        total = sum(t) + (num_microbatches - 1) * max(t)
+        if not np.isfinite(total):
+            tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
+            continue
+        if best is None or total < best[0]:
+            origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
+            best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S])
+    if best is None:
+        why = "; ".join(tried) or "no submesh shape gives a stage count dividing them"
+        raise PipelineDoesNotFit(
+            f"no uniform cut of the step's {K} numbered blocks into equal stages ({why}): the SPMD pipeline "
+            "needs a stage count dividing the block count; pass stage_shape=(hosts, devices) whose stage count "
+            "divides it, more microbatches, or recompute")
+    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s", len(best[1]),
+             K // len(best[1]), costs[best[1][0][2]].mesh)
+    return best[1], best[2], best[0]
+
+
+def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
+                   cluster: tuple[int, int], num_microbatches: int) -> tuple[float, float]:
+    """Seconds of the SPMD program's tick loop (``ticks.price``: lockstep ticks, each as long as its
+    slowest stage's action, two exchanges a tick) and its idle fraction ``1 − B·Σ_s t_s / (S·loop)``."""
+    S = len(stages)
+    hosts = {st.origin[0] for st in stages}
+    link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
+    times = [st.micro_time for st in stages]
+    stream = float(into[stages[1].layers[0]]) if S > 1 else 0.0
+    got = price(times, [0.0] * S, ticks(schedule(name, S, num_microbatches)), stream_bytes=stream, link=link,
+                inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0)
+    return got.loop, max(0.0, 1.0 - num_microbatches * sum(times) / (S * got.loop))
 
 
 def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_microbatches: int,
