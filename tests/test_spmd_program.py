@@ -67,41 +67,52 @@ def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None
         uniform_stages(scanned, 2)
 
 
-@pytest.mark.parametrize("name,stages,micro", [("1f1b", 4, 8), ("1f1b", 2, 16), ("gpipe", 4, 8), ("gpipe", 3, 5)])
-def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int) -> None:
-    sched = schedule(name, stages, micro)
+@pytest.mark.parametrize("name,stages,micro,chunks", [("1f1b", 4, 8, 1), ("1f1b", 2, 16, 1), ("gpipe", 4, 8, 1),
+                                                        ("gpipe", 3, 5, 1), ("interleaved-1f1b", 2, 4, 2),
+                                                        ("interleaved-1f1b", 4, 8, 2)])
+def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int, chunks: int) -> None:
+    sched = schedule(name, stages, micro, chunks)
     t = ticks(sched)
     assert t.num_ticks == len(sched.slots)
     # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
     assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
     if name == "1f1b":
         assert t.res_slots == min(stages, micro)
-    # replay the tables: every read finds the value written for the same microbatch, never overwritten
+    # replay the tables: every read finds the value written for the same (virtual stage, microbatch), never
+    # overwritten in between; the stream goes round the ring between chunks
+    V = stages * chunks
     act, cot, res = {}, {}, {}
     for k in range(t.num_ticks):
+        sent_act, sent_cot = {}, {}
         for s in range(stages):
-            m = int(t.micro[k, s])
+            m, u = int(t.micro[k, s]), int(t.chunk[k, s]) * stages + s
             if t.kind[k, s] == 1:
-                if s > 0:
-                    assert act[(s, int(t.act_read[k, s]))] == m
-                res[(s, int(t.res_slot[k, s]))] = m
-                if s == stages - 1:
-                    cot[(s, int(t.cot_self[k, s]))] = m
+                if u > 0:
+                    assert act[(s, int(t.act_read[k, s]))] == (u, m)
+                res[(s, int(t.res_slot[k, s]))] = (u, m)
+                if u == V - 1:
+                    cot[(s, int(t.cot_self[k, s]))] = (u, m)
+                else:
+                    sent_act[(s + 1) % stages] = (u + 1, m)
             elif t.kind[k, s] == 2:
-                assert res[(s, int(t.res_slot[k, s]))] == m
-                assert cot[(s, int(t.cot_read[k, s]))] == m
+                assert res[(s, int(t.res_slot[k, s]))] == (u, m)
+                assert cot[(s, int(t.cot_read[k, s]))] == (u, m)
+                if u > 0:
+                    sent_cot[(s - 1) % stages] = (u - 1, m)
         for s in range(stages):  # the end-of-tick exchange
-            if t.act_recv[k, s] >= 0:
-                act[(s, int(t.act_recv[k, s]))] = int(t.micro[k, s - 1])
-            if t.cot_recv[k, s] >= 0:
-                cot[(s, int(t.cot_recv[k, s]))] = int(t.micro[k, s + 1])
+            assert (t.act_recv[k, s] >= 0) == (s in sent_act) and (t.cot_recv[k, s] >= 0) == (s in sent_cot)
+            if s in sent_act:
+                act[(s, int(t.act_recv[k, s]))] = sent_act[s]
+            if s in sent_cot:
+                cot[(s, int(t.cot_recv[k, s]))] = sent_cot[s]
 
 
-@pytest.mark.parametrize("form,name", [("optax", "1f1b"), ("state", "gpipe")])
-def test_one_program_matches_jit(form: str, name: str) -> None:
+@pytest.mark.parametrize("form,name,shape", [("optax", "1f1b", (1, 2)), ("state", "gpipe", (1, 2)),
+                                             ("state", "interleaved-1f1b", (1, 4))])
+def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int]) -> None:
     fn, args, batch = make(form)
     want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
-    step = autoshard.parallelize(fn, mesh=(2, 4), microbatches=4, pipeline=True, schedule=name, stage_shape=(1, 2),
+    step = autoshard.parallelize(fn, mesh=(2, 4), microbatches=4, pipeline=True, schedule=name, stage_shape=shape,
                                  time_budget_s=8, runtime="spmd")
     ref = jax.jit(fn)
     got, want = list(args), list(want_args)
@@ -112,7 +123,8 @@ def test_one_program_matches_jit(form: str, name: str) -> None:
         got_l.append(float(m1["loss"]))
         want_l.append(float(m2["loss"]))
     assert type(step._last.step).__name__ == "SpmdPipelineStep"
-    assert step.plan.schedule == name and step.plan.num_physical_stages == 4
+    assert step.plan.schedule == name and step.plan.num_physical_stages == 8 // (shape[0] * shape[1])
+    assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
     assert global_rel_error(np.array(want_l), np.array(got_l)) <= TOL
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
 
@@ -169,7 +181,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe")])
+@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"), ("optax", "interleaved-1f1b")])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -56,7 +56,12 @@ Inside a stage the plan's layouts hold: the mesh is ``(stage, *the stage's own a
 stage plans pins its layout there (``with_sharding_constraint`` inside the shard_map, whose other axes stay
 automatic); chunk 0's layouts, which the planner found for identical stages, serve every stage.
 
-Not yet: interleaved chunks, zero-bubble weight passes, an ``nn.scan`` layer stack (one op: its stack is
+Interleaved 1F1B (``num_chunks = v``): ``V = v·S`` virtual stages of ``K / V`` blocks, stage ``s`` holding
+chunks ``u = c·S + s`` (weights stacked ``[S, v, ...]``), the tables name each action's chunk, the head runs
+at ``u = 0`` and the tail at ``u = V − 1``, and the exchanges go round the ring (stage ``S − 1``'s chunk ``c``
+feeds stage 0's chunk ``c + 1``).
+
+Not yet: zero-bubble weight passes, an ``nn.scan`` layer stack (one op: its stack is
 not split), blocks that read per-microbatch values other than the residual stream (an attention mask
 built from the batch), and gradients kept unreduced over a stage's data-parallel axes across
 microbatches (XLA reduces them per microbatch inside the loop; the MPMD runtime defers them).
@@ -461,8 +466,8 @@ class SpmdPipelineStep:
     full-size arguments (``full`` is the step traced at that size); returns the step's results."""
 
     def __init__(self, micro: Graph, full: Graph, mesh: jax.sharding.Mesh, num_microbatches: int,
-                 schedule_name: str = "1f1b", specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None = None
-                 ) -> None:
+                 schedule_name: str = "1f1b", specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None = None,
+                 num_chunks: int = 1) -> None:
         if schedule_name not in SCHEDULES:
             raise _fail(f"the {schedule_name!r} schedule is not supported by the SPMD pipeline yet; use "
                         f"{' or '.join(SCHEDULES)}")
@@ -473,10 +478,12 @@ class SpmdPipelineStep:
         inner = int(np.prod([mesh.shape[a] for a in self.inner_axes]))
         self.predicted: SpmdTime | None = None  # set by ``spmd_pipeline_step`` from the plan's stage times
         S = mesh.shape[STAGE_AXIS]
+        chunks = num_chunks if schedule_name == "interleaved-1f1b" else 1
+        self.num_chunks = chunks
         self.parts = split_step(micro)
-        self.cut = uniform_stages(micro, S, self.parts)
+        self.cut = uniform_stages(micro, S * chunks, self.parts)  # one template chunk per virtual stage
         self.num_microbatches = M = num_microbatches
-        self.schedule = schedule(schedule_name, S, M)
+        self.schedule = schedule(schedule_name, S, M, chunks)
         self.ticks = ticks(self.schedule)
         self.batch_pos = self.parts.batch_inputs
         rows = {full.tensors[full.inputs[i]].shape[0] for i in self.batch_pos}
@@ -525,7 +532,8 @@ class SpmdPipelineStep:
     # -- the program ----------------------------------------------------------------------------------------
 
     def _program(self, *leaves: Any) -> list[Any]:
-        g, cut, M, S = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
+        g, cut, M, V = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
+        S, v = V // self.num_chunks, self.num_chunks
         interp = Interpreter(self.mesh, self.specs)
         env: dict[int, Any] = {}
         for i, (t, x) in enumerate(zip(g.inputs, leaves, strict=True)):
@@ -547,8 +555,12 @@ class SpmdPipelineStep:
         # what the loop reads from outside: stacked per stage, or whole
         f_stacked = [j for j, k in enumerate(cut.f_kinds) if k == "stacked"]
         b_stacked = [j for j, k in enumerate(cut.b_kinds) if k == "stacked"]
-        stacked = [jnp.stack([value(cut.chunk_f[s].inputs[j]) for s in range(S)]) for j in f_stacked]
-        stacked += [jnp.stack([value(cut.chunk_b[s].inputs[j]) for s in range(S)]) for j in b_stacked]
+        def per_stage(tids: list[int]) -> Any:  # [S, v, ...]: stage s holds chunks u = c·S + s, c = 0..v-1
+            x = jnp.stack([value(t) for t in tids])
+            return jnp.swapaxes(x.reshape(v, S, *x.shape[1:]), 0, 1)
+
+        stacked = [per_stage([cut.chunk_f[u].inputs[j] for u in range(V)]) for j in f_stacked]
+        stacked += [per_stage([cut.chunk_b[u].inputs[j] for u in range(V)]) for j in b_stacked]
         loop_groups = (cut.head_f, cut.head_b, cut.tail_f, cut.tail_b)
         whole_ids = sorted({t for grp in loop_groups for t in grp.inputs if t in env or t in g.constants}
                            | {cut.chunk_f[0].inputs[j] for j, k in enumerate(cut.f_kinds) if k == "shared"}
@@ -557,7 +569,8 @@ class SpmdPipelineStep:
         whole = [value(t) for t in whole_ids]
         batch = [env[t] for t in batch_t]
         tables = {name: jnp.asarray(getattr(self.ticks, name)) for name in
-                  ("kind", "micro", "act_read", "act_recv", "cot_read", "cot_recv", "cot_self", "res_slot")}
+                  ("kind", "micro", "chunk", "act_read", "act_recv", "cot_read", "cot_recv", "cot_self",
+                   "res_slot")}
         stage_spec = PartitionSpec(STAGE_AXIS)
         run = jax.shard_map(
             self._loop, mesh=self.mesh,
@@ -569,8 +582,8 @@ class SpmdPipelineStep:
         scale = lambda x: (x / jnp.asarray(M, x.dtype)).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) \
             else x  # noqa: E731
         for k, pos in enumerate(cut.acc_out):
-            for s in range(S):
-                env[cut.chunk_b[s].outputs[pos]] = scale(chunk_acc[k][s])
+            for u in range(V):
+                env[cut.chunk_b[u].outputs[pos]] = scale(chunk_acc[k][u % S, u // S])
         for t, x in once_acc.items():
             env[t] = scale(x)
         if cut.post.ops:
@@ -586,13 +599,18 @@ class SpmdPipelineStep:
         return outs
 
     def _loop(self, stacked: list[Any], whole: list[Any], batch: list[Any], tables: dict[str, Any]) -> Any:
-        g, cut, S = self.micro, self.cut, self.cut.num_stages
+        g, cut, V = self.micro, self.cut, self.cut.num_stages  # V virtual stages: v chunks on each of S stages
+        v = self.num_chunks
+        S = V // v
         # inside the shard_map the stage axis is manual: layouts pin on the mesh as seen from here
         interp = Interpreter(jax.sharding.get_abstract_mesh(), self.specs)
         s = jax.lax.axis_index(STAGE_AXIS)
         nf = len(self._f_stacked)
-        f_w = dict(zip(self._f_stacked, [x[0] for x in stacked[:nf]], strict=True))
+        f_w = dict(zip(self._f_stacked, [x[0] for x in stacked[:nf]], strict=True))  # [v, ...]: this stage's chunks
         b_w = dict(zip(self._b_stacked, [x[0] for x in stacked[nf:]], strict=True))
+
+        def chunk_of(w: Any, ch: Any) -> Any:
+            return jax.lax.dynamic_index_in_dim(w, ch, 0, keepdims=False)
         outer = dict(zip(self._whole_ids, whole, strict=True))
         f0, b0 = cut.chunk_f[0], cut.chunk_b[0]
 
@@ -615,7 +633,7 @@ class SpmdPipelineStep:
         carry0 = dict(
             act=[zeros(a, T.act_slots) for a in acts], cot=[zeros(a, T.cot_slots) for a in cots],
             res=[zeros(a, T.res_slots) for a in res], hres=[zeros(a, T.res_slots) for a in head_res],
-            acc=[zeros(a) for a in accs], once={t: zeros(aval(t)) for t in once_ids})
+            acc=[zeros(a, v) for a in accs], once={t: zeros(aval(t)) for t in once_ids})
 
         def micro_env(m: Any) -> dict[int, Any]:
             e = dict(outer)
@@ -640,7 +658,8 @@ class SpmdPipelineStep:
             return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(k, 0), 0, keepdims=False)
 
         def forward(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
-            m = tables["micro"][t, s]
+            m, ch = tables["micro"][t, s], tables["chunk"][t, s]
+            u = ch * S + s  # the virtual stage: the head's at 0, the tail's at V - 1
             e = micro_env(m)
 
             def from_head(c: dict) -> tuple[list[Any], list[Any]]:
@@ -651,14 +670,14 @@ class SpmdPipelineStep:
                 k = tables["act_read"][t, s]
                 return [get(b, k) for b in c["act"]], [zeros(a) for a in head_res]
 
-            stream, hres = jax.lax.cond(s == 0, from_head, from_buffer, c)
+            stream, hres = jax.lax.cond(u == 0, from_head, from_buffer, c)
             fe = dict(e)
             for j, tid in enumerate(f0.inputs):
                 kind = cut.f_kinds[j]
                 if kind.startswith("act:"):
                     fe[tid] = stream[int(kind[4:])]
                 elif kind == "stacked":
-                    fe[tid] = f_w[j]
+                    fe[tid] = chunk_of(f_w[j], ch)
             run(f0, fe)
             slot = tables["res_slot"][t, s]
             c = dict(c, res=[put(b, slot, fe[x]) for b, x in zip(c["res"], cut.residuals, strict=True)],
@@ -667,7 +686,7 @@ class SpmdPipelineStep:
 
             def tail(c: dict) -> dict:
                 te = dict(e)
-                last = cut.chunk_f[S - 1]
+                last = cut.chunk_f[V - 1]
                 for k, x in enumerate(f0.outputs):
                     te[last.outputs[k]] = fe[x]
                 for j, x in enumerate(f0.inputs):
@@ -682,11 +701,12 @@ class SpmdPipelineStep:
                 k = tables["cot_self"][t, s]
                 return dict(c, cot=[put(b, k, te[x]) for b, x in zip(c["cot"], cut.tail_cot, strict=True)])
 
-            c = jax.lax.cond(s == S - 1, tail, lambda c: c, c)
+            c = jax.lax.cond(u == V - 1, tail, lambda c: c, c)
             return c, out, [zeros(a) for a in cots]
 
         def backward(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
-            m = tables["micro"][t, s]
+            m, ch = tables["micro"][t, s], tables["chunk"][t, s]
+            u = ch * S + s
             e = micro_env(m)
             slot = tables["res_slot"][t, s]
             k = tables["cot_read"][t, s]
@@ -698,9 +718,10 @@ class SpmdPipelineStep:
                 elif kind.startswith("cot:"):
                     be[tid] = get(c["cot"][int(kind[4:])], k)
                 elif kind == "stacked":
-                    be[tid] = b_w[j]
+                    be[tid] = chunk_of(b_w[j], ch)
             run(b0, be)
-            c = dict(c, acc=[a + be[b0.outputs[p]].astype(a.dtype) for a, p in zip(c["acc"], cut.acc_out, strict=True)])
+            c = dict(c, acc=[put(a, ch, get(a, ch) + be[b0.outputs[p]].astype(a.dtype))
+                             for a, p in zip(c["acc"], cut.acc_out, strict=True)])
             out = [be[b0.outputs[p]] for p in cut.cot_out]
 
             def head(c: dict) -> dict:
@@ -714,14 +735,15 @@ class SpmdPipelineStep:
                 add_once(c, he, cut.head_b)
                 return c
 
-            c = jax.lax.cond(s == 0, head, lambda c: c, c)
+            c = jax.lax.cond(u == 0, head, lambda c: c, c)
             return c, [zeros(a) for a in acts], out
 
         def idle(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
             return c, [zeros(a) for a in acts], [zeros(a) for a in cots]
 
-        up = [(i, i + 1) for i in range(S - 1)]
-        down = [(i + 1, i) for i in range(S - 1)]
+        # round the ring: with chunks, stage S-1's chunk c hands over to stage 0's chunk c+1 (and back)
+        up = [(i, (i + 1) % S) for i in range(S)] if v > 1 else [(i, i + 1) for i in range(S - 1)]
+        down = [((i + 1) % S, i) for i in range(S)] if v > 1 else [(i + 1, i) for i in range(S - 1)]
 
         def tick(c: dict, t: Any) -> tuple[dict, None]:
             c, send_act, send_cot = jax.lax.switch(tables["kind"][t, s], [idle, forward, backward], c, t)
@@ -741,9 +763,8 @@ class SpmdPipelineStep:
 def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: Sequence[Any]) -> SpmdPipelineStep:
     """``plan`` (a pipelined plan of ``micro``, the step traced at microbatch size; ``full`` at full size)
     as one SPMD program on ``devices`` (row-major over the plan's cluster): its physical stages' devices
-    become the rows of the stage axis. Schedules this program does not run yet are run as 1F1B, said in a
-    warning: zero-bubble's weight pass is folded into the backward, and interleaved chunks become one
-    contiguous chunk per stage (the same computation, a larger bubble)."""
+    become the rows of the stage axis. ZB-H1, which this program does not run yet, runs as 1F1B (its weight
+    pass folded into the backward), said in a warning."""
     S = plan.num_physical_stages
     cluster = plan.cluster
     rows = [[devices[i] for i in st.devices(cluster)] for st in plan.stages[:S]]
@@ -752,8 +773,8 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
                     "needs the same submesh for every stage (stage_shape=(hosts, devices) fixes it)")
     name = plan.schedule
     if name not in SCHEDULES:
-        log.warning("autoshard: the SPMD pipeline runs the plan's %r schedule as 1F1B (%s not supported yet)",
-                    name, "interleaved chunks are" if plan.num_chunks > 1 else "a separate weight pass is")
+        log.warning("autoshard: the SPMD pipeline runs the plan's %r schedule as 1F1B (a separate weight pass is "
+                    "not supported yet)", name)
         name = "1f1b"
     # the stage's own axes (its plan's logical mesh) beside the stage axis: the plan's layouts pin onto them
     stage = plan.stages[0].mesh
@@ -765,7 +786,7 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
         for table in (st.specs, st.update_specs):
             for key, by_tensor in table.items():
                 specs.setdefault(normalize_key(key), {}).update(by_tensor)
-    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs)
+    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs, plan.num_chunks)
     step.predicted = _priced(plan, step)
     if step.predicted is not None:
         log.info("autoshard: the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "
@@ -789,5 +810,6 @@ def _priced(plan: PipelinePlan, step: SpmdPipelineStep) -> SpmdTime | None:
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
     stream = sum(step.micro.tensors[t].nbytes for t in step.cut.head_act)
     dispatch = getattr(cost.profile, "overhead", 0.0) or DISPATCH_S
-    return price([st.micro_time for st in plan.stages[:S]], [st.update_time for st in plan.stages[:S]],
+    per_stage_update = [sum(st.update_time for st in plan.stages[u::S]) for u in range(S)]  # its chunks
+    return price([st.micro_time for st in plan.stages], per_stage_update,
                  step.ticks, stream_bytes=stream, link=link, inner=step.mesh.size // S, dispatch=dispatch)

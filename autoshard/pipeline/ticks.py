@@ -17,7 +17,7 @@ import numpy as np
 from autoshard.pipeline.partition import PipelineError
 from autoshard.pipeline.schedules import Schedule
 
-SCHEDULES = ("gpipe", "1f1b")  # what the SPMD program runs as such
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # what the SPMD program runs as such
 
 
 def _fail(msg: str) -> PipelineError:
@@ -35,6 +35,7 @@ class Ticks:
 
     kind: np.ndarray
     micro: np.ndarray
+    chunk: np.ndarray  # the model chunk the action works on (interleaved schedules; else 0)
     act_read: np.ndarray
     act_recv: np.ndarray
     cot_read: np.ndarray
@@ -68,51 +69,57 @@ def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]
 
 
 def ticks(sched: Schedule) -> Ticks:
-    """The tables of ``sched`` (non-interleaved, no weight pass): see ``Ticks``."""
-    if sched.num_chunks != 1 or sched.weight_pass:
+    """The tables of ``sched`` (any chunk count; no weight pass): see ``Ticks``. Values are keyed by virtual
+    stage ``u = chunk·S + s`` (``schedules``): the stream of ``F(u−1, m)`` arrives at stage ``u mod S`` (from
+    the stage before it, round the ring from ``S−1`` to 0 between chunks) and waits there for ``F(u, m)``;
+    the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``; the last virtual stage makes its own (the tail's)
+    during ``F``; residuals live from ``F(u, m)`` to ``B(u, m)``."""
+    if sched.weight_pass:
         raise _fail(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
                     f"{' or '.join(SCHEDULES)}")
-    S, T = sched.num_stages, len(sched.slots)
+    S, T, M, V = sched.num_stages, len(sched.slots), sched.num_microbatches, sched.num_virtual_stages
     when: dict[tuple[str, int, int], int] = {}
-    for t, slot in enumerate(sched.slots):
-        for a in slot:
-            when[(a.kind, a.stage, a.microbatch)] = t
-    M = sched.num_microbatches
     kind = np.zeros((T, S), np.int32)
     micro = np.zeros((T, S), np.int32)
-    for (k, s, m), t in when.items():
-        kind[t, s] = 1 if k == "forward" else 2
-        micro[t, s] = m
-    act_iv = [(when[("forward", s - 1, m)], when[("forward", s, m)], (s, m)) for s in range(1, S) for m in range(M)]
-    cot_iv = [(when[("backward", s + 1, m)], when[("backward", s, m)], (s, m)) for s in range(S - 1) for m in range(M)]
-    cot_iv += [(when[("forward", S - 1, m)], when[("backward", S - 1, m)], (S - 1, m)) for m in range(M)]
-    res_iv = [(when[("forward", s, m)], when[("backward", s, m)], (s, m)) for s in range(S) for m in range(M)]
+    chunk = np.zeros((T, S), np.int32)
+    for t, slot in enumerate(sched.slots):
+        for a in slot:
+            when[(a.kind, a.virtual_stage(S), a.microbatch)] = t
+            kind[t, a.stage] = 1 if a.kind == "forward" else 2
+            micro[t, a.stage], chunk[t, a.stage] = a.microbatch, a.chunk
+    act_iv = [(when[("forward", u - 1, m)], when[("forward", u, m)], (u % S, u, m)) for u in range(1, V)
+              for m in range(M)]
+    cot_iv = [(when[("backward", u + 1, m)], when[("backward", u, m)], (u % S, u, m)) for u in range(V - 1)
+              for m in range(M)]
+    cot_iv += [(when[("forward", V - 1, m)], when[("backward", V - 1, m)], ((V - 1) % S, V - 1, m)) for m in range(M)]
+    res_iv = [(when[("forward", u, m)], when[("backward", u, m)], (u % S, u, m)) for u in range(V) for m in range(M)]
     act_slot, n_act, cot_slot, n_cot, res_slot, n_res = (*_colour_per_stage(act_iv), *_colour_per_stage(cot_iv),
                                                          *_colour_per_stage(res_iv))
     neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
     act_read, act_recv, cot_read, cot_recv, cot_self, res = neg(), neg(), neg(), neg(), neg(), neg()
-    for (s, m), k in act_slot.items():
-        act_read[when[("forward", s, m)], s] = k
-        act_recv[when[("forward", s - 1, m)], s] = k
-    for (s, m), k in cot_slot.items():
-        cot_read[when[("backward", s, m)], s] = k
-        if s == S - 1:
-            cot_self[when[("forward", s, m)], s] = k
+    for (s, u, m), k in act_slot.items():
+        act_read[when[("forward", u, m)], s] = k
+        act_recv[when[("forward", u - 1, m)], s] = k
+    for (s, u, m), k in cot_slot.items():
+        cot_read[when[("backward", u, m)], s] = k
+        if u == V - 1:
+            cot_self[when[("forward", u, m)], s] = k
         else:
-            cot_recv[when[("backward", s + 1, m)], s] = k
-    for (s, m), k in res_slot.items():
-        res[when[("forward", s, m)], s] = k
-        res[when[("backward", s, m)], s] = k
-    return Ticks(kind=kind, micro=micro, act_read=act_read, act_recv=act_recv, cot_read=cot_read,
+            cot_recv[when[("backward", u + 1, m)], s] = k
+    for (s, u, m), k in res_slot.items():
+        res[when[("forward", u, m)], s] = k
+        res[when[("backward", u, m)], s] = k
+    return Ticks(kind=kind, micro=micro, chunk=chunk, act_read=act_read, act_recv=act_recv, cot_read=cot_read,
                  cot_recv=cot_recv, cot_self=cot_self, res_slot=res, act_slots=n_act, cot_slots=n_cot,
                  res_slots=n_res)
 
 
-def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int]]]) -> tuple[dict[tuple[int, int], int], int]:
-    by_stage: dict[int, list[tuple[int, int, tuple[int, int]]]] = {}
+def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]]
+                      ) -> tuple[dict[tuple[int, int, int], int], int]:
+    by_stage: dict[int, list[tuple[int, int, tuple[int, int, int]]]] = {}
     for iv in intervals:
         by_stage.setdefault(iv[2][0], []).append(iv)
-    slots: dict[tuple[int, int], int] = {}
+    slots: dict[tuple[int, int, int], int] = {}
     n = 1
     for ivs in by_stage.values():
         got, k = _colour(ivs)
@@ -145,9 +152,9 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
           link: Any, inner: int, dispatch: float = DISPATCH_S) -> SpmdTime:
     """The program as it runs: ticks in lockstep, each as long as its slowest stage's action.
 
-    With ``f_s = micro_time_s / 3`` and ``b_s = 2·micro_time_s / 3`` (a backward costs two forwards, the
+    With ``f_u = micro_time_u / 3`` and ``b_u = 2·micro_time_u / 3`` (per virtual stage ``u``) (a backward costs two forwards, the
     convention of ``schedules.Schedule.simulate``; ``micro_time`` already holds receiving the stage's
-    inputs) and ``a(t, s)`` the action of stage ``s`` at tick ``t`` (``f_s``, ``b_s`` or 0 when idle):
+    inputs) and ``a(t, s)`` the action of stage ``s`` at tick ``t`` (``f_u``, ``b_u`` of the chunk it runs, or 0):
 
         loop     = Σ_t max_s a(t, s) + T · 2·(α + X / (n·β))     (every tick sends the stream up and its
                                                                    cotangent down, zeros when idle)
@@ -157,10 +164,11 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
     (α latency, β bandwidth). Against the MPMD runtime's asynchronous 1F1B, where each stage runs at its
     own pace, a stage doing a forward while another does a backward waits for it: the lockstep costs up to
     ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange."""
-    T = t.num_ticks
-    f = np.asarray(micro_times, np.float64) / 3.0
+    T, S = t.kind.shape
+    f = np.asarray(micro_times, np.float64) / 3.0  # per virtual stage u = chunk·S + s
     b = 2.0 * f
-    per = np.where(t.kind == 1, f[None, :], np.where(t.kind == 2, b[None, :], 0.0))
+    u = t.chunk * S + np.arange(S)[None, :]
+    per = np.where(t.kind == 1, f[u], np.where(t.kind == 2, b[u], 0.0))
     exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
     loop = float(per.max(axis=1).sum()) + exchange
     return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),
