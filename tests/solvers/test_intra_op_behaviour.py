@@ -293,6 +293,9 @@ def test_a_small_core_is_proven_optimal_in_a_short_solve() -> None:
     run to its deadline and stop wherever it stood then (a price that moved with the machine's load)."""
     p = IntraOpProblem.from_json(DATA / "gpt1t_block_3x8_update.json.gz")
     known = np.array(json.loads((DATA / "gpt1t_block_3x8_update.known.json").read_text()))
-    sol = solve_intra_op(p, time_budget_s=0.5)
+    # 1 s of wall clock: the suite runs on two xdist workers sharing two cores, where half a second of wall
+    # clock left HiGHS about a quarter of a core-second and the proof failed (CI, 2026-11-27); still a
+    # fraction of what the windowed search would take, and the claim is the same: one ILP, proven
+    sol = solve_intra_op(p, time_budget_s=1.0)
     assert sol.method == "ilp" and sol.optimal
     assert sol.cost <= p.cost_of(known) * (1 + 1e-9)
