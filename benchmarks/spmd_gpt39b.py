@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
