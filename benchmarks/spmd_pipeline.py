@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -45,8 +46,7 @@ def _example(count: int, abstract: bool):
     return ex.train_step, ex.args
 
 
-def _spmd(count: int, name: str) -> SpmdPipelineStep:
-    fn, args = _example(count, abstract=True)
+def _spmd(fn: Any, args: tuple, count: int, name: str) -> SpmdPipelineStep:  # traced, not run
     full = trace(fn, *args)
     micro = trace(fn, *microbatch_args(args, full, None, count))
     return SpmdPipelineStep(micro, full, stage_mesh(jax.devices(), STAGES), count, name)
@@ -78,7 +78,7 @@ def main() -> None:
         row = {"microbatches": count, "rows": count * MICRO_ROWS}
         for name in ("1f1b", "gpipe"):
             t0 = time.perf_counter()
-            step = _spmd(count, name)
+            step = _spmd(fn, (state, batch), count, name)
             compiled = step.lower(state, batch).compile()
             row[f"spmd_{name}_compile_s"] = time.perf_counter() - t0
             row[f"spmd_{name}_temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
