@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -40,13 +41,17 @@ def main() -> None:
     p.add_argument("--preset", default="39b")
     p.add_argument("--mesh", default="8x8")
     p.add_argument("--time-budget", type=float, default=None)
+    p.add_argument("--pipeline", action="store_true", help="always return the pipelined plan (pipeline=True)")
+    p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     ex = load_example(ROOT / "examples" / "gpt.py", a.preset, [], abstract=True)
     shape = tuple(int(x) for x in a.mesh.split("x"))
     t0 = time.perf_counter()
     plan = autoshard.plan(ex.train_step, *ex.args, mesh=shape, hardware="h100", runtime="spmd",
-                          time_budget_s=a.time_budget)
+                          time_budget_s=a.time_budget, pipeline=True if a.pipeline else None,
+                          microbatches=a.microbatches)
     planned = time.perf_counter() - t0
     row: dict = {"preset": a.preset, "mesh": a.mesh, "plan_s": round(planned, 1), "kind": type(plan).__name__,
                  "step_s": plan.predicted_step_time, "mfu": plan.mfu}

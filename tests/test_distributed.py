@@ -130,3 +130,21 @@ def test_global_shapes_stack_batch_rows_over_processes() -> None:
     with pytest.raises(distributed.DistributedError, match="scalar"):
         distributed.global_shapes(step, (state, {"x": np.float32(1.0)}))
     assert not distributed.multiprocess()
+
+
+def test_a_saved_plan_runs_across_two_processes(tmp_path: Path) -> None:
+    # planned once here, for the global batch; every process then runs the file with its own rows
+    ex = load_example(ROOT / "examples" / "mlp.py", "tiny", [], abstract=True)
+    path = tmp_path / "plan.json"
+    autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), time_budget_s=5).save(path)
+    procs = _launch(tmp_path, f"saved:{path}")
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        _end(procs)
+    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
+    got = np.load(tmp_path / "result.npz")
+    want_losses, want_opt = _single_process("mlp.py")
+    assert global_rel_error(np.array(want_losses), got["losses"]) <= TOL
+    assert global_rel_error(want_opt, [got[f"opt_{i}"] for i in range(len(want_opt))]) <= TOL

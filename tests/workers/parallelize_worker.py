@@ -6,7 +6,7 @@ the same tiny example (same seed), keeps its own rows of the batch and runs 3 st
 train step. ``MODE`` is ``run`` (process 0 writes the losses, the optimizer state and the plan to
 ``OUTDIR``) or ``die:R`` (after step 1, process R says so on stdout and waits to be killed; the others go
 on to step 2, whose collectives then have no partner) or ``disagree`` (process 1 keeps one row fewer, so
-the processes trace different steps).
+the processes trace different steps) or ``saved:PATH`` (every process runs the plan saved at PATH).
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ mine = jax.tree.map(lambda a: a[rank * rows : (rank + 1) * rows], batch)  # this
 if mode == "disagree" and rank == 1:
     mine = jax.tree.map(lambda a: a[:-1], mine)
 
-step = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=5)
+if mode.startswith("saved:"):  # a plan saved by one process, run by every process (traced at the global size)
+    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), plan=mode.partition(":")[2])
+else:
+    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=5)
 losses = []
 for i in range(3):
     if mode == f"die:{rank}" and i == 1:
