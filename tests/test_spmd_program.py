@@ -253,11 +253,11 @@ def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_pro
                and micro.tensors[t].name.startswith("state.params.block_")]
     stored = {t: spec for st in plan.stages for t, spec in st.update_specs.get((), {}).items()}
     assert len(kernels) == 16 and all(not stored[t].is_replicated() for t in kernels)
-    # one program: the stage axis exchanged by collective-permutes inside the loop, its reductions after it
+    # one program for all of it, its stages exchanging over the stage axis (where the collectives sit is
+    # checked on a compiled program by test_the_program_exchanges_on_the_stage_axis_and_reduces_once)
     from autoshard.pipeline.spmd_program import spmd_pipeline_step
 
     step = spmd_pipeline_step(micro, full, plan, jax.devices())
+    assert step.mesh.shape["stage"] == S and step.ticks.res_slots == min(S, 8)
     text = step.lower(*ex.args).as_text()
-    loop = text[text.index("stablehlo.while"):]
-    assert "collective_permute" in loop
-    assert "all_reduce" in text and "all_reduce" not in loop[:loop.index("stablehlo.return")]
+    assert text.count("stablehlo.while") >= 1 and text.count("collective_permute") >= 2
