@@ -107,13 +107,15 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
                 cot[(s, int(t.cot_recv[k, s]))] = sent_cot[s]
 
 
-@pytest.mark.parametrize("form,name,shape", [("optax", "1f1b", (1, 2)), ("state", "gpipe", (1, 2)),
-                                             ("state", "interleaved-1f1b", (1, 4))])
-def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("form,name,shape,recompute", [("optax", "1f1b", (1, 2), "auto"),
+                                                       ("state", "gpipe", (1, 2), "auto"),
+                                                       ("state", "interleaved-1f1b", (1, 4), "auto"),
+                                                       ("state", "1f1b", (1, 2), "selective")])
+def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], recompute: str) -> None:
     fn, args, batch = make(form)
     want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
     step = autoshard.parallelize(fn, mesh=(2, 4), microbatches=4, pipeline=True, schedule=name, stage_shape=shape,
-                                 time_budget_s=8, runtime="spmd")
+                                 time_budget_s=8, runtime="spmd", recompute=recompute)
     ref = jax.jit(fn)
     got, want = list(args), list(want_args)
     got_l, want_l = [], []
@@ -125,6 +127,8 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int]) -
     assert type(step._last.step).__name__ == "SpmdPipelineStep"
     assert step.plan.schedule == name and step.plan.num_physical_stages == 8 // (shape[0] * shape[1])
     assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
+    if recompute != "auto":  # each block replays in its stage's backward, inside the tick loop
+        assert set(step.plan.recompute.values()) == {recompute} and len(step.plan.recompute) == 4
     assert global_rel_error(np.array(want_l), np.array(got_l)) <= TOL
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
 
