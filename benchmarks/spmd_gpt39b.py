@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--time-budget", type=float, default=None)
     p.add_argument("--pipeline", action="store_true", help="always return the pipelined plan (pipeline=True)")
     p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--recompute", default="auto")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -51,7 +52,7 @@ def main() -> None:
     t0 = time.perf_counter()
     plan = autoshard.plan(ex.train_step, *ex.args, mesh=shape, hardware="h100", runtime="spmd",
                           time_budget_s=a.time_budget, pipeline=True if a.pipeline else None,
-                          microbatches=a.microbatches)
+                          microbatches=a.microbatches, recompute=a.recompute)
     planned = time.perf_counter() - t0
     row: dict = {"preset": a.preset, "mesh": a.mesh, "plan_s": round(planned, 1), "kind": type(plan).__name__,
                  "step_s": plan.predicted_step_time, "mfu": plan.mfu}

@@ -23,7 +23,7 @@ from autoshard.emit import global_rel_error
 from autoshard.pipeline.partition import PipelineError, microbatch_args
 from autoshard.pipeline.schedules import schedule
 from autoshard.pipeline.spmd_program import stage_mesh, uniform_stages
-from autoshard.pipeline.ticks import price, ticks
+from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
 from autoshard.trace import trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,42 +69,55 @@ def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None
 
 @pytest.mark.parametrize("name,stages,micro,chunks", [("1f1b", 4, 8, 1), ("1f1b", 2, 16, 1), ("gpipe", 4, 8, 1),
                                                         ("gpipe", 3, 5, 1), ("interleaved-1f1b", 2, 4, 2),
-                                                        ("interleaved-1f1b", 4, 8, 2)])
+                                                        ("interleaved-1f1b", 4, 8, 2), ("fused", 4, 8, 1),
+                                                        ("fused", 3, 2, 1)])
 def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int, chunks: int) -> None:
-    sched = schedule(name, stages, micro, chunks)
-    t = ticks(sched)
-    assert t.num_ticks == len(sched.slots)
-    # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
-    assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
-    if name == "1f1b":
-        assert t.res_slots == min(stages, micro)
+    if name == "fused":
+        t = fused_1f1b(stages, micro)
+        assert t.num_ticks == micro + 2 * stages - 2
+        # stage s holds 2(S-1-s)+1 microbatches in flight: the rule the planner checks memory with
+        assert [t.res_slots_at(s) for s in range(stages)] == list(fused_inflight(stages, micro))[::-1]
+    else:
+        sched = schedule(name, stages, micro, chunks)
+        t = ticks(sched)
+        assert t.num_ticks == len(sched.slots)
+        # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
+        assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
+        if name == "1f1b":
+            assert t.res_slots == min(stages, micro)
     # replay the tables: every read finds the value written for the same (virtual stage, microbatch), never
-    # overwritten in between; the stream goes round the ring between chunks
+    # overwritten in between; within a tick a stage runs its forward, then its backward; the stream goes round
+    # the ring between chunks
     V = stages * chunks
     act, cot, res = {}, {}, {}
+    done = set()
     for k in range(t.num_ticks):
         sent_act, sent_cot = {}, {}
         for s in range(stages):
-            m, u = int(t.micro[k, s]), int(t.chunk[k, s]) * stages + s
-            if t.kind[k, s] == 1:
+            if t.f_micro[k, s] >= 0:
+                m, u = int(t.f_micro[k, s]), int(t.f_chunk[k, s]) * stages + s
                 if u > 0:
                     assert act[(s, int(t.act_read[k, s]))] == (u, m)
-                res[(s, int(t.res_slot[k, s]))] = (u, m)
+                res[(s, int(t.res_write[k, s]))] = (u, m)
                 if u == V - 1:
                     cot[(s, int(t.cot_self[k, s]))] = (u, m)
                 else:
                     sent_act[(s + 1) % stages] = (u + 1, m)
-            elif t.kind[k, s] == 2:
-                assert res[(s, int(t.res_slot[k, s]))] == (u, m)
+                done.add(("F", u, m))
+            if t.b_micro[k, s] >= 0:
+                m, u = int(t.b_micro[k, s]), int(t.b_chunk[k, s]) * stages + s
+                assert res[(s, int(t.res_read[k, s]))] == (u, m)
                 assert cot[(s, int(t.cot_read[k, s]))] == (u, m)
                 if u > 0:
                     sent_cot[(s - 1) % stages] = (u - 1, m)
+                done.add(("B", u, m))
         for s in range(stages):  # the end-of-tick exchange
             assert (t.act_recv[k, s] >= 0) == (s in sent_act) and (t.cot_recv[k, s] >= 0) == (s in sent_cot)
             if s in sent_act:
                 act[(s, int(t.act_recv[k, s]))] = sent_act[s]
             if s in sent_cot:
                 cot[(s, int(t.cot_recv[k, s]))] = sent_cot[s]
+    assert done == {(kind, u, m) for kind in "FB" for u in range(V) for m in range(micro)}
 
 
 @pytest.mark.parametrize("form,name,shape,recompute", [("optax", "1f1b", (1, 2), "auto"),
@@ -262,6 +275,7 @@ def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_pro
     from autoshard.pipeline.spmd_program import spmd_pipeline_step
 
     step = spmd_pipeline_step(micro, full, plan, jax.devices())
-    assert step.mesh.shape["stage"] == S and step.ticks.res_slots == min(S, 8)
+    assert step.mesh.shape["stage"] == S and step.ticks.fused == plan.fused_ticks
+    assert step.ticks.res_slots == min(2 * S - 1 if plan.fused_ticks else S, 8)  # the plan's in-flight rule
     text = step.lower(*ex.args).as_text()
     assert text.count("stablehlo.while") >= 1 and text.count("collective_permute") >= 2

@@ -103,6 +103,9 @@ class PipelinePlan:
     # (name, shape, dtype) of each input leaf of the microbatch-sized trace (``planner.plan.input_signature``);
     # empty in plans saved before it was recorded (``verify`` then compares the digest only)
     inputs: tuple[InputSignature, ...] = ()
+    # planned for the SPMD program's fused 1F1B ticks (a forward and a backward a tick, ``ticks.fused_1f1b``):
+    # its stages' memory holds that schedule's microbatches in flight
+    fused_ticks: bool = False
 
     @property
     def mfu(self) -> float | None:
@@ -186,6 +189,7 @@ class PipelinePlan:
             **({} if self.model_flops is None else {"model_flops": self.model_flops.to_dict()}),
             "recompute": dict(self.recompute),
             "inputs": [{"name": n, "shape": list(shape), "dtype": dtype} for n, shape, dtype in self.inputs],
+            **({"fused_ticks": True} if self.fused_ticks else {}),
         }
 
     @classmethod
@@ -208,7 +212,8 @@ class PipelinePlan:
                    memory_budget=d["memory_budget"], solver=PipelineReport.from_dict(d["solver"]), graph_digest=d["graph_digest"],
                    model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
                    recompute=dict(d.get("recompute", {})),
-                   inputs=tuple((x["name"], tuple(x["shape"]), x["dtype"]) for x in d.get("inputs", ())))
+                   inputs=tuple((x["name"], tuple(x["shape"]), x["dtype"]) for x in d.get("inputs", ())),
+                   fused_ticks=bool(d.get("fused_ticks", False)))
         plan.verify()
         return plan
 

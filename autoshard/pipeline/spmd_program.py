@@ -29,9 +29,10 @@ interpreter, compute any chunk from that chunk's values. Each boundary tensor of
 - ``cot``: the cotangent of the residual stream, from the chunk after (the tail, for the last chunk).
 
 The program: ``jax.shard_map`` manual over the stage axis only (the other axes stay automatic, so XLA
-lays the stage's work out over them), around a ``lax.scan`` over the ticks of a schedule
-(``schedules.Schedule.slots``: at most one action per stage per tick). At tick ``t`` stage ``s`` reads its
-action from a static table and runs it under ``lax.switch``: nothing, ``F(m)`` or ``B(m)``.
+lays the stage's work out over them), around a ``lax.scan`` over the ticks of a schedule (``ticks``: a
+schedule's unit slots, one action per stage per tick, or fused 1F1B, a forward and a backward per tick). At
+tick ``t`` stage ``s`` reads its actions from static tables and runs each under ``lax.cond``: ``F(m)``,
+then ``B(m')``.
 
 - ``F(m)``: the chunk's forward on the stream received for ``m`` (stage 0 first runs the head on
   microbatch ``m`` of the batch); its residuals go to a residual buffer slot; the last stage then runs
@@ -45,8 +46,9 @@ action from a static table and runs it under ``lax.switch``: nothing, ``F(m)`` o
 
 Buffers are bounded by the schedule, not by ``M``: slots are assigned by interval colouring of each
 value's life (written at one tick, read at a later one), so 1F1B holds at most ``S - s`` microbatches'
-residuals at stage ``s`` (``Schedule.peak_inflight``) and GPipe ``M``. Idle ticks skip their work
-(``lax.switch``) but still exchange zeros; a tick lasts as long as its slowest stage.
+residuals at stage ``s`` (``Schedule.peak_inflight``), fused 1F1B ``2(S - 1 - s) + 1`` and GPipe ``M``.
+Idle ticks skip their work (``lax.cond``) but still exchange zeros; a tick lasts as long as its slowest
+stage (``ticks.price``).
 
 After the loop the stacked accumulators come back split over the stage axis, the head's and tail's are
 summed over it (one reduction per step: only stages 0 and ``S-1`` hold non-zero sums), each is divided by
@@ -94,7 +96,7 @@ from autoshard.pipeline.partition import (
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.schedules import schedule
-from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, price, ticks
+from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, fused_1f1b, price, ticks
 from autoshard.trace.graph import Graph, Role, Scope
 from cost_models import ShardingSpec
 
@@ -467,7 +469,7 @@ class SpmdPipelineStep:
 
     def __init__(self, micro: Graph, full: Graph, mesh: jax.sharding.Mesh, num_microbatches: int,
                  schedule_name: str = "1f1b", specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None = None,
-                 num_chunks: int = 1) -> None:
+                 num_chunks: int = 1, fused: bool = False) -> None:
         if schedule_name not in SCHEDULES:
             raise _fail(f"the {schedule_name!r} schedule is not supported by the SPMD pipeline yet; use "
                         f"{' or '.join(SCHEDULES)}")
@@ -484,7 +486,7 @@ class SpmdPipelineStep:
         self.cut = uniform_stages(micro, S * chunks, self.parts)  # one template chunk per virtual stage
         self.num_microbatches = M = num_microbatches
         self.schedule = schedule(schedule_name, S, M, chunks)
-        self.ticks = ticks(self.schedule)
+        self.ticks = fused_1f1b(S, M) if fused and schedule_name == "1f1b" else ticks(self.schedule)
         self.batch_pos = self.parts.batch_inputs
         rows = {full.tensors[full.inputs[i]].shape[0] for i in self.batch_pos}
         if len(rows) != 1 or next(iter(rows)) % M:
@@ -569,8 +571,8 @@ class SpmdPipelineStep:
         whole = [value(t) for t in whole_ids]
         batch = [env[t] for t in batch_t]
         tables = {name: jnp.asarray(getattr(self.ticks, name)) for name in
-                  ("kind", "micro", "chunk", "act_read", "act_recv", "cot_read", "cot_recv", "cot_self",
-                   "res_slot")}
+                  ("f_micro", "f_chunk", "b_micro", "b_chunk", "act_read", "act_recv", "cot_read", "cot_recv",
+                   "cot_self", "res_write", "res_read")}
         stage_spec = PartitionSpec(STAGE_AXIS)
         run = jax.shard_map(
             self._loop, mesh=self.mesh,
@@ -657,8 +659,8 @@ class SpmdPipelineStep:
         def get(buf: Any, k: Any) -> Any:
             return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(k, 0), 0, keepdims=False)
 
-        def forward(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
-            m, ch = tables["micro"][t, s], tables["chunk"][t, s]
+        def forward(c: dict, t: Any) -> tuple[dict, list[Any]]:
+            m, ch = tables["f_micro"][t, s], tables["f_chunk"][t, s]
             u = ch * S + s  # the virtual stage: the head's at 0, the tail's at V - 1
             e = micro_env(m)
 
@@ -679,7 +681,7 @@ class SpmdPipelineStep:
                 elif kind == "stacked":
                     fe[tid] = chunk_of(f_w[j], ch)
             run(f0, fe)
-            slot = tables["res_slot"][t, s]
+            slot = tables["res_write"][t, s]
             c = dict(c, res=[put(b, slot, fe[x]) for b, x in zip(c["res"], cut.residuals, strict=True)],
                      hres=[put(b, slot, x) for b, x in zip(c["hres"], hres, strict=True)])
             out = [fe[f0.outputs[k]] for k in cut.act_out]
@@ -702,13 +704,13 @@ class SpmdPipelineStep:
                 return dict(c, cot=[put(b, k, te[x]) for b, x in zip(c["cot"], cut.tail_cot, strict=True)])
 
             c = jax.lax.cond(u == V - 1, tail, lambda c: c, c)
-            return c, out, [zeros(a) for a in cots]
+            return c, out
 
-        def backward(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
-            m, ch = tables["micro"][t, s], tables["chunk"][t, s]
+        def backward(c: dict, t: Any) -> tuple[dict, list[Any]]:
+            m, ch = tables["b_micro"][t, s], tables["b_chunk"][t, s]
             u = ch * S + s
             e = micro_env(m)
-            slot = tables["res_slot"][t, s]
+            slot = tables["res_read"][t, s]
             k = tables["cot_read"][t, s]
             be = dict(e)
             for j, tid in enumerate(b0.inputs):
@@ -736,17 +738,22 @@ class SpmdPipelineStep:
                 return c
 
             c = jax.lax.cond(u == 0, head, lambda c: c, c)
-            return c, [zeros(a) for a in acts], out
+            return c, out
 
-        def idle(c: dict, t: Any) -> tuple[dict, list[Any], list[Any]]:
-            return c, [zeros(a) for a in acts], [zeros(a) for a in cots]
+        def no_forward(c: dict, t: Any) -> tuple[dict, list[Any]]:
+            return c, [zeros(a) for a in acts]
+
+        def no_backward(c: dict, t: Any) -> tuple[dict, list[Any]]:
+            return c, [zeros(a) for a in cots]
 
         # round the ring: with chunks, stage S-1's chunk c hands over to stage 0's chunk c+1 (and back)
         up = [(i, (i + 1) % S) for i in range(S)] if v > 1 else [(i, i + 1) for i in range(S - 1)]
         down = [((i + 1) % S, i) for i in range(S)] if v > 1 else [(i + 1, i) for i in range(S - 1)]
 
         def tick(c: dict, t: Any) -> tuple[dict, None]:
-            c, send_act, send_cot = jax.lax.switch(tables["kind"][t, s], [idle, forward, backward], c, t)
+            # a forward, then a backward (fused 1F1B runs both in one tick; other schedules one of them)
+            c, send_act = jax.lax.cond(tables["f_micro"][t, s] >= 0, forward, no_forward, c, t)
+            c, send_cot = jax.lax.cond(tables["b_micro"][t, s] >= 0, backward, no_backward, c, t)
             got_act = [jax.lax.ppermute(x, STAGE_AXIS, up) for x in send_act]
             got_cot = [jax.lax.ppermute(x, STAGE_AXIS, down) for x in send_cot]
             ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]
@@ -786,7 +793,8 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
         for table in (st.specs, st.update_specs):
             for key, by_tensor in table.items():
                 specs.setdefault(normalize_key(key), {}).update(by_tensor)
-    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs, plan.num_chunks)
+    step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs, plan.num_chunks,
+                            fused=plan.fused_ticks)
     step.predicted = _priced(plan, step)
     if step.predicted is not None:
         log.info("autoshard: the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "

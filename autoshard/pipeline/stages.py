@@ -97,7 +97,7 @@ from autoshard.pipeline.partition import (
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
-from autoshard.pipeline.ticks import price, ticks
+from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
 from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
 from autoshard.planner.readback import peak_memory_of
@@ -183,9 +183,11 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
+    fused = False
     if uniform and not interleaved:
-        chosen, placement, dp_cost = _uniform(graph, parts, layer_of_op, stage_time, prices, submeshes, cluster,
-                                              num_microbatches, memory_budget, pricing, limit, costs)
+        chosen, placement, dp_cost, fused, inflight = _uniform(
+            graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
+            pricing, limit, costs, into, cost)
         dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
     elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
@@ -295,7 +297,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
     if uniform and not interleaved:
-        priced = {pricing: _lockstep_time(pricing, stages, into, cost, cluster, num_microbatches)}
+        priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused)}
     else:
         priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
     chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
@@ -328,14 +330,15 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
-        inputs=input_signature(graph),
+        inputs=input_signature(graph), fused_ticks=fused,
     )
 
 
 def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
              submeshes: Sequence[tuple[int, int]], cluster: tuple[int, int], num_microbatches: int,
              memory_budget: float | None, pricing: str, limit: int, costs: Sequence[CostModel],
-             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float]:
+             into: np.ndarray, cost: CostModel,
+             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...]]:
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
     stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
@@ -344,7 +347,12 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
         T(m) = Σ_s t'[a_s, b_s, m] + (B − 1)·max_s t'[a_s, b_s, m]      (``a_s, b_s``: stage s's layers)
 
     under ``σ + inflight(r)·α <= budget`` per stage; the fastest ``m`` wins. Returns the stages as
-    ``(first layer, last layer, m)``, their origins (row-major tiles) and ``T``."""
+    ``(first layer, last layer, m)``, their origins (row-major tiles) and ``T``.
+
+    ``T`` is the program's lockstep price (``ticks.price``), and for 1F1B both of its tick forms are priced:
+    one action a tick (``ticks.ticks``: ``S − s`` microbatches in flight, a forward waits for the slowest
+    backward) and fused (``ticks.fused_1f1b``: a forward and a backward a tick, ``2(S − 1 − s) + 1`` in
+    flight); the faster that fits is kept. Returns also whether it is fused and its in-flight rule."""
     tags: list[str] = []
     span: dict[str, list[int]] = {}
     for i in parts.ops(FORWARD):
@@ -357,7 +365,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             span[tag][1] = max(span[tag][1], layer_of_op[i])
     K, layers, n_devices = len(tags), stage_time.shape[0], cluster[0] * cluster[1]
     static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
-    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]]] | None = None
+    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...]] | None = None
     tried: list[str] = []
     for m, shape in enumerate(submeshes):
         size = shape[0] * shape[1]
@@ -371,41 +379,49 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
         if any(span[tags[s * n]][0] < starts[s] for s in range(1, S)):
             tried.append(f"{shape[0]}x{shape[1]}: a block's ops share a layer with the block before")
             continue
-        inflight = inflight_rule(pricing, S, num_microbatches)
-        if memory_budget is not None and any(
-                static[a, b, m] + inflight[S - 1 - s] * active[a, b, m] > memory_budget * (1 + 1e-6)
-                for s, (a, b) in enumerate(zip(starts, ends, strict=True))):
-            tried.append(f"{S} stages of {shape[0]}x{shape[1]}: over the memory budget")
-            continue
         t = [float(stage_time[a, b, m]) for a, b in zip(starts, ends, strict=True)]
-        total = sum(t) + (num_microbatches - 1) * max(t)
-        if not np.isfinite(total):
+        if not np.isfinite(sum(t)):
             tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
             continue
-        if best is None or total < best[0]:
-            origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
-            best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S])
+        link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
+        forms = [(False, inflight_rule(pricing, S, num_microbatches),
+                  ticks(schedule(pricing, S, num_microbatches)))]
+        if pricing == "1f1b":
+            forms.append((True, fused_inflight(S, num_microbatches), fused_1f1b(S, num_microbatches)))
+        for fused, inflight, table in forms:
+            if memory_budget is not None and any(
+                    static[a, b, m] + inflight[S - 1 - s] * active[a, b, m] > memory_budget * (1 + 1e-6)
+                    for s, (a, b) in enumerate(zip(starts, ends, strict=True))):
+                tried.append(f"{S} stages of {shape[0]}x{shape[1]}{' fused' if fused else ''}: over the memory budget")
+                continue
+            total = price(t, [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link, inner=size,
+                          dispatch=0.0).loop
+            if best is None or total < best[0]:
+                origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
+                best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S], fused, inflight)
     if best is None:
         why = "; ".join(tried) or "no submesh shape gives a stage count dividing them"
         raise PipelineDoesNotFit(
             f"no uniform cut of the step's {K} numbered blocks into equal stages ({why}): the SPMD pipeline "
             "needs a stage count dividing the block count; pass stage_shape=(hosts, devices) whose stage count "
             "divides it, more microbatches, or recompute")
-    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s", len(best[1]),
-             K // len(best[1]), costs[best[1][0][2]].mesh)
-    return best[1], best[2], best[0]
+    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s%s", len(best[1]),
+             K // len(best[1]), costs[best[1][0][2]].mesh, ", fused 1F1B ticks" if best[3] else "")
+    return best[1], best[2], best[0], best[3], best[4]
 
 
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
-                   cluster: tuple[int, int], num_microbatches: int) -> tuple[float, float]:
+                   num_microbatches: int, fused: bool) -> tuple[float, float]:
     """Seconds of the SPMD program's tick loop (``ticks.price``: lockstep ticks, each as long as its
-    slowest stage's action, two exchanges a tick) and its idle fraction ``1 − B·Σ_s t_s / (S·loop)``."""
+    slowest stage's work, two exchanges a tick; ``fused``: 1F1B's fused ticks) and its idle fraction
+    ``1 − B·Σ_s t_s / (S·loop)``."""
     S = len(stages)
     hosts = {st.origin[0] for st in stages}
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
     times = [st.micro_time for st in stages]
     stream = float(into[stages[1].layers[0]]) if S > 1 else 0.0
-    got = price(times, [0.0] * S, ticks(schedule(name, S, num_microbatches)), stream_bytes=stream, link=link,
+    table = fused_1f1b(S, num_microbatches) if fused else ticks(schedule(name, S, num_microbatches))
+    got = price(times, [0.0] * S, table, stream_bytes=stream, link=link,
                 inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0)
     return got.loop, max(0.0, 1.0 - num_microbatches * sum(times) / (S * got.loop))
 

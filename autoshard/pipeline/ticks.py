@@ -29,37 +29,49 @@ def _fail(msg: str) -> PipelineError:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ticks:
-    """A schedule as static tables indexed ``[tick, stage]``: the action (0 idle, 1 forward, 2 backward),
-    its microbatch, and the buffer slots it reads and writes. ``*_recv``: the slot where the value that
-    arrives at the end of the tick is stored (-1: nothing arrives)."""
+    """A schedule as static tables indexed ``[tick, stage]``. Each tick a stage runs at most one forward
+    (``f_micro >= 0``: its microbatch, ``f_chunk`` its model chunk), then at most one backward (``b_micro``,
+    ``b_chunk``), then exchanges. The slots: ``act_read`` the stream slot the forward reads, ``res_write``
+    the residual slot it fills, ``cot_self`` the cotangent slot the last virtual stage's forward fills (the
+    tail's); ``res_read`` / ``cot_read`` what the backward reads; ``*_recv``: where the value arriving at
+    the end of the tick is stored (-1: nothing arrives)."""
 
-    kind: np.ndarray
-    micro: np.ndarray
-    chunk: np.ndarray  # the model chunk the action works on (interleaved schedules; else 0)
+    f_micro: np.ndarray
+    f_chunk: np.ndarray
+    b_micro: np.ndarray
+    b_chunk: np.ndarray
     act_read: np.ndarray
     act_recv: np.ndarray
     cot_read: np.ndarray
     cot_recv: np.ndarray
-    cot_self: np.ndarray  # the last stage: slot for the tail's cotangent made during F
-    res_slot: np.ndarray  # F: the slot written; B: the slot read
+    cot_self: np.ndarray
+    res_write: np.ndarray
+    res_read: np.ndarray
     act_slots: int
     cot_slots: int
     res_slots: int
+    fused: bool = False  # a forward and a backward in the same tick (``fused_1f1b``)
 
     @property
     def num_ticks(self) -> int:
-        return int(self.kind.shape[0])
+        return int(self.f_micro.shape[0])
+
+    def res_slots_at(self, stage: int) -> int:
+        """Residual slots stage ``stage`` uses: the microbatches it holds in flight at most."""
+        used = set(self.res_write[:, stage][self.res_write[:, stage] >= 0].tolist())
+        return len(used)
 
 
-def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
-    """Slots for values alive from the end of tick ``w`` to tick ``r`` (read at ``r``): two values share
-    a slot when one is read no later than the other is written."""
+def _colour(intervals: list[tuple[int, int, Any]], strict: bool) -> tuple[dict[Any, int], int]:
+    """Slots for values alive from tick ``w`` to tick ``r`` (read at ``r``): a value may take the slot of one
+    read at tick ``r'`` when ``w >= r'`` (written at the end of its tick, after the read), or ``w > r'`` with
+    ``strict`` (written during its tick by a forward, which runs before that tick's backward reads)."""
     free: list[tuple[int, int]] = []  # (tick the slot frees up, slot)
     slots: dict[Any, int] = {}
     n = 0
     for w, r, key in sorted(intervals, key=lambda x: (x[0], x[1])):
         free.sort()
-        if free and free[0][0] <= w:
+        if free and (free[0][0] < w if strict else free[0][0] <= w):
             _, k = free.pop(0)
         else:
             k, n = n, n + 1
@@ -68,53 +80,79 @@ def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]
     return slots, max(n, 1)
 
 
+def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int, int]],
+            bwd: dict[tuple[int, int], tuple[int, int]], fused: bool) -> Ticks:
+    """Tables from when each action runs: ``fwd[(u, m)] = (tick, stage)`` and ``bwd`` likewise."""
+    f_micro, f_chunk, b_micro, b_chunk = (np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32),
+                                          np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32))
+    for (u, m), (t, s) in fwd.items():
+        f_micro[t, s], f_chunk[t, s] = m, u // S
+    for (u, m), (t, s) in bwd.items():
+        b_micro[t, s], b_chunk[t, s] = m, u // S
+    act_iv = [(fwd[(u - 1, m)][0], fwd[(u, m)][0], (u % S, u, m)) for u in range(1, V) for m in range(M)]
+    cot_iv = [(bwd[(u + 1, m)][0], bwd[(u, m)][0], (u % S, u, m)) for u in range(V - 1) for m in range(M)]
+    self_iv = [(fwd[(V - 1, m)][0], bwd[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
+    res_iv = [(fwd[(u, m)][0], bwd[(u, m)][0], (u % S, u, m)) for u in range(V) for m in range(M)]
+    act_slot, n_act = _colour_per_stage(act_iv, strict=False)
+    cot_slot, n_cot = _colour_per_stage(cot_iv + self_iv, strict=fused)  # the last stage's: made and read in F, B
+    res_slot, n_res = _colour_per_stage(res_iv, strict=True)
+    neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
+    act_read, act_recv, cot_read, cot_recv, cot_self, res_w, res_r = neg(), neg(), neg(), neg(), neg(), neg(), neg()
+    for (s, u, m), k in act_slot.items():
+        act_read[fwd[(u, m)][0], s] = k
+        act_recv[fwd[(u - 1, m)][0], s] = k
+    for (s, u, m), k in cot_slot.items():
+        cot_read[bwd[(u, m)][0], s] = k
+        if u == V - 1:
+            cot_self[fwd[(u, m)][0], s] = k
+        else:
+            cot_recv[bwd[(u + 1, m)][0], s] = k
+    for (s, u, m), k in res_slot.items():
+        res_w[fwd[(u, m)][0], s] = k
+        res_r[bwd[(u, m)][0], s] = k
+    return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=act_read,
+                 act_recv=act_recv, cot_read=cot_read, cot_recv=cot_recv, cot_self=cot_self, res_write=res_w,
+                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused)
+
+
 def ticks(sched: Schedule) -> Ticks:
-    """The tables of ``sched`` (any chunk count; no weight pass): see ``Ticks``. Values are keyed by virtual
-    stage ``u = chunk·S + s`` (``schedules``): the stream of ``F(u−1, m)`` arrives at stage ``u mod S`` (from
-    the stage before it, round the ring from ``S−1`` to 0 between chunks) and waits there for ``F(u, m)``;
-    the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``; the last virtual stage makes its own (the tail's)
-    during ``F``; residuals live from ``F(u, m)`` to ``B(u, m)``."""
+    """The tables of ``sched`` (any chunk count; no weight pass), one action per stage per tick (its unit
+    slots). Values are keyed by virtual stage ``u = chunk·S + s`` (``schedules``): the stream of ``F(u−1, m)``
+    arrives at stage ``u mod S`` (from the stage before it, round the ring from ``S−1`` to 0 between
+    chunks) and waits there for ``F(u, m)``; the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``; the last
+    virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to ``B(u, m)``."""
     if sched.weight_pass:
         raise _fail(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
                     f"{' or '.join(SCHEDULES)}")
-    S, T, M, V = sched.num_stages, len(sched.slots), sched.num_microbatches, sched.num_virtual_stages
-    when: dict[tuple[str, int, int], int] = {}
-    kind = np.zeros((T, S), np.int32)
-    micro = np.zeros((T, S), np.int32)
-    chunk = np.zeros((T, S), np.int32)
+    S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
+    fwd: dict[tuple[int, int], tuple[int, int]] = {}
+    bwd: dict[tuple[int, int], tuple[int, int]] = {}
     for t, slot in enumerate(sched.slots):
         for a in slot:
-            when[(a.kind, a.virtual_stage(S), a.microbatch)] = t
-            kind[t, a.stage] = 1 if a.kind == "forward" else 2
-            micro[t, a.stage], chunk[t, a.stage] = a.microbatch, a.chunk
-    act_iv = [(when[("forward", u - 1, m)], when[("forward", u, m)], (u % S, u, m)) for u in range(1, V)
-              for m in range(M)]
-    cot_iv = [(when[("backward", u + 1, m)], when[("backward", u, m)], (u % S, u, m)) for u in range(V - 1)
-              for m in range(M)]
-    cot_iv += [(when[("forward", V - 1, m)], when[("backward", V - 1, m)], ((V - 1) % S, V - 1, m)) for m in range(M)]
-    res_iv = [(when[("forward", u, m)], when[("backward", u, m)], (u % S, u, m)) for u in range(V) for m in range(M)]
-    act_slot, n_act, cot_slot, n_cot, res_slot, n_res = (*_colour_per_stage(act_iv), *_colour_per_stage(cot_iv),
-                                                         *_colour_per_stage(res_iv))
-    neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
-    act_read, act_recv, cot_read, cot_recv, cot_self, res = neg(), neg(), neg(), neg(), neg(), neg()
-    for (s, u, m), k in act_slot.items():
-        act_read[when[("forward", u, m)], s] = k
-        act_recv[when[("forward", u - 1, m)], s] = k
-    for (s, u, m), k in cot_slot.items():
-        cot_read[when[("backward", u, m)], s] = k
-        if u == V - 1:
-            cot_self[when[("forward", u, m)], s] = k
-        else:
-            cot_recv[when[("backward", u + 1, m)], s] = k
-    for (s, u, m), k in res_slot.items():
-        res[when[("forward", u, m)], s] = k
-        res[when[("backward", u, m)], s] = k
-    return Ticks(kind=kind, micro=micro, chunk=chunk, act_read=act_read, act_recv=act_recv, cot_read=cot_read,
-                 cot_recv=cot_recv, cot_self=cot_self, res_slot=res, act_slots=n_act, cot_slots=n_cot,
-                 res_slots=n_res)
+            (fwd if a.kind == "forward" else bwd)[(a.virtual_stage(S), a.microbatch)] = (t, a.stage)
+    return _tables(S, len(sched.slots), V, M, fwd, bwd, fused=False)
 
 
-def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]]
+def fused_1f1b(num_stages: int, num_microbatches: int) -> Ticks:
+    """1F1B with a forward and a backward in every tick: stage ``s`` runs ``F(m)`` at tick ``m + s`` and
+    ``B(m)`` at tick ``m + 2(S − 1) − s`` (the last stage both in one tick, the forward first), so
+    ``T = M + 2S − 2`` ticks and in the steady state every stage is busy with ``f + b`` each tick. Stage ``s``
+    then holds ``min(2(S − 1 − s) + 1, M)`` microbatches in flight (``fused_inflight``): the price of not
+    waiting, in lockstep, for a slower backward elsewhere (the unit-slot 1F1B of ``ticks`` holds
+    ``S − s`` but runs about ``2(M + S − 1)`` ticks of ``b``)."""
+    S, M = num_stages, num_microbatches
+    fwd = {(s, m): (m + s, s) for s in range(S) for m in range(M)}
+    bwd = {(s, m): (m + 2 * (S - 1) - s, s) for s in range(S) for m in range(M)}
+    return _tables(S, M + 2 * S - 2, S, M, fwd, bwd, fused=True)
+
+
+def fused_inflight(num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+    """``fused_1f1b``'s microbatches in flight per stage, indexed from the end (entry ``r``: the stage with
+    ``r`` stages after it), as ``schedules.inflight_rule`` gives them for the other schedules."""
+    return tuple(min(2 * r + 1, num_microbatches) for r in range(num_stages))
+
+
+def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]], strict: bool
                       ) -> tuple[dict[tuple[int, int, int], int], int]:
     by_stage: dict[int, list[tuple[int, int, tuple[int, int, int]]]] = {}
     for iv in intervals:
@@ -122,7 +160,7 @@ def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]]
     slots: dict[tuple[int, int, int], int] = {}
     n = 1
     for ivs in by_stage.values():
-        got, k = _colour(ivs)
+        got, k = _colour(ivs, strict)
         slots.update(got)
         n = max(n, k)
     return slots, n
@@ -154,7 +192,7 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
 
     With ``f_u = micro_time_u / 3`` and ``b_u = 2·micro_time_u / 3`` (per virtual stage ``u``) (a backward costs two forwards, the
     convention of ``schedules.Schedule.simulate``; ``micro_time`` already holds receiving the stage's
-    inputs) and ``a(t, s)`` the action of stage ``s`` at tick ``t`` (``f_u``, ``b_u`` of the chunk it runs, or 0):
+    inputs) and ``a(t, s)`` the work of stage ``s`` at tick ``t`` (``f_u`` and/or ``b_u`` of the chunks it runs):
 
         loop     = Σ_t max_s a(t, s) + T · 2·(α + X / (n·β))     (every tick sends the stream up and its
                                                                    cotangent down, zeros when idle)
@@ -164,11 +202,12 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
     (α latency, β bandwidth). Against the MPMD runtime's asynchronous 1F1B, where each stage runs at its
     own pace, a stage doing a forward while another does a backward waits for it: the lockstep costs up to
     ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange."""
-    T, S = t.kind.shape
+    T, S = t.f_micro.shape
     f = np.asarray(micro_times, np.float64) / 3.0  # per virtual stage u = chunk·S + s
     b = 2.0 * f
-    u = t.chunk * S + np.arange(S)[None, :]
-    per = np.where(t.kind == 1, f[u], np.where(t.kind == 2, b[u], 0.0))
+    stage = np.arange(S)[None, :]
+    per = (np.where(t.f_micro >= 0, f[t.f_chunk * S + stage], 0.0)
+           + np.where(t.b_micro >= 0, b[t.b_chunk * S + stage], 0.0))
     exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
     loop = float(per.max(axis=1).sum()) + exchange
     return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),
