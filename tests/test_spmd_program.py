@@ -22,8 +22,9 @@ from autoshard._examples import load_example
 from autoshard.emit import global_rel_error
 from autoshard.pipeline.partition import PipelineError, microbatch_args
 from autoshard.pipeline.schedules import schedule
-from autoshard.pipeline.spmd_program import stage_mesh, uniform_stages
+from autoshard.pipeline.spmd_program import stage_mesh
 from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
+from autoshard.pipeline.uniform import uniform_stages
 from autoshard.trace import trace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ from autoshard.pipeline.schedules import Schedule
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # what the SPMD program runs as such
 
 
-def _fail(msg: str) -> PipelineError:
+def cannot_run(msg: str) -> PipelineError:
+    """The error for a step the SPMD program cannot run: ``msg`` says why and what to change."""
     return PipelineError(f"the SPMD pipeline cannot run this step: {msg}")
 
 
@@ -122,7 +123,7 @@ def ticks(sched: Schedule) -> Ticks:
     chunks) and waits there for ``F(u, m)``; the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``; the last
     virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to ``B(u, m)``."""
     if sched.weight_pass:
-        raise _fail(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
+        raise cannot_run(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
                     f"{' or '.join(SCHEDULES)}")
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
     fwd: dict[tuple[int, int], tuple[int, int]] = {}

@@ -1,0 +1,384 @@
+"""Cut a step traced at microbatch size into uniform pipeline stages (what ``spmd_program`` runs).
+
+The step, traced at microbatch size and split by ``partition.split_step``, is cut by what its ops are:
+
+- **blocks**: the forward ops of the numbered blocks (``op.layer``: ``block_0``, ``layers_3``), ``K`` of them,
+  and the backward ops the layer rules of ``partition.propagate_layers`` give each block;
+- **head** (layer 0): the other forward ops no block output reaches (the embedding), and their backward;
+- **tail** (layer ``K+1``): the forward ops after the blocks (final norm, LM head, loss), and their backward;
+- **pre**: forward ops that read no batch value and are in no block (position tables, masks): run once
+  per step, before the loop;
+- **update**: the optimizer (``UPDATE``), run once per step after the loop on the means of the values
+  the microbatched part hands it (``partition``'s accumulated tensors).
+
+With ``S`` stages each stage gets ``n = K / S`` consecutive blocks (a *chunk*). Every chunk must be the
+same computation as chunk 0 up to its weights: the same ops in the same order with the same shapes,
+parameters and constants (``_same_as_template``). Then chunk 0's ops, re-bound by the emitter's
+interpreter, compute any chunk from that chunk's values. Each boundary tensor of a chunk is
+
+- ``act``: the residual stream, produced by the chunk before (the head, for chunk 0);
+- ``stacked``: a value made outside the loop that differs per chunk (its weights): stacked ``[S, ...]``
+  and split over the stage axis, so each stage holds only its own;
+- ``shared``: the same value for every chunk (a causal mask from ``pre``);
+- ``res``: a forward value the chunk's backward reads (kept for it in a residual buffer);
+- ``cot``: the cotangent of the residual stream, from the chunk after (the tail, for the last chunk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from autoshard.pipeline.partition import (
+    BACKWARD,
+    FORWARD,
+    UPDATE,
+    StepParts,
+    boundary,
+    propagate_layers,
+    split_step,
+)
+from autoshard.pipeline.ticks import cannot_run
+from autoshard.trace.graph import Graph, Role
+
+# ---- what runs where (pure: tensor ids) ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Group:
+    """Some ops of the step (in schedule order) and what they exchange with the rest (``boundary``)."""
+
+    ops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    @staticmethod
+    def of(graph: Graph, ops: Sequence[int]) -> Group:
+        ops = sorted(ops)
+        ins, outs = boundary(graph, ops)
+        return Group(tuple(ops), tuple(ins), tuple(outs))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UniformStages:
+    """A microbatch step cut into ``S`` uniform stages (the module docstring's parts), as tensor ids.
+
+    ``f_kinds[j]`` / ``b_kinds[j]``: the kind of chunk 0's forward / backward input ``j`` ("act:k" the
+    stream channel ``k``, "stacked", "shared", "res:r" residual ``r``, "cot:k" cotangent channel ``k``);
+    ``stacked_f[j][s]`` / ``stacked_b[j][s]``: the value stage ``s`` reads there. ``act_out[k]``: the forward
+    output position of stream channel ``k``; ``cot_out[k]``: the backward output position of cotangent
+    channel ``k``; ``residuals[r]``: chunk 0's tensor kept for the backward (a forward output or input).
+    ``acc_out``: the backward output positions that are accumulated (the chunk's weight gradients)."""
+
+    num_stages: int
+    blocks: tuple[str, ...]
+    pre: Group
+    head_f: Group
+    head_b: Group
+    tail_f: Group
+    tail_b: Group
+    chunk_f: tuple[Group, ...]
+    chunk_b: tuple[Group, ...]
+    update: Group
+    post: Group  # sums of gradients made on two stages, run after the loop on their means
+    accumulated: frozenset[int]  # what the loop sums over microbatches (``partition``'s, less ``post``'s)
+    f_kinds: tuple[str, ...]
+    b_kinds: tuple[str, ...]
+    act_out: tuple[int, ...]
+    cot_out: tuple[int, ...]
+    residuals: tuple[int, ...]
+    acc_out: tuple[int, ...]
+    head_act: tuple[int, ...]  # per stream channel: the head's tensor that chunk 0 reads
+    tail_cot: tuple[int, ...]  # per cotangent channel: the tail's tensor that the last chunk reads
+    head_res: tuple[int, ...]  # head forward values its backward reads
+
+
+def _block_order(graph: Graph, parts: StepParts) -> list[str]:
+    seen: list[str] = []
+    for i in parts.ops(FORWARD):
+        tag = graph.ops[i].layer
+        if tag and tag not in seen:
+            seen.append(tag)
+    return seen
+
+
+def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None) -> UniformStages:
+    """Cut ``graph`` (a step traced at microbatch size) into ``num_stages`` uniform stages, or raise a
+    ``PipelineError`` that says why it cannot be (and what to change)."""
+    parts = parts or split_step(graph)
+    S = num_stages
+    if S < 2:
+        raise cannot_run("it needs at least 2 stages")
+    blocks = _block_order(graph, parts)
+    K = len(blocks)
+    fwd_flops = sum(graph.ops[i].flops for i in parts.ops(FORWARD)) or 1.0
+    stack = [graph.ops[i] for i in parts.ops(FORWARD) if graph.ops[i].primitive == "scan"
+             and (graph.ops[i].trip_count or 0) >= 2 and graph.ops[i].flops > 0.5 * fwd_flops]
+    if stack:
+        raise cannot_run(f"its layers are one scan ({stack[0].where()}, {stack[0].trip_count} iterations), which the "
+                    "SPMD pipeline does not split yet: write them unrolled (scan_layers=False)")
+    if K == 0:
+        raise cannot_run("the model has no numbered blocks to stack per stage: name the repeated blocks (block_0, "
+                    "block_1, ...), as flax does for submodules in a list")
+    if K < S or K % S:
+        raise cannot_run(f"the model has {K} numbered blocks ({', '.join(blocks[:3])}{', ...' if K > 3 else ''}), which "
+                    f"{S} stages cannot share evenly; use a stage count dividing {K} (max_stages=, stage_shape=)")
+    block_of = {tag: k for k, tag in enumerate(blocks)}
+    n_ops = len(graph.ops)
+    # which ops read the batch (directly or through other ops), and which read a block's output
+    batchy = [False] * n_ops
+    after_block = [False] * n_ops
+    batch_in = {t for t in graph.inputs if graph.tensors[t].role is Role.BATCH}
+    for op in graph.ops:
+        ins = [graph.tensors[t] for t in op.inputs]
+        batchy[op.id] = any(t.id in batch_in or (t.producer is not None and batchy[t.producer]) for t in ins)
+        after_block[op.id] = op.layer in block_of or any(
+            t.producer is not None and after_block[t.producer] for t in ins)
+    fwd = parts.ops(FORWARD)
+    # the head: forward ops the blocks read, directly or through other such ops (the embedding; not the
+    # labels, which only the loss reads)
+    feeds_block = [False] * n_ops
+    fwd_set = set(fwd)
+    for i in reversed(fwd):
+        op = graph.ops[i]
+        feeds_block[i] = op.layer in block_of or any(
+            c in fwd_set and feeds_block[c] for t in op.outputs for c in graph.tensors[t].consumers)
+    fwd_layer = []
+    pre: list[int] = []
+    for i in fwd:
+        op = graph.ops[i]
+        if op.layer in block_of:
+            fwd_layer.append(block_of[op.layer] + 1)
+        elif after_block[i] or (batchy[i] and not feeds_block[i]):
+            fwd_layer.append(K + 1)
+        elif batchy[i]:
+            fwd_layer.append(0)
+        else:  # pre: above every layer, so that the min rule never pulls a backward op towards it
+            fwd_layer.append(K + 2)
+            pre.append(i)
+    layer = list(propagate_layers(graph, fwd, fwd_layer))
+    pre_set = set(pre)
+    for op in reversed(graph.ops):  # an op that reads only pre values runs with its first reader
+        if layer[op.id] > K + 1 and op.id not in pre_set and parts.kind[op.id] != UPDATE:
+            users = [layer[c] for t in op.outputs for c in graph.tensors[t].consumers if layer[c] <= K + 1]
+            layer[op.id] = min(users) if users else 0
+    for op in graph.ops:
+        # the backward of a value made outside the blocks (the position table's gradient, read from the first
+        # block's input cotangent) runs with the head: the stage that holds that cotangent
+        if parts.kind[op.id] == BACKWARD and op.layer not in block_of and 1 <= layer[op.id] <= K:
+            if layer[op.id] != 1:
+                raise cannot_run(f"{op.where()} is outside the blocks but reads block {layer[op.id] - 1}'s gradients")
+            layer[op.id] = 0
+    by: dict[tuple[str, int], list[int]] = {}
+    for op in graph.ops:
+        kind = parts.kind[op.id]
+        if kind == UPDATE or op.id in pre_set:
+            continue
+        by.setdefault((kind, layer[op.id]), []).append(op.id)
+    n = K // S
+
+    def chunk(kind: str, s: int) -> Group:
+        return Group.of(graph, [i for b in range(s * n + 1, (s + 1) * n + 1) for i in by.get((kind, b), [])])
+
+    # a gradient summed from two places (tied input and output embeddings: the head's and the tail's parts)
+    # is summed after the loop instead: the mean over microbatches of a sum is the sum of the means
+    accumulated = set(parts.accumulated)
+    post: list[int] = []
+    for key in ((BACKWARD, 0), (BACKWARD, K + 1)):
+        for i in list(by.get(key, [])):
+            op = graph.ops[i]
+            srcs = {layer[graph.tensors[t].producer] for t in op.inputs if graph.tensors[t].producer is not None}
+            if op.primitive == "add_any" and len(srcs) > 1 and all(t in accumulated for t in op.outputs):
+                by[key].remove(i)
+                post.append(i)
+                accumulated -= set(op.outputs)
+                accumulated |= {t for t in op.inputs if graph.tensors[t].producer is not None}
+    chunk_f = tuple(chunk(FORWARD, s) for s in range(S))
+    chunk_b = tuple(chunk(BACKWARD, s) for s in range(S))
+    head_f, head_b = Group.of(graph, by.get((FORWARD, 0), [])), Group.of(graph, by.get((BACKWARD, 0), []))
+    tail_f, tail_b = Group.of(graph, by.get((FORWARD, K + 1), [])), Group.of(graph, by.get((BACKWARD, K + 1), []))
+    for s in range(1, S):
+        _same_as_template(graph, chunk_f[0], chunk_f[s], s, "forward")
+        _same_as_template(graph, chunk_b[0], chunk_b[s], s, "backward")
+    producer_group: dict[int, tuple[str, int]] = {}
+    for name, groups in (("f", chunk_f), ("b", chunk_b)):
+        for s, g in enumerate(groups):
+            for i in g.ops:
+                producer_group[i] = (name, s)
+    for name, g in (("head_f", head_f), ("head_b", head_b), ("tail_f", tail_f), ("tail_b", tail_b)):
+        for i in g.ops:
+            producer_group[i] = (name, -1)
+    per_mb = set(producer_group)
+
+    def made_by(t: int) -> tuple[str, int] | None:
+        p = graph.tensors[t].producer
+        return producer_group.get(p) if p is not None else None
+
+    def outside(t: int) -> bool:  # a value the loop receives from outside: step input, constant, pre output
+        p = graph.tensors[t].producer
+        return p is None or p not in per_mb
+
+    # chunk forward outputs: the stream (read by the next chunk) and residuals (read by its own backward)
+    act_out: list[int] = []
+    for k, t in enumerate(chunk_f[0].outputs):
+        readers = {producer_group.get(c) for c in graph.tensors[t].consumers}
+        if ("f", 1) in readers:
+            act_out.append(k)
+    if not act_out:
+        raise cannot_run("no value flows from one block to the next")
+    f_kinds: list[str] = []
+    stacked_f: list[list[int]] = []
+    res_tensors: list[int] = []  # chunk 0's residual tensors, in order
+    for j, t0 in enumerate(chunk_f[0].inputs):
+        col = [chunk_f[s].inputs[j] for s in range(S)]
+        src = made_by(col[1])
+        if src == ("f", 0):
+            k = chunk_f[0].outputs.index(col[1])
+            if k not in act_out or any(col[s] != chunk_f[s - 1].outputs[k] for s in range(2, S)) \
+                    or made_by(t0) != ("head_f", -1):
+                raise cannot_run(f"block input {graph.tensors[t0].name!r} does not come from the block before")
+            f_kinds.append(f"act:{act_out.index(k)}")
+        elif all(c == t0 for c in col):
+            if not outside(t0):
+                raise cannot_run(f"every block reads {graph.tensors[t0].name!r}, which is computed per microbatch "
+                            "outside the blocks; only the residual stream passes between stages (compute it "
+                            "inside each block, or from parameters and constants only)")
+            f_kinds.append("shared")
+        elif all(outside(c) for c in col):
+            f_kinds.append("stacked")
+        else:
+            raise cannot_run(f"block input {graph.tensors[t0].name!r} is neither a weight nor the residual stream")
+        stacked_f.append(col)
+    head_act = []
+    for k in act_out:
+        pos = [j for j, kind in enumerate(f_kinds) if kind == f"act:{act_out.index(k)}"]
+        head_act.append(chunk_f[0].inputs[pos[0]])
+    b_kinds: list[str] = []
+    stacked_b: list[list[int]] = []
+    cot_out: list[int] = []
+    for k, t in enumerate(chunk_b[1].outputs):
+        if any(producer_group.get(c) == ("b", 0) for c in graph.tensors[t].consumers):
+            cot_out.append(k)
+    for j, t0 in enumerate(chunk_b[0].inputs):
+        col = [chunk_b[s].inputs[j] for s in range(S)]
+        src = made_by(t0)
+        f_in = chunk_f[0].inputs.index(t0) if t0 in chunk_f[0].inputs else None
+        if src == ("f", 0) or (f_in is not None and f_kinds[f_in].startswith("act")):
+            # a forward value of the chunk, or its stream input: the same position at every stage
+            same = [chunk_f[s].outputs[chunk_f[0].outputs.index(t0)] if f_in is None else chunk_f[s].inputs[f_in]
+                    for s in range(S)]
+            if same != col:
+                raise cannot_run(f"stage backwards read their forwards' values differently ({graph.tensors[t0].name!r})")
+            if t0 not in res_tensors:
+                res_tensors.append(t0)
+            b_kinds.append(f"res:{res_tensors.index(t0)}")
+        elif made_by(col[0]) == ("b", 1):
+            k = chunk_b[1].outputs.index(col[0])
+            if k not in cot_out or any(chunk_b[s + 1].outputs[k] != col[s] for s in range(S - 1)):
+                raise cannot_run(f"a block's backward reads {graph.tensors[t0].name!r} from the block after it in "
+                            "different ways at different stages")
+            b_kinds.append(f"cot:{cot_out.index(k)}")
+        elif all(c == t0 for c in col) and outside(t0):
+            b_kinds.append("shared")
+        elif all(outside(c) for c in col):
+            b_kinds.append("stacked")
+        else:
+            raise cannot_run(f"a block's backward reads {graph.tensors[t0].name!r}, which is none of its weights, "
+                        "its forward's values or the cotangent from the block after")
+        stacked_b.append(col)
+    tail_cot = []
+    last = chunk_b[S - 1]
+    for k in range(len(cot_out)):
+        j = b_kinds.index(f"cot:{k}")
+        t = last.inputs[j]
+        if made_by(t) not in (("tail_b", -1), ("tail_f", -1)):
+            raise cannot_run(f"the last block's cotangent {graph.tensors[t].name!r} does not come from the layers "
+                        "after the blocks")
+        tail_cot.append(t)
+    acc_out = tuple(k for k, t in enumerate(chunk_b[0].outputs) if t in accumulated)
+    for k, t in enumerate(chunk_b[0].outputs):
+        if k not in acc_out and k not in cot_out:
+            raise cannot_run(f"a block's backward hands {graph.tensors[t].name!r} to something other than the "
+                        "optimizer or the block before")
+    for t in chunk_f[0].outputs:
+        if t in accumulated:
+            raise cannot_run(f"a block's forward returns {graph.tensors[t].name!r} from the gradient computation "
+                        "(an auxiliary loss per block is not supported yet)")
+    head_res = tuple(t for t in head_f.outputs if any(producer_group.get(c) == ("head_b", -1)
+                                                        for c in graph.tensors[t].consumers))
+    for t in head_f.outputs:
+        if t in accumulated:
+            raise cannot_run(f"the layers before the blocks return {graph.tensors[t].name!r} from the gradient "
+                        "computation (not supported yet)")
+    # what each group outside the blocks may read inside the loop
+    batch_ok = {t for t in graph.inputs if graph.tensors[t].role is Role.BATCH}
+    last_f = set(chunk_f[S - 1].outputs) | {chunk_f[S - 1].inputs[j] for j, k in enumerate(f_kinds)
+                                            if k.startswith("act")}
+    allowed = {
+        "the layers before the blocks (forward)": (head_f, set()),
+        "the layers before the blocks (backward)": (head_b, set(head_f.outputs)
+                                                    | {chunk_b[0].outputs[k] for k in cot_out}),
+        "the layers after the blocks (forward)": (tail_f, last_f),
+        "the layers after the blocks (backward)": (tail_b, last_f | set(tail_f.outputs)),
+    }
+    for what, (grp, ok) in allowed.items():
+        for t in grp.inputs:
+            if not (t in ok or t in batch_ok or outside(t)):
+                raise cannot_run(f"{what} read {graph.tensors[t].name!r}, made per microbatch on another stage "
+                            "(tied input and output embeddings are not supported yet)")
+    return UniformStages(
+        num_stages=S, blocks=tuple(blocks), pre=Group.of(graph, pre), head_f=head_f, head_b=head_b,
+        tail_f=tail_f, tail_b=tail_b, chunk_f=chunk_f, chunk_b=chunk_b,
+        update=Group.of(graph, parts.ops(UPDATE)), post=Group.of(graph, post), accumulated=frozenset(accumulated),
+        f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
+        act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
+        head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res)
+
+
+def _signature(graph: Graph, group: Group) -> list[tuple[Any, ...]]:
+    """What makes a group the computation it is, up to which outside values it reads: per op its
+    primitive, params, shapes, where each operand comes from (an op of the group, a boundary input's
+    position, or a constant's value)."""
+    pos = {op_id: k for k, op_id in enumerate(group.ops)}
+    ins = {t: j for j, t in enumerate(group.inputs)}
+    known = graph.constants
+    out = []
+    for op_id in group.ops:
+        op = graph.ops[op_id]
+        src = []
+        for t, atom in zip(op.inputs, op.eqn.invars, strict=True):
+            ten = graph.tensors[t]
+            if ten.producer is not None and ten.producer in pos:
+                src.append(("op", pos[ten.producer], graph.ops[ten.producer].outputs.index(t)))
+            elif t in ins:
+                src.append(("in", ins[t]))
+            else:
+                val = getattr(atom, "val", known.get(t))
+                arr = np.asarray(val) if val is not None else None
+                src.append(("const", ten.shape, ten.dtype, None if arr is None else arr.tobytes()))
+        shapes = tuple((graph.tensors[t].shape, graph.tensors[t].dtype) for t in op.outputs)
+        out.append((op.primitive, op.params, shapes, tuple(src)))
+    return out
+
+
+def _exports(graph: Graph, group: Group) -> list[tuple[int, int]]:
+    pos = {op_id: k for k, op_id in enumerate(group.ops)}
+    return [(pos[graph.tensors[t].producer], graph.ops[graph.tensors[t].producer].outputs.index(t))
+            for t in group.outputs]
+
+
+def _same_as_template(graph: Graph, template: Group, other: Group, stage: int, what: str) -> None:
+    if _exports(graph, template) != _exports(graph, other):
+        raise cannot_run(f"stage {stage}'s blocks hand other values to the rest of the step ({what}) than stage 0's")
+    a, b = _signature(graph, template), _signature(graph, other)
+    if len(a) != len(b):
+        raise cannot_run(f"stage {stage}'s blocks have {len(b)} {what} ops where stage 0's have {len(a)}: the stages "
+                    "are not the same computation")
+    for k, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            op = graph.ops[other.ops[k]]
+            raise cannot_run(f"stage {stage}'s {what} differs from stage 0's at {op.where()} ({x[0]} against "
+                        f"{y[0]}): every stage must run the same blocks with only their weights different")
