@@ -61,15 +61,20 @@ def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
     return losses, [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
 
 
-def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) -> None:
-    procs = _launch(tmp_path, "run")
+def _run(out: Path, mode: str) -> list[dict]:
+    """Both workers to the end; each one's last line (its JSON report)."""
+    procs = _launch(out, mode)
     try:
         outs = [p.communicate(timeout=400) for p in procs]
     finally:
         _end(procs)
     for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
-    reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+
+
+def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) -> None:
+    reports = _run(tmp_path, "run")
     assert [r["devices"] for r in reports] == [8, 8]
     assert reports[0]["losses"] == reports[1]["losses"]  # one program: the same loss in both processes
     for r in reports:  # batch parts put together in a layout each process can fill alone, and in one it can't
@@ -135,15 +140,10 @@ def test_global_shapes_stack_batch_rows_over_processes() -> None:
 def test_a_saved_plan_runs_across_two_processes(tmp_path: Path) -> None:
     # planned once here, for the global batch; every process then runs the file with its own rows
     ex = load_example(ROOT / "examples" / "mlp.py", "tiny", [], abstract=True)
-    path = tmp_path / "plan.json"
+    path = tmp_path / "saved_plan.json"
     autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), time_budget_s=5).save(path)
-    procs = _launch(tmp_path, f"saved:{path}")
-    try:
-        outs = [p.communicate(timeout=400) for p in procs]
-    finally:
-        _end(procs)
-    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
+    reports = _run(tmp_path, f"saved:{path}")
+    assert reports[0]["losses"] == reports[1]["losses"]
     got = np.load(tmp_path / "result.npz")
     want_losses, want_opt = _single_process("mlp.py")
     assert global_rel_error(np.array(want_losses), got["losses"]) <= TOL
