@@ -342,17 +342,17 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
     stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
-    ``S = N / n_m`` divides ``K`` (and is at most ``limit``), with the stage DP's tables:
+    ``S = N / n_m`` divides ``K`` (and is at most ``limit``), with the stage DP's tables ``t'[a_s, b_s, m]``
+    (``a_s, b_s``: stage s's layers) as the stages' times:
 
-        T(m) = Σ_s t'[a_s, b_s, m] + (B − 1)·max_s t'[a_s, b_s, m]      (``a_s, b_s``: stage s's layers)
+        T(m, form) = ticks.price(t', form's tick tables).loop      (lockstep ticks, two exchanges a tick,
+                                                                   on InfiniBand when stages span hosts)
 
-    under ``σ + inflight(r)·α <= budget`` per stage; the fastest ``m`` wins. Returns the stages as
-    ``(first layer, last layer, m)``, their origins (row-major tiles) and ``T``.
-
-    ``T`` is the program's lockstep price (``ticks.price``), and for 1F1B both of its tick forms are priced:
-    one action a tick (``ticks.ticks``: ``S − s`` microbatches in flight, a forward waits for the slowest
-    backward) and fused (``ticks.fused_1f1b``: a forward and a backward a tick, ``2(S − 1 − s) + 1`` in
-    flight); the faster that fits is kept. Returns also whether it is fused and its in-flight rule."""
+    under ``σ + inflight_form(r)·α <= budget`` per stage; the fastest ``(m, form)`` wins. For 1F1B both tick
+    forms are priced: one action a tick (``ticks.ticks``: ``S − s`` microbatches in flight, a forward waits
+    for the slowest backward) and fused (``ticks.fused_1f1b``: a forward and a backward a tick,
+    ``2(S − 1 − s) + 1`` in flight). Returns the stages as ``(first layer, last layer, m)``, their origins
+    (row-major tiles), ``T``, whether the form is fused and its in-flight rule."""
     tags: list[str] = []
     span: dict[str, list[int]] = {}
     for i in parts.ops(FORWARD):
