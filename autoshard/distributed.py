@@ -93,8 +93,13 @@ def local_leaves(fn: Callable[..., Any], args: tuple[Any, ...],
                  roles: Mapping[str | int, Any] | None = None) -> list[bool]:
     """For each flattened argument leaf, whether it is this process's part of the batch (a batch leaf,
     ``batch_leaves``, that is not already a global array) rather than a whole value."""
-    flat = jax.tree_util.tree_leaves(args)
-    return [b and not _is_global(x) for b, x in zip(batch_leaves(fn, args, roles), flat, strict=True)]
+    return _local(batch_leaves(fn, args, roles), args)
+
+
+def _local(batch: Sequence[bool], args: tuple[Any, ...]) -> list[bool]:
+    """Of the batch leaves (``batch``, per flattened leaf of ``args``), those that are this process's rows:
+    not already a global array (the previous step's results)."""
+    return [b and not _is_global(x) for b, x in zip(batch, jax.tree_util.tree_leaves(args), strict=True)]
 
 
 def _abstract(x: Any) -> Any:
@@ -254,9 +259,7 @@ class GlobalStep:
         self.batch = [graph.tensors[t].role is Role.BATCH for t in graph.inputs]  # read once, not per call
 
     def globalize(self, *args: Any) -> tuple[Any, ...]:
-        flat = jax.tree_util.tree_leaves(args)
-        local = [b and not _is_global(x) for b, x in zip(self.batch, flat, strict=True)]
-        return global_args(self.emitted, local, args)
+        return global_args(self.emitted, _local(self.batch, args), args)
 
     def place_state(self, *args: Any) -> tuple[Any, ...]:
         return self.emitted.place_state(*self.globalize(*args))

@@ -165,8 +165,9 @@ class SpmdPipelineStep:
         S, v = V // self.num_chunks, self.num_chunks
         interp = Interpreter(self.mesh, self.specs)
         env: dict[int, Any] = {}
+        batch_pos = set(self.batch_pos)
         for i, (t, x) in enumerate(zip(g.inputs, leaves, strict=True)):
-            if i in set(self.batch_pos):  # [rows, ...] -> [M, rows / M, ...]: microbatch m is rows m*r..(m+1)*r
+            if i in batch_pos:  # [rows, ...] -> [M, rows / M, ...]: microbatch m is rows m*r..(m+1)*r
                 x = jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:]))
             env[t] = x
         batch_t = [g.inputs[i] for i in self.batch_pos]
