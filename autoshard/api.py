@@ -22,8 +22,8 @@ from autoshard.pipeline import (
     PipelinePlan,
     build_pipelined_step,
     explain_pipeline,
-    microbatch_args,
     plan_pipeline,
+    trace_microbatch,
 )
 from autoshard.pipeline.microbatches import INTERLEAVE_CHUNKS, first_recompute, interleaving
 from autoshard.pipeline.microbatches import candidates as microbatch_candidates
@@ -197,7 +197,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     def plan_one(count: int, seconds: float | None, interleaved: tuple[int, int] | None = None) -> PipelinePlan:
         """A pipeline of ``count`` microbatches as the options say, or, with ``interleaved`` (a stage shape),
         the interleaved one on that shape (``pipeline.microbatches.interleaving``)."""
-        micro = trace(step_fn, *microbatch_args(args, graph, None, count), roles=roles)
+        micro = trace_microbatch(step_fn, args, graph, count, roles=roles)
         log.info("autoshard: planning a pipeline of %d microbatches%s", count,
                  "" if interleaved is None else f", interleaved on stages of {interleaved[0]}x{interleaved[1]}")
         schedule, stage_shape, chunks = options.schedule, options.stage_shape, options.num_chunks
@@ -412,7 +412,7 @@ def trace_for_plan(the_plan: Plan | PipelinePlan, fn: Callable[..., Any], args: 
         graph = recomputed(graph, the_plan.recompute)
         the_plan.verify(graph)
         return graph, None
-    micro = trace(fn, *microbatch_args(args, graph, None, the_plan.num_microbatches), roles=roles)
+    micro = trace_microbatch(fn, args, graph, the_plan.num_microbatches, roles=roles)
     micro = recomputed(micro, the_plan.recompute)
     the_plan.verify(micro)
     return graph, micro

@@ -38,7 +38,7 @@ import numpy as np
 
 from autoshard.emit import EmittedStep, emit
 from autoshard.errors import AutoshardError
-from autoshard.pipeline.partition import microbatch_args
+from autoshard.pipeline.partition import trace_microbatch
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step
 from autoshard.planner.plan import Plan
@@ -284,7 +284,7 @@ def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Map
         if given is not None:
             plan.verify(graph)
         return graph, plan, GlobalStep(emit(graph, plan.specs, mesh))
-    micro = trace(fn, *microbatch_args(shapes, graph, None, plan.num_microbatches), roles=roles)
+    micro = trace_microbatch(fn, shapes, graph, plan.num_microbatches, roles=roles)
     micro = recomputed(micro, plan.recompute)
     plan.verify(micro)
     step = spmd_pipeline_step(micro, graph, plan, list(mesh.devices.flat))

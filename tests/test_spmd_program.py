@@ -124,7 +124,8 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
 @pytest.mark.parametrize("form,name,shape,recompute", [("optax", "1f1b", (1, 2), "auto"),
                                                        ("state", "gpipe", (1, 2), "auto"),
                                                        ("state", "interleaved-1f1b", (1, 4), "auto"),
-                                                       ("state", "1f1b", (1, 2), "selective")])
+                                                       ("state", "1f1b", (1, 2), "selective"),
+                                                       ("state:scan", "interleaved-1f1b", (1, 4), "auto")])
 def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], recompute: str) -> None:
     fn, args, batch = make(form)
     want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
@@ -143,6 +144,11 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
     assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
     if recompute != "auto":  # each block replays in its stage's backward, inside the tick loop
         assert set(step.plan.recompute.values()) == {recompute} and len(step.plan.recompute) == 4
+    if form.endswith(":scan"):  # the layer stack [4, ...] and its optimizer state: rows split over the stages
+        prog = step._last.step
+        stack = [s.spec for t, s in zip(prog.graph.inputs, prog.in_shardings, strict=True)
+                 if ".blocks." in prog.graph.tensors[t].name]
+        assert len(stack) == 36 and all(spec[0] == "stage" or spec[0][0] == "stage" for spec in stack)
     assert global_rel_error(np.array(want_l), np.array(got_l)) <= TOL
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
 
@@ -199,7 +205,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"), ("optax", "interleaved-1f1b")])
+@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"), ("optax", "interleaved-1f1b"),
+                                       ("optax:scan", "1f1b")])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

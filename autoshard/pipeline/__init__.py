@@ -7,7 +7,7 @@ pipeline for identical stages).
 ``schedules`` imports nothing but the standard library; the rest needs JAX.
 """
 
-from autoshard.pipeline.partition import PipelineError, microbatch_args
+from autoshard.pipeline.partition import PipelineError, microbatch_args, trace_microbatch
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan
 from autoshard.pipeline.report import explain_pipeline, format_pipeline_plan
 from autoshard.pipeline.runtime import PipelinedStep, build_pipelined_step
@@ -46,4 +46,5 @@ __all__ = [
     "plan_pipeline",
     "schedule",
     "spmd_pipeline",
+    "trace_microbatch",
 ]

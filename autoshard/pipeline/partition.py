@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,6 +51,8 @@ import numpy as np
 from autoshard.errors import AutoshardError
 from autoshard.trace.graph import Graph, Op, Role, Tensor
 from autoshard.trace.jaxpr_compat import REMAT
+from autoshard.trace.tracer import trace
+from autoshard.trace.unroll import unroll_layer_stacks
 from solvers.inter_op import ClusteringProblem, cluster_layers
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
@@ -482,3 +484,12 @@ def microbatch_args(args: Sequence[Any], graph: Graph, parts: StepParts | None =
         out[i] = jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) if not hasattr(x, "__array__") or \
             isinstance(x, jax.ShapeDtypeStruct) else x[:k]
     return tuple(jax.tree_util.tree_unflatten(tree, out))
+
+
+def trace_microbatch(fn: Callable[..., Any], args: Sequence[Any], graph: Graph, num_microbatches: int, *,
+                     roles: Mapping[str | int, Any] | None = None) -> Graph:
+    """``fn`` traced at microbatch size (``microbatch_args``; ``graph``: its trace at full size), with a layer
+    stack written as one scan unrolled into numbered blocks (``trace.unroll``): the graph every pipeline
+    pass (stage DP, uniform cut, runtimes) reads."""
+    micro = trace(fn, *microbatch_args(args, graph, None, num_microbatches), roles=roles)
+    return unroll_layer_stacks(micro)

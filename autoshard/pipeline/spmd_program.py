@@ -43,10 +43,15 @@ chunks ``u = c·S + s`` (weights stacked ``[S, v, ...]``), the tables name each 
 at ``u = 0`` and the tail at ``u = V − 1``, and the exchanges go round the ring (stage ``S − 1``'s chunk ``c``
 feeds stage 0's chunk ``c + 1``).
 
-Not yet: zero-bubble weight passes, an ``nn.scan`` layer stack (one op: its stack is
-not split), blocks that read per-microbatch values other than the residual stream (an attention mask
-built from the batch), and gradients kept unreduced over a stage's data-parallel axes across
-microbatches (XLA reduces them per microbatch inside the loop; the MPMD runtime defers them).
+A layer stack written as one scan arrives unrolled (``trace.unroll``): its blocks read their rows of the
+stacked parameters. Those parameters, their optimizer state and the stacked gradients keep their ``[K, ...]``
+shape with the rows split over the stage axis (``on_stages``); the stage's weights ``[S, v, ...]`` are a
+reshape of them (``uniform.strided_rows``) and the gradients stacked for the optimizer a reshape of the
+accumulators (``_stacked_gradients``), so with one chunk a stage nothing moves between stages but the stream.
+
+Not yet: zero-bubble weight passes, blocks that read per-microbatch values other than the residual stream
+(an attention mask built from the batch), and gradients kept unreduced over a stage's data-parallel axes
+across microbatches (XLA reduces them per microbatch inside the loop; the MPMD runtime defers them).
 """
 
 from __future__ import annotations
@@ -67,8 +72,15 @@ from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.schedules import schedule
 from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, cannot_run, fused_1f1b, price, ticks
-from autoshard.pipeline.uniform import uniform_stages
-from autoshard.trace.graph import Graph, Scope
+from autoshard.pipeline.uniform import (
+    Group,
+    UniformStages,
+    row_of,
+    stacked_rows,
+    strided_rows,
+    uniform_stages,
+)
+from autoshard.trace.graph import Graph, Role, Scope
 from cost_models import ShardingSpec
 
 log = logging.getLogger("autoshard")
@@ -79,6 +91,36 @@ INNER_AXIS = "inner"
 
 
 # ---- the program ------------------------------------------------------------------------------------------
+
+
+def on_stages(graph: Graph, cut: UniformStages, specs: dict[int, ShardingSpec], mesh: jax.sharding.Mesh
+              ) -> dict[int, ShardingSpec]:
+    """``specs`` (the plan's layouts of ``graph``'s top-level tensors) with a layer stack's rows split over the
+    stage axis: its parameters ``[K, ...]`` (sliced per block by ``trace.unroll``), and the update's values
+    of their shapes (optimizer state, the stacked gradients, the new parameters), stage ``s`` holding rows
+    ``s·K/S ..``: with one chunk a stage, its own blocks' rows (the optimizer then updates them in place;
+    with chunks, the rows a stage holds and the chunks it runs differ, and the program moves them once a
+    step). The stage axis goes before any of the stage's own axes on dimension 0, when the rows divide."""
+    S = mesh.shape[STAGE_AXIS]
+    shapes = {graph.tensors[x].shape for u in range(cut.num_stages) for j, kind in enumerate(cut.f_kinds)
+              if kind == "stacked" and (r := row_of(graph, cut.chunk_f[u].inputs[j])) is not None
+              for x in (r[0],)}
+    shapes = {sh for sh in shapes if sh[0] % S == 0}
+    if not shapes:
+        return specs
+    update = {t for i in cut.update.ops for t in (*graph.ops[i].inputs, *graph.ops[i].outputs)}
+    update |= {graph.inputs[i] for i, t in enumerate(graph.inputs) if graph.tensors[t].shape in shapes
+               and graph.tensors[t].role in (Role.PARAM, Role.OPT_STATE)}
+    for t in update:
+        shape = graph.tensors[t].shape
+        if shape not in shapes:
+            continue
+        spec = specs.get(t) or ShardingSpec.replicated(len(shape))
+        first = spec.dims[0]
+        size = S * int(np.prod([mesh.shape[a] for a in first]))
+        dims0 = (STAGE_AXIS, *first) if shape[0] % size == 0 else (STAGE_AXIS,)
+        specs[t] = ShardingSpec(dims=(dims0, *spec.dims[1:]), partial=spec.partial)
+    return specs
 
 
 def stage_mesh(devices: Sequence[Any], num_stages: int) -> jax.sharding.Mesh:
@@ -121,7 +163,7 @@ class SpmdPipelineStep:
         replicated = NamedSharding(mesh, PartitionSpec())
         by_rows = NamedSharding(mesh, PartitionSpec(self.inner_axes)) if inner > 1 else replicated
         batch = set(self.batch_pos)
-        top = self.specs.get((), {})
+        top = self.specs[()] = on_stages(micro, self.cut, dict(self.specs.get((), {})), mesh)
 
         def laid(i: int, t: int) -> NamedSharding:
             if i in batch:
@@ -186,7 +228,12 @@ class SpmdPipelineStep:
         f_stacked = [j for j, k in enumerate(cut.f_kinds) if k == "stacked"]
         b_stacked = [j for j, k in enumerate(cut.b_kinds) if k == "stacked"]
         def per_stage(tids: list[int]) -> Any:  # [S, v, ...]: stage s holds chunks u = c·S + s, c = 0..v-1
-            x = jnp.stack([value(t) for t in tids])
+            rows = strided_rows(g, tids)
+            if rows is not None:  # row first + u·step of a layer stack [K, ...]: a reshape, local to each stage
+                x, first, step = rows
+                x = jax.lax.index_in_dim(env[x].reshape(V, step, *env[x].shape[1:]), first, 1, keepdims=False)
+            else:
+                x = jnp.stack([value(t) for t in tids])
             return jnp.swapaxes(x.reshape(v, S, *x.shape[1:]), 0, 1)
 
         stacked = [per_stage([cut.chunk_f[u].inputs[j] for u in range(V)]) for j in f_stacked]
@@ -216,17 +263,46 @@ class SpmdPipelineStep:
                 env[cut.chunk_b[u].outputs[pos]] = scale(chunk_acc[k][u % S, u // S])
         for t, x in once_acc.items():
             env[t] = scale(x)
+        update = self._stacked_gradients(chunk_acc, env, scale)
         if cut.post.ops:
             got = interp.run_ops(g, [g.ops[i] for i in cut.post.ops], cut.post.inputs,
                                  [value(t) for t in cut.post.inputs], cut.post.outputs)
             env.update(zip(cut.post.outputs, got, strict=True))
-        upd = interp.run_ops(g, [g.ops[i] for i in cut.update.ops], cut.update.inputs,
-                             [value(t) for t in cut.update.inputs], cut.update.outputs)
-        env.update(zip(cut.update.outputs, upd, strict=True))
+        upd = interp.run_ops(g, [g.ops[i] for i in update.ops], update.inputs, [value(t) for t in update.inputs],
+                             update.outputs)
+        env.update(zip(update.outputs, upd, strict=True))
         outs = [value(t) for t in g.outputs]
         for o, i in g.output_aliases.items():  # a new state leaf leaves as its input came: the next step takes it
             outs[o] = jax.lax.with_sharding_constraint(outs[o], self.in_shardings[i])
         return outs
+
+    def _stacked_gradients(self, chunk_acc: list[Any], env: dict[int, Any], scale: Any) -> Group:
+        """The update's ops left to run once a layer stack's gradients are in ``env``: each op that stacks the
+        blocks' accumulated gradients in block order (``uniform.stacked_rows``; ``trace.unroll`` makes them)
+        becomes a reshape of the accumulators ``[S, v, ...]`` (local to each stage, where stacking the ``K``
+        sums one by one would gather them), and is left out with the ops that fed only it."""
+        g, cut, V = self.micro, self.cut, self.cut.num_stages
+        b0 = cut.chunk_b[0].outputs
+        skip: set[int] = set()
+        for op_id in cut.update.ops:
+            rows = stacked_rows(g, op_id)
+            if rows is None or len(rows) % V:
+                continue
+            d = len(rows) // V
+            pos = [b0.index(rows[i]) if rows[i] in b0 else -1 for i in range(d)]
+            if any(p not in cut.acc_out for p in pos) or any(
+                    rows[u * d + i] != cut.chunk_b[u].outputs[p] for u in range(V) for i, p in enumerate(pos)):
+                continue
+            per_block = [chunk_acc[cut.acc_out.index(p)] for p in pos]  # each [S, v, ...]
+            per_block = [jnp.swapaxes(a, 0, 1).reshape(V, *a.shape[2:]) for a in per_block]  # u = c·S + s
+            x = jnp.stack(per_block, axis=1)
+            env[g.ops[op_id].outputs[0]] = scale(x.reshape(V * d, *x.shape[2:]))
+            skip.add(op_id)
+            skip.update(p for t in g.ops[op_id].inputs if (p := g.tensors[t].producer) is not None
+                        and p in set(cut.update.ops) and g.ops[p].primitive != "stack" and g.tensors[t].consumers == (op_id,))
+        if not skip:
+            return cut.update
+        return Group.of(g, [i for i in cut.update.ops if i not in skip])
 
     def _loop(self, stacked: list[Any], whole: list[Any], batch: list[Any], tables: dict[str, Any]) -> Any:
         g, cut, V = self.micro, self.cut, self.cut.num_stages  # V virtual stages: v chunks on each of S stages

@@ -338,6 +338,64 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res)
 
 
+# ---- a layer stack's rows (``trace.unroll``) --------------------------------------------------------------
+
+
+def row_of(graph: Graph, tid: int) -> tuple[int, int] | None:
+    """``(x, j)`` when tensor ``tid`` is row ``j`` of step input ``x`` along dimension 0 (a one-row ``slice``
+    then a ``squeeze`` of that dimension: ``index_in_dim``, as ``trace.unroll`` cuts a layer stack's weights
+    per block), else None."""
+    p = graph.tensors[tid].producer
+    if p is None or graph.ops[p].primitive != "squeeze" or tuple(graph.ops[p].eqn.params.get("dimensions", ())) != (0,):
+        return None
+    q = graph.tensors[graph.ops[p].inputs[0]].producer
+    if q is None or graph.ops[q].primitive != "slice":
+        return None
+    sl = graph.ops[q]
+    x = graph.tensors[sl.inputs[0]]
+    start, limit = sl.eqn.params["start_indices"], sl.eqn.params["limit_indices"]
+    strides = sl.eqn.params.get("strides") or (1,) * len(start)
+    if (x.producer is not None or any(k != 1 for k in strides) or limit[0] - start[0] != 1
+            or tuple(start[1:]) != (0,) * (len(start) - 1) or tuple(limit[1:]) != tuple(x.shape[1:])):
+        return None
+    return x.id, int(start[0])
+
+
+def strided_rows(graph: Graph, tids: Sequence[int]) -> tuple[int, int, int] | None:
+    """``(x, first, step)`` when ``tids[u]`` is row ``first + u·step`` of one step input ``x`` whose rows are
+    exactly ``len(tids)·step`` (each chunk reads its ``first``-th block's row of a layer stack), else None."""
+    rows = [row_of(graph, t) for t in tids]
+    if any(r is None for r in rows) or len({r[0] for r in rows}) != 1:
+        return None
+    x, first = rows[0]
+    step = graph.tensors[x].shape[0] // len(tids)
+    if step * len(tids) != graph.tensors[x].shape[0] or any(r[1] != first + u * step for u, r in enumerate(rows)):
+        return None
+    return x, first, step
+
+
+def stacked_rows(graph: Graph, op_id: int) -> list[int] | None:
+    """The values op ``op_id`` stacks along a new dimension 0, in order (a ``stack`` on axis 0, or a
+    ``concatenate`` on dimension 0 of values each given a leading dimension of 1), else None: how
+    ``trace.unroll`` hands a layer stack's per-block gradients to the optimizer."""
+    op = graph.ops[op_id]
+    if op.primitive == "stack" and int(op.eqn.params.get("axis", -1)) == 0:
+        return list(op.inputs)
+    if op.primitive != "concatenate" or int(op.eqn.params.get("dimension", -1)) != 0:
+        return None
+    rows = []
+    for t in op.inputs:
+        p = graph.tensors[t].producer
+        if p is None or graph.ops[p].primitive not in ("broadcast_in_dim", "reshape") \
+                or graph.tensors[t].shape[:1] != (1,) or graph.tensors[t].consumers != (op_id,):
+            return None
+        src = graph.tensors[graph.ops[p].inputs[0]]
+        if src.shape != graph.tensors[t].shape[1:]:
+            return None
+        rows.append(src.id)
+    return rows
+
+
 def _signature(graph: Graph, group: Group) -> list[tuple[Any, ...]]:
     """What makes a group the computation it is, up to which outside values it reads: per op its
     primitive, params, shapes, where each operand comes from (an op of the group, a boundary input's

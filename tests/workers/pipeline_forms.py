@@ -1,7 +1,8 @@
 """The example GPT with 4 blocks (tiny preset) as the steps the pipeline tests run: ``make(form)`` returns
 ``(train_step, state_args, batch)`` with ``train_step(*state_args, batch) -> (*new_state, metrics)``.
 ``state``: the example's flax ``TrainState`` step; ``optax``: ``step(params, opt_state, batch)`` over
-plain optax, the optimizer closed over."""
+plain optax, the optimizer closed over; either with ``:scan`` (``state:scan``): the blocks written as one
+``nn.scan`` (``scan_layers=true``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make(form: str, **overrides: Any) -> tuple[Any, tuple[Any, ...], Any]:
+    form, _, how = form.partition(":")  # "state:scan": the blocks written as one nn.scan (scan_layers=true)
+    if how == "scan":
+        overrides["scan_layers"] = "true"
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"{k}={v}" for k, v in
                                                             {"layers": 4, **overrides}.items()], abstract=False)
     state, batch = ex.args

@@ -1,0 +1,71 @@
+"""A layer stack written as one scan, unrolled into numbered blocks for the pipeline (``autoshard.trace.unroll``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autoshard.emit import global_rel_error
+from autoshard.trace import trace
+from autoshard.trace.unroll import layer_stacks, unroll_layer_stacks
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from pipeline_forms import make
+
+
+def _run(graph, leaves):
+    return jax.jit(jax.extend.core.jaxpr_as_fun(graph.jaxpr))(*leaves)
+
+
+def test_a_layer_stack_becomes_numbered_blocks_that_compute_the_same_step() -> None:
+    fn, args, batch = make("optax:scan")
+    graph = trace(fn, *args, batch)
+    assert len(layer_stacks(graph)) == 2  # the forward scan and the backward pass's
+    flat = unroll_layer_stacks(graph)
+    assert not layer_stacks(flat) and not [op for op in flat.ops if op.primitive == "scan"]
+    tags = {phase: sorted({op.layer for op in flat.ops if op.phase == phase and op.layer})
+            for phase in ("forward", "backward")}
+    assert tags["forward"] == tags["backward"] == [f"GPT.loss/GPT/blocks_{j}" for j in range(4)]
+    # the same work (plus what JAX hoisted out of the body, made again in each block: broadcasts), the same
+    # inputs and outputs, the same numbers
+    assert graph.total_flops <= flat.total_flops <= 1.001 * graph.total_flops
+    assert [flat.tensors[t].name for t in flat.inputs] == [graph.tensors[t].name for t in graph.inputs]
+    assert flat.output_names == graph.output_names and flat.output_aliases == graph.output_aliases
+    leaves = jax.tree.leaves((*args, batch))
+    assert global_rel_error(_run(graph, leaves), _run(flat, leaves)) <= 1e-6
+
+
+def test_residuals_go_from_a_block_to_its_backward_and_only_the_gradients_are_stacked() -> None:
+    fn, args, batch = make("state:scan")
+    flat = unroll_layer_stacks(trace(fn, *args, batch))
+    block = {op.id: op.layer for op in flat.ops if op.layer}
+    for op in flat.ops:
+        if op.primitive not in ("stack", "concatenate"):
+            continue
+        sources = {block.get(flat.tensors[t].producer) for t in op.inputs}
+        if len(sources - {None}) > 1:  # only the optimizer stacks values of several blocks: the gradients
+            assert op.phase == "other", op.where()
+    # each block's weights are its row of the stack, cut once outside the blocks
+    rows = [op for op in flat.ops if op.primitive == "slice" and flat.tensors[op.inputs[0]].name.startswith(
+        "state.params.blocks.")]
+    assert len(rows) == 12 * 4 and not any(op.layer for op in rows)
+
+
+def test_a_scan_over_time_with_its_weights_as_constants_is_left_alone() -> None:
+    def step(params, xs):
+        def loss(p):
+            def cell(h, x):
+                h = jnp.tanh(h @ p["w"] + x)
+                return h, h.sum()
+            _, ys = jax.lax.scan(cell, jnp.zeros(4), xs)
+            return ys.sum()
+        g = jax.grad(loss)(params)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), 0.0
+
+    params = {"w": np.eye(4, dtype=np.float32)}
+    graph = trace(step, params, np.ones((6, 4), np.float32))
+    assert layer_stacks(graph) == [] and unroll_layer_stacks(graph) is graph
