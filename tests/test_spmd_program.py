@@ -71,7 +71,7 @@ def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None
 @pytest.mark.parametrize("name,stages,micro,chunks", [("1f1b", 4, 8, 1), ("1f1b", 2, 16, 1), ("gpipe", 4, 8, 1),
                                                         ("gpipe", 3, 5, 1), ("interleaved-1f1b", 2, 4, 2),
                                                         ("interleaved-1f1b", 4, 8, 2), ("fused", 4, 8, 1),
-                                                        ("fused", 3, 2, 1)])
+                                                        ("fused", 3, 2, 1), ("zb-h1", 4, 8, 1), ("zb-h1", 3, 5, 1)])
 def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int, chunks: int) -> None:
     if name == "fused":
         t = fused_1f1b(stages, micro)
@@ -84,13 +84,14 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
         assert t.num_ticks == len(sched.slots)
         # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
         assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
-        if name == "1f1b":
+        if name in ("1f1b", "zb-h1"):  # ZB-H1 holds residuals until W, as many microbatches as 1F1B
             assert t.res_slots == min(stages, micro)
+        assert t.weight_pass == (name == "zb-h1")
     # replay the tables: every read finds the value written for the same (virtual stage, microbatch), never
-    # overwritten in between; within a tick a stage runs its forward, then its backward; the stream goes round
-    # the ring between chunks
+    # overwritten in between; within a tick a stage runs its forward, then its backward, then its weight
+    # pass; the stream goes round the ring between chunks
     V = stages * chunks
-    act, cot, res = {}, {}, {}
+    act, cot, res, kept = {}, {}, {}, {}
     done = set()
     for k in range(t.num_ticks):
         sent_act, sent_cot = {}, {}
@@ -111,20 +112,30 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
                 assert cot[(s, int(t.cot_read[k, s]))] == (u, m)
                 if u > 0:
                     sent_cot[(s - 1) % stages] = (u - 1, m)
+                if t.weight_pass:
+                    kept[(s, int(t.g_write[k, s]))] = (u, m)
                 done.add(("B", u, m))
+            if t.weight_pass and t.w_micro[k, s] >= 0:  # W reads what F, B and the stage after left it
+                m, u = int(t.w_micro[k, s]), int(t.w_chunk[k, s]) * stages + s
+                assert ("B", u, m) in done
+                assert res[(s, int(t.w_res[k, s]))] == cot[(s, int(t.w_cot[k, s]))] == (u, m)
+                assert kept[(s, int(t.g_read[k, s]))] == (u, m)
+                done.add(("W", u, m))
         for s in range(stages):  # the end-of-tick exchange
             assert (t.act_recv[k, s] >= 0) == (s in sent_act) and (t.cot_recv[k, s] >= 0) == (s in sent_cot)
             if s in sent_act:
                 act[(s, int(t.act_recv[k, s]))] = sent_act[s]
             if s in sent_cot:
                 cot[(s, int(t.cot_recv[k, s]))] = sent_cot[s]
-    assert done == {(kind, u, m) for kind in "FB" for u in range(V) for m in range(micro)}
+    assert done == {(kind, u, m) for kind in ("FBW" if t.weight_pass else "FB") for u in range(V)
+                    for m in range(micro)}
 
 
 @pytest.mark.parametrize("form,name,shape,recompute", [("optax", "1f1b", (1, 2), "auto"),
                                                        ("state", "gpipe", (1, 2), "auto"),
                                                        ("state", "interleaved-1f1b", (1, 4), "auto"),
                                                        ("state", "1f1b", (1, 2), "selective"),
+                                                       ("optax", "zb-h1", (1, 2), "auto"),
                                                        ("state:scan", "interleaved-1f1b", (1, 4), "auto")])
 def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], recompute: str) -> None:
     fn, args, batch = make(form)
@@ -257,6 +268,15 @@ def test_the_price_is_the_lockstep_of_the_schedule() -> None:
     assert got.step == pytest.approx(work + exchange + 0.5 + 1e-4)
     # the asynchronous 1F1B of the same stages (each stage at its own pace) is never slower
     assert sched.simulate([1.0, 2.0], [2.0, 4.0]).makespan <= work
+    # ZB-H1: B and W a forward each, so equal stages lose nothing to the lockstep, where 1F1B's unit ticks
+    # make a forward wait for a backward elsewhere (4/3 of the work in the steady state)
+    zb, one = schedule("zb-h1", 4, 16), schedule("1f1b", 4, 16)
+    got = price([3.0] * 4, [0.0] * 4, ticks(zb), stream_bytes=0.0, link=link, inner=1, dispatch=0.0)
+    work = sum(max(1.0 for _ in slot) for slot in zb.slots)
+    assert got.loop == pytest.approx(work + len(zb.slots) * 2 * 1e-6)
+    assert work == pytest.approx(zb.simulate([1.0] * 4, [1.0] * 4, weight_times=[1.0] * 4).makespan)
+    lock_1f1b = price([3.0] * 4, [0.0] * 4, ticks(one), stream_bytes=0.0, link=link, inner=1, dispatch=0.0)
+    assert got.loop < 0.8 * lock_1f1b.loop
 
 
 def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_program() -> None:

@@ -49,7 +49,13 @@ shape with the rows split over the stage axis (``on_stages``); the stage's weigh
 reshape of them (``uniform.strided_rows``) and the gradients stacked for the optimizer a reshape of the
 accumulators (``_stacked_gradients``), so with one chunk a stage nothing moves between stages but the stream.
 
-Not yet: zero-bubble weight passes, blocks that read per-microbatch values other than the residual stream
+ZB-H1 (``weight_pass``): each chunk's backward runs as two actions, ``B`` (the ops the cotangent to the chunk
+before waits for) and ``W`` (the weight gradients), at the ticks the schedule gives them; what ``W`` reads
+of ``B``'s values waits in a buffer of its own, and the residuals and the received cotangent live until
+``W``. With ``B`` and ``W`` about a forward each, the lockstep loses little to the asynchronous schedule
+(1F1B's unit ticks make a forward wait for a backward elsewhere: up to 4/3 of the work).
+
+Not yet: blocks that read per-microbatch values other than the residual stream
 (an attention mask built from the batch), and gradients kept unreduced over a stage's data-parallel axes
 across microbatches (XLA reduces them per microbatch inside the loop; the MPMD runtime defers them).
 """
@@ -79,6 +85,7 @@ from autoshard.pipeline.uniform import (
     stacked_rows,
     strided_rows,
     uniform_stages,
+    weight_pass,
 )
 from autoshard.trace.graph import Graph, Role, Scope
 from cost_models import ShardingSpec
@@ -156,6 +163,7 @@ class SpmdPipelineStep:
         self.num_microbatches = M = num_microbatches
         self.schedule = schedule(schedule_name, S, M, chunks)
         self.ticks = fused_1f1b(S, M) if fused and schedule_name == "1f1b" else ticks(self.schedule)
+        self.split = weight_pass(micro, self.cut, self.parts) if self.ticks.weight_pass else None
         self.batch_pos = self.parts.batch_inputs
         rows = {full.tensors[full.inputs[i]].shape[0] for i in self.batch_pos}
         if len(rows) != 1 or next(iter(rows)) % M:
@@ -247,7 +255,8 @@ class SpmdPipelineStep:
         batch = [env[t] for t in batch_t]
         tables = {name: jnp.asarray(getattr(self.ticks, name)) for name in
                   ("f_micro", "f_chunk", "b_micro", "b_chunk", "act_read", "act_recv", "cot_read", "cot_recv",
-                   "cot_self", "res_write", "res_read")}
+                   "cot_self", "res_write", "res_read")
+                  + (("w_micro", "w_chunk", "w_res", "w_cot", "g_write", "g_read") if self.ticks.weight_pass else ())}
         stage_spec = PartitionSpec(STAGE_AXIS)
         run = jax.shard_map(
             self._loop, mesh=self.mesh,
@@ -336,10 +345,12 @@ class SpmdPipelineStep:
         def zeros(a: jax.ShapeDtypeStruct, lead: int | None = None) -> Any:
             return jnp.zeros(((lead,) if lead is not None else ()) + a.shape, a.dtype)
 
+        wp = self.split
         carry0 = dict(
             act=[zeros(a, T.act_slots) for a in acts], cot=[zeros(a, T.cot_slots) for a in cots],
             res=[zeros(a, T.res_slots) for a in res], hres=[zeros(a, T.res_slots) for a in head_res],
-            acc=[zeros(a, v) for a in accs], once={t: zeros(aval(t)) for t in once_ids})
+            acc=[zeros(a, v) for a in accs], once={t: zeros(aval(t)) for t in once_ids},
+            g=[] if wp is None else [zeros(aval(wp.input_b[0].outputs[k]), T.g_slots) for k in wp.g_out])
 
         def micro_env(m: Any) -> dict[int, Any]:
             e = dict(outer)
@@ -410,6 +421,22 @@ class SpmdPipelineStep:
             c = jax.lax.cond(u == V - 1, tail, lambda c: c, c)
             return c, out
 
+        def backward_input(c: dict, j: int, slot: Any, k: Any, ch: Any) -> Any:
+            """The chunk backward's input ``j`` (``cut.b_kinds``): a residual from slot ``slot``, the
+            cotangent from slot ``k``, the chunk's weight; None for what the environment holds."""
+            kind = cut.b_kinds[j]
+            if kind.startswith("res:"):
+                return get(c["res"][int(kind[4:])], slot)
+            if kind.startswith("cot:"):
+                return get(c["cot"][int(kind[4:])], k)
+            if kind == "stacked":
+                return chunk_of(b_w[j], ch)
+            return None
+
+        def accumulate(c: dict, ch: Any, env: dict[int, Any], which: Any) -> dict:
+            return dict(c, acc=[put(a, ch, get(a, ch) + env[b0.outputs[p]].astype(a.dtype)) if which(p) else a
+                                for a, p in zip(c["acc"], cut.acc_out, strict=True)])
+
         def backward(c: dict, t: Any) -> tuple[dict, list[Any]]:
             m, ch = tables["b_micro"][t, s], tables["b_chunk"][t, s]
             u = ch * S + s
@@ -417,17 +444,23 @@ class SpmdPipelineStep:
             slot = tables["res_read"][t, s]
             k = tables["cot_read"][t, s]
             be = dict(e)
-            for j, tid in enumerate(b0.inputs):
-                kind = cut.b_kinds[j]
-                if kind.startswith("res:"):
-                    be[tid] = get(c["res"][int(kind[4:])], slot)
-                elif kind.startswith("cot:"):
-                    be[tid] = get(c["cot"][int(kind[4:])], k)
-                elif kind == "stacked":
-                    be[tid] = chunk_of(b_w[j], ch)
-            run(b0, be)
-            c = dict(c, acc=[put(a, ch, get(a, ch) + be[b0.outputs[p]].astype(a.dtype))
-                             for a, p in zip(c["acc"], cut.acc_out, strict=True)])
+            if wp is None:  # the whole backward
+                for j, tid in enumerate(b0.inputs):
+                    x = backward_input(c, j, slot, k, ch)
+                    if x is not None:
+                        be[tid] = x
+                run(b0, be)
+                c = accumulate(c, ch, be, lambda p: True)
+            else:  # its input-gradient part; what the weight-gradient part reads of it is kept for W
+                ib0 = wp.input_b[0]
+                for tid, j in zip(ib0.inputs, wp.b_from, strict=True):
+                    x = backward_input(c, j, slot, k, ch)
+                    if x is not None:
+                        be[tid] = x
+                run(ib0, be)
+                kg = tables["g_write"][t, s]
+                c = dict(c, g=[put(b, kg, be[ib0.outputs[q]]) for b, q in zip(c["g"], wp.g_out, strict=True)])
+                c = accumulate(c, ch, be, lambda p: p in wp.acc_in_b)
             out = [be[b0.outputs[p]] for p in cut.cot_out]
 
             def head(c: dict) -> dict:
@@ -444,6 +477,21 @@ class SpmdPipelineStep:
             c = jax.lax.cond(u == 0, head, lambda c: c, c)
             return c, out
 
+        def weight(c: dict, t: Any) -> dict:
+            assert wp is not None
+            m, ch = tables["w_micro"][t, s], tables["w_chunk"][t, s]
+            we = micro_env(m)
+            w0 = wp.weight[0]
+            for tid, (src, j) in zip(w0.inputs, wp.w_from, strict=True):
+                if src == "g":
+                    we[tid] = get(c["g"][j], tables["g_read"][t, s])
+                else:
+                    x = backward_input(c, j, tables["w_res"][t, s], tables["w_cot"][t, s], ch)
+                    if x is not None:
+                        we[tid] = x
+            run(w0, we)
+            return accumulate(c, ch, we, lambda p: p not in wp.acc_in_b)
+
         def no_forward(c: dict, t: Any) -> tuple[dict, list[Any]]:
             return c, [zeros(a) for a in acts]
 
@@ -458,6 +506,8 @@ class SpmdPipelineStep:
             # a forward, then a backward (fused 1F1B runs both in one tick; other schedules one of them)
             c, send_act = jax.lax.cond(tables["f_micro"][t, s] >= 0, forward, no_forward, c, t)
             c, send_cot = jax.lax.cond(tables["b_micro"][t, s] >= 0, backward, no_backward, c, t)
+            if wp is not None:  # then the weight-gradient part of an earlier backward
+                c = jax.lax.cond(tables["w_micro"][t, s] >= 0, weight, lambda c, t: c, c, t)
             got_act = [jax.lax.ppermute(x, STAGE_AXIS, up) for x in send_act]
             got_cot = [jax.lax.ppermute(x, STAGE_AXIS, down) for x in send_cot]
             ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]
@@ -474,8 +524,7 @@ class SpmdPipelineStep:
 def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: Sequence[Any]) -> SpmdPipelineStep:
     """``plan`` (a pipelined plan of ``micro``, the step traced at microbatch size; ``full`` at full size)
     as one SPMD program on ``devices`` (row-major over the plan's cluster): its physical stages' devices
-    become the rows of the stage axis. ZB-H1, which this program does not run yet, runs as 1F1B (its weight
-    pass folded into the backward), said in a warning."""
+    become the rows of the stage axis."""
     S = plan.num_physical_stages
     cluster = plan.cluster
     rows = [[devices[i] for i in st.devices(cluster)] for st in plan.stages[:S]]
@@ -484,9 +533,7 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
                     "needs the same submesh for every stage (stage_shape=(hosts, devices) fixes it)")
     name = plan.schedule
     if name not in SCHEDULES:
-        log.warning("autoshard: the SPMD pipeline runs the plan's %r schedule as 1F1B (a separate weight pass is "
-                    "not supported yet)", name)
-        name = "1f1b"
+        raise cannot_run(f"the plan's {name!r} schedule is not one the SPMD pipeline runs ({', '.join(SCHEDULES)})")
     # the stage's own axes (its plan's logical mesh) beside the stage axis: the plan's layouts pin onto them
     stage = plan.stages[0].mesh
     if STAGE_AXIS in stage.axis_names:

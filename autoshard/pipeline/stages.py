@@ -185,9 +185,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     fused = False
     if uniform and not interleaved:
-        chosen, placement, dp_cost, fused, inflight = _uniform(
+        chosen, placement, dp_cost, fused, inflight, pricing = _uniform(
             graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
-            pricing, limit, costs, into, cost)
+            pricing, limit, costs, into, cost, zero_bubble=schedule_name == "auto")
         dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
     elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
@@ -337,8 +337,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
 def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
              submeshes: Sequence[tuple[int, int]], cluster: tuple[int, int], num_microbatches: int,
              memory_budget: float | None, pricing: str, limit: int, costs: Sequence[CostModel],
-             into: np.ndarray, cost: CostModel,
-             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...]]:
+             into: np.ndarray, cost: CostModel, zero_bubble: bool = False,
+             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...], str]:
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
     stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
@@ -351,8 +351,11 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     under ``σ + inflight_form(r)·α <= budget`` per stage; the fastest ``(m, form)`` wins. For 1F1B both tick
     forms are priced: one action a tick (``ticks.ticks``: ``S − s`` microbatches in flight, a forward waits
     for the slowest backward) and fused (``ticks.fused_1f1b``: a forward and a backward a tick,
-    ``2(S − 1 − s) + 1`` in flight). Returns the stages as ``(first layer, last layer, m)``, their origins
-    (row-major tiles), ``T``, whether the form is fused and its in-flight rule."""
+    ``2(S − 1 − s) + 1`` in flight). With ``zero_bubble`` (the schedule left to the planner) ZB-H1's unit
+    ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one forward
+    long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in flight
+    (held until ``W``). Returns the stages as ``(first layer, last layer, m)``, their origins (row-major
+    tiles), ``T``, whether the form is fused, its in-flight rule and its schedule's name."""
     tags: list[str] = []
     span: dict[str, list[int]] = {}
     for i in parts.ops(FORWARD):
@@ -365,7 +368,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             span[tag][1] = max(span[tag][1], layer_of_op[i])
     K, layers, n_devices = len(tags), stage_time.shape[0], cluster[0] * cluster[1]
     static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
-    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...]] | None = None
+    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...], str] | None = None
     tried: list[str] = []
     for m, shape in enumerate(submeshes):
         size = shape[0] * shape[1]
@@ -384,30 +387,35 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
             continue
         link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
-        forms = [(False, inflight_rule(pricing, S, num_microbatches),
+        forms = [(pricing, False, inflight_rule(pricing, S, num_microbatches),
                   ticks(schedule(pricing, S, num_microbatches)))]
         if pricing == "1f1b":
-            forms.append((True, fused_inflight(S, num_microbatches), fused_1f1b(S, num_microbatches)))
-        for fused, inflight, table in forms:
+            forms.append(("1f1b", True, fused_inflight(S, num_microbatches), fused_1f1b(S, num_microbatches)))
+            if zero_bubble:
+                forms.append(("zb-h1", False, inflight_rule("zb-h1", S, num_microbatches),
+                              ticks(schedule("zb-h1", S, num_microbatches))))
+        for name, fused, inflight, table in forms:
             if memory_budget is not None and any(
                     static[a, b, m] + inflight[S - 1 - s] * active[a, b, m] > memory_budget * (1 + 1e-6)
                     for s, (a, b) in enumerate(zip(starts, ends, strict=True))):
-                tried.append(f"{S} stages of {shape[0]}x{shape[1]}{' fused' if fused else ''}: over the memory budget")
+                tried.append(f"{S} stages of {shape[0]}x{shape[1]} ({name}{' fused' if fused else ''}): over the memory "
+                             "budget")
                 continue
             total = price(t, [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link, inner=size,
                           dispatch=0.0).loop
             if best is None or total < best[0]:
                 origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
-                best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S], fused, inflight)
+                best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S], fused, inflight,
+                        name)
     if best is None:
         why = "; ".join(tried) or "no submesh shape gives a stage count dividing them"
         raise PipelineDoesNotFit(
             f"no uniform cut of the step's {K} numbered blocks into equal stages ({why}): the SPMD pipeline "
             "needs a stage count dividing the block count; pass stage_shape=(hosts, devices) whose stage count "
             "divides it, more microbatches, or recompute")
-    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s%s", len(best[1]),
-             K // len(best[1]), costs[best[1][0][2]].mesh, ", fused 1F1B ticks" if best[3] else "")
-    return best[1], best[2], best[0], best[3], best[4]
+    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s, %s%s", len(best[1]),
+             K // len(best[1]), costs[best[1][0][2]].mesh, best[5], ", fused ticks" if best[3] else "")
+    return best[1], best[2], best[0], best[3], best[4], best[5]
 
 
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,

@@ -17,7 +17,7 @@ import numpy as np
 from autoshard.pipeline.partition import PipelineError
 from autoshard.pipeline.schedules import Schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # what the SPMD program runs as such
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # what the SPMD program runs as such
 
 
 def cannot_run(msg: str) -> PipelineError:
@@ -52,6 +52,20 @@ class Ticks:
     cot_slots: int
     res_slots: int
     fused: bool = False  # a forward and a backward in the same tick (``fused_1f1b``)
+    # a weight pass (ZB-H1): ``w_micro``/``w_chunk`` the weight-gradient action ``W`` a stage runs after its
+    # backward ``B`` (then only the input gradient); ``W`` reads its residuals (``w_res``), its cotangent
+    # (``w_cot``) and what ``B`` left it (``g_write`` at ``B``, ``g_read`` at ``W``, ``g_slots`` of them)
+    w_micro: np.ndarray | None = None
+    w_chunk: np.ndarray | None = None
+    w_res: np.ndarray | None = None
+    w_cot: np.ndarray | None = None
+    g_write: np.ndarray | None = None
+    g_read: np.ndarray | None = None
+    g_slots: int = 1
+
+    @property
+    def weight_pass(self) -> bool:
+        return self.w_micro is not None
 
     @property
     def num_ticks(self) -> int:
@@ -82,8 +96,11 @@ def _colour(intervals: list[tuple[int, int, Any]], strict: bool) -> tuple[dict[A
 
 
 def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int, int]],
-            bwd: dict[tuple[int, int], tuple[int, int]], fused: bool) -> Ticks:
-    """Tables from when each action runs: ``fwd[(u, m)] = (tick, stage)`` and ``bwd`` likewise."""
+            bwd: dict[tuple[int, int], tuple[int, int]], fused: bool,
+            wgt: dict[tuple[int, int], tuple[int, int]] | None = None) -> Ticks:
+    """Tables from when each action runs: ``fwd[(u, m)] = (tick, stage)``, ``bwd`` and ``wgt`` (a weight
+    pass) likewise. With a weight pass the residuals and the received cotangent live until ``W``."""
+    last = wgt if wgt else bwd  # the action that reads a microbatch's residuals and cotangent last
     f_micro, f_chunk, b_micro, b_chunk = (np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32),
                                           np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32))
     for (u, m), (t, s) in fwd.items():
@@ -91,9 +108,9 @@ def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int
     for (u, m), (t, s) in bwd.items():
         b_micro[t, s], b_chunk[t, s] = m, u // S
     act_iv = [(fwd[(u - 1, m)][0], fwd[(u, m)][0], (u % S, u, m)) for u in range(1, V) for m in range(M)]
-    cot_iv = [(bwd[(u + 1, m)][0], bwd[(u, m)][0], (u % S, u, m)) for u in range(V - 1) for m in range(M)]
-    self_iv = [(fwd[(V - 1, m)][0], bwd[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
-    res_iv = [(fwd[(u, m)][0], bwd[(u, m)][0], (u % S, u, m)) for u in range(V) for m in range(M)]
+    cot_iv = [(bwd[(u + 1, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V - 1) for m in range(M)]
+    self_iv = [(fwd[(V - 1, m)][0], last[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
+    res_iv = [(fwd[(u, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V) for m in range(M)]
     act_slot, n_act = _colour_per_stage(act_iv, strict=False)
     cot_slot, n_cot = _colour_per_stage(cot_iv + self_iv, strict=fused)  # the last stage's: made and read in F, B
     res_slot, n_res = _colour_per_stage(res_iv, strict=True)
@@ -111,27 +128,38 @@ def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int
     for (s, u, m), k in res_slot.items():
         res_w[fwd[(u, m)][0], s] = k
         res_r[bwd[(u, m)][0], s] = k
+    weight: dict[str, Any] = {}
+    if wgt:
+        w_micro, w_chunk, w_res, w_cot, g_w, g_r = (neg(), np.zeros((T, S), np.int32), neg(), neg(), neg(), neg())
+        g_slot, n_g = _colour_per_stage([(bwd[(u, m)][0], wgt[(u, m)][0], (u % S, u, m))
+                                         for u in range(V) for m in range(M)], strict=True)
+        for (u, m), (t, s) in wgt.items():
+            w_micro[t, s], w_chunk[t, s] = m, u // S
+            w_res[t, s] = res_slot[(s, u, m)]
+            w_cot[t, s] = cot_slot[(s, u, m)]
+            g_w[bwd[(u, m)][0], s] = g_r[t, s] = g_slot[(s, u, m)]
+        weight = dict(w_micro=w_micro, w_chunk=w_chunk, w_res=w_res, w_cot=w_cot, g_write=g_w, g_read=g_r,
+                      g_slots=n_g)
     return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=act_read,
                  act_recv=act_recv, cot_read=cot_read, cot_recv=cot_recv, cot_self=cot_self, res_write=res_w,
-                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused)
+                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused, **weight)
 
 
 def ticks(sched: Schedule) -> Ticks:
-    """The tables of ``sched`` (any chunk count; no weight pass), one action per stage per tick (its unit
-    slots). Values are keyed by virtual stage ``u = chunk·S + s`` (``schedules``): the stream of ``F(u−1, m)``
-    arrives at stage ``u mod S`` (from the stage before it, round the ring from ``S−1`` to 0 between
-    chunks) and waits there for ``F(u, m)``; the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``; the last
-    virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to ``B(u, m)``."""
-    if sched.weight_pass:
-        raise cannot_run(f"the {sched.name!r} schedule is not supported by the SPMD pipeline yet; use "
-                    f"{' or '.join(SCHEDULES)}")
+    """The tables of ``sched`` (any chunk count, with or without a weight pass), one action per stage per
+    tick (its unit slots). Values are keyed by virtual stage ``u = chunk·S + s`` (``schedules``): the stream
+    of ``F(u−1, m)`` arrives at stage ``u mod S`` (from the stage before it, round the ring from ``S−1`` to 0
+    between chunks) and waits there for ``F(u, m)``; the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``;
+    the last virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to
+    ``B(u, m)``, or to ``W(u, m)`` with a weight pass (ZB-H1), which also keeps the cotangent and what ``B``
+    computed for ``W`` (the gradients of the block's inner values) until then."""
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
-    fwd: dict[tuple[int, int], tuple[int, int]] = {}
-    bwd: dict[tuple[int, int], tuple[int, int]] = {}
+    acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
     for t, slot in enumerate(sched.slots):
         for a in slot:
-            (fwd if a.kind == "forward" else bwd)[(a.virtual_stage(S), a.microbatch)] = (t, a.stage)
-    return _tables(S, len(sched.slots), V, M, fwd, bwd, fused=False)
+            acts[a.kind][(a.virtual_stage(S), a.microbatch)] = (t, a.stage)
+    return _tables(S, len(sched.slots), V, M, acts["forward"], acts["backward"], fused=False,
+                   wgt=acts["weight"] or None)
 
 
 def fused_1f1b(num_stages: int, num_microbatches: int) -> Ticks:
@@ -193,7 +221,8 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
 
     With ``f_u = micro_time_u / 3`` and ``b_u = 2·micro_time_u / 3`` (per virtual stage ``u``) (a backward costs two forwards, the
     convention of ``schedules.Schedule.simulate``; ``micro_time`` already holds receiving the stage's
-    inputs) and ``a(t, s)`` the work of stage ``s`` at tick ``t`` (``f_u`` and/or ``b_u`` of the chunks it runs):
+    inputs; with a weight pass ``b_u = w_u = f_u``, its input- and weight-gradient halves) and ``a(t, s)``
+    the work of stage ``s`` at tick ``t`` (``f_u``, ``b_u`` and/or ``w_u`` of the chunks it runs):
 
         loop     = Σ_t max_s a(t, s) + T · 2·(α + X / (n·β))     (every tick sends the stream up and its
                                                                    cotangent down, zeros when idle)
@@ -205,10 +234,12 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
     ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange."""
     T, S = t.f_micro.shape
     f = np.asarray(micro_times, np.float64) / 3.0  # per virtual stage u = chunk·S + s
-    b = 2.0 * f
+    b = f if t.weight_pass else 2.0 * f  # with a weight pass, B and W are one forward each
     stage = np.arange(S)[None, :]
     per = (np.where(t.f_micro >= 0, f[t.f_chunk * S + stage], 0.0)
            + np.where(t.b_micro >= 0, b[t.b_chunk * S + stage], 0.0))
+    if t.weight_pass:
+        per = per + np.where(t.w_micro >= 0, f[t.w_chunk * S + stage], 0.0)
     exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
     loop = float(per.max(axis=1).sum()) + exchange
     return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),

@@ -38,6 +38,7 @@ from autoshard.pipeline.partition import (
     UPDATE,
     StepParts,
     boundary,
+    input_gradient_ops,
     propagate_layers,
     split_step,
 )
@@ -119,7 +120,8 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
              and (graph.ops[i].trip_count or 0) >= 2 and graph.ops[i].flops > 0.5 * fwd_flops]
     if stack:
         raise cannot_run(f"its layers are one scan ({stack[0].where()}, {stack[0].trip_count} iterations), which the "
-                    "SPMD pipeline does not split yet: write them unrolled (scan_layers=False)")
+                    "SPMD pipeline cuts only unrolled: trace the step with pipeline.trace_microbatch (it unrolls a "
+                    "scan that slices parameters per iteration), or write the blocks unrolled")
     if K == 0:
         raise cannot_run("the model has no numbered blocks to stack per stage: name the repeated blocks (block_0, "
                     "block_1, ...), as flax does for submodules in a list")
@@ -336,6 +338,76 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
         act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
         head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res)
+
+
+# ---- a weight pass (ZB-H1) ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeightPass:
+    """Each chunk's backward split for a zero-bubble schedule: ``input_b[u]`` (``B``: the ops the cotangent
+    to the chunk before waits for, ``partition.input_gradient_ops``) and ``weight[u]`` (``W``: the rest, the
+    weight gradients), each the same computation at every chunk. ``b_from[i]``: the backward's input
+    position (``UniformStages.b_kinds``) of ``B``'s input ``i``; ``w_from[i]``: ``("b", j)``, the backward's
+    input ``j`` (a residual, the cotangent, a weight), or ``("g", k)``, ``B``'s output ``g_out[k]`` kept for
+    ``W`` (the gradients of the block's inner values). ``acc_in_b``: the accumulated backward outputs
+    (``acc_out`` positions) ``B`` makes; ``W`` makes the others."""
+
+    input_b: tuple[Group, ...]
+    weight: tuple[Group, ...]
+    b_from: tuple[int, ...]
+    w_from: tuple[tuple[str, int], ...]
+    g_out: tuple[int, ...]
+    acc_in_b: frozenset[int]
+
+
+def weight_pass(graph: Graph, cut: UniformStages, parts: StepParts) -> WeightPass:
+    """``cut``'s chunk backwards split into ``B`` and ``W`` (``WeightPass``), or a ``PipelineError``."""
+    V = cut.num_stages
+    ib: list[Group] = []
+    w: list[Group] = []
+    for u in range(V):
+        ops = cut.chunk_b[u].ops
+        need = input_gradient_ops(graph, parts, ops)
+        ib.append(Group.of(graph, [i for i in ops if i in need]))
+        w.append(Group.of(graph, [i for i in ops if i not in need]))
+    if not w[0].ops:
+        raise cannot_run("the blocks' backward has no weight-gradient part to run apart (ZB-H1); use 1f1b")
+    for u in range(1, V):
+        _same_as_template(graph, ib[0], ib[u], u, "input-gradient backward")
+        _same_as_template(graph, w[0], w[u], u, "weight-gradient backward")
+    b_from: list[int] = []
+    w_from: list[tuple[str, int]] = []
+    g_out: list[int] = []
+    for u in range(V):
+        b_in = cut.chunk_b[u].inputs
+        got_b = [b_in.index(t) if t in b_in else -1 for t in ib[u].inputs]
+        got_w: list[tuple[str, int]] = []
+        for t in w[u].inputs:
+            if t in b_in:
+                got_w.append(("b", b_in.index(t)))
+            elif t in ib[u].outputs:
+                k = ib[u].outputs.index(t)
+                if u == 0 and k not in g_out:
+                    g_out.append(k)
+                got_w.append(("g", g_out.index(k) if k in g_out else -1))
+            else:
+                raise cannot_run(f"the weight-gradient part reads {graph.tensors[t].name!r}, which is neither the "
+                                 "backward's input nor its input-gradient part's output")
+        if u == 0:
+            b_from, w_from = got_b, got_w
+        elif got_b != b_from or got_w != w_from:
+            raise cannot_run(f"stage {u}'s backward splits into its input- and weight-gradient parts differently "
+                             "from stage 0's")
+    if -1 in b_from:
+        raise cannot_run("the input-gradient part reads a value its backward does not receive")
+    b0 = cut.chunk_b[0].outputs
+    acc_in_b = frozenset(p for p in cut.acc_out if b0[p] in ib[0].outputs)
+    for p in cut.cot_out:
+        if b0[p] not in ib[0].outputs:
+            raise cannot_run(f"the cotangent {graph.tensors[b0[p]].name!r} is not made by the input-gradient part")
+    return WeightPass(input_b=tuple(ib), weight=tuple(w), b_from=tuple(b_from), w_from=tuple(w_from),
+                      g_out=tuple(g_out), acc_in_b=acc_in_b)
 
 
 # ---- a layer stack's rows (``trace.unroll``) --------------------------------------------------------------
