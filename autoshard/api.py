@@ -31,7 +31,7 @@ from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import plan_pipeline_recomputing
-from autoshard.pipeline.spmd_program import spmd_pipeline_step
+from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
@@ -551,7 +551,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         on GPT-350M's 879 leaves); the program's own trace-time check refuses other shapes. ``_MISS`` when
         the last program is not for these arguments."""
         last = self._last
-        if last is not None and last.fn is fn and isinstance(last.step, EmittedStep) and tree == last.step.graph.in_tree:
+        if (last is not None and last.fn is fn and isinstance(last.step, EmittedStep | SpmdPipelineStep)
+                and tree == last.step.graph.in_tree):
             try:
                 return last.step.call_flat(leaves)
             except (ArgumentMismatch, TypeError):  # a TypeError: a leaf that is no array, named by _run

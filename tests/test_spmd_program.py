@@ -20,6 +20,7 @@ import pytest
 import autoshard
 from autoshard._examples import load_example
 from autoshard.emit import global_rel_error
+from autoshard.emit.program import ArgumentMismatch
 from autoshard.pipeline.partition import PipelineError, microbatch_args
 from autoshard.pipeline.schedules import schedule
 from autoshard.pipeline.spmd_program import stage_mesh
@@ -151,6 +152,10 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
         got_l.append(float(m1["loss"]))
         want_l.append(float(m2["loss"]))
     assert type(step._last.step).__name__ == "SpmdPipelineStep"
+    # steady calls skip parallelize's signature (its fast path); the program refuses other shapes, by name
+    half = jax.tree.map(lambda x: x[: x.shape[0] // 2], batch)
+    with pytest.raises(ArgumentMismatch, match=r"argument leaf \d+ \(batch.tokens\) is int32\["):
+        step._last.step(*got, half)
     assert step.plan.schedule == name and step.plan.num_physical_stages == 8 // (shape[0] * shape[1])
     assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
     if recompute != "auto":  # each block replays in its stage's backward, inside the tick loop

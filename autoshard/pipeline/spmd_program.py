@@ -73,6 +73,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
+from autoshard.emit.program import ArgumentMismatch
 from autoshard.emit.specs import named_sharding, normalize_key
 from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
@@ -211,6 +212,13 @@ class SpmdPipelineStep:
     # -- the program ----------------------------------------------------------------------------------------
 
     def _program(self, *leaves: Any) -> list[Any]:
+        for i, (t, x) in enumerate(zip(self.graph.inputs, leaves, strict=True)):  # when jax.jit traces
+            want = self.graph.tensors[t]
+            if tuple(x.shape) != want.shape or str(x.dtype) != want.dtype:
+                raise ArgumentMismatch(
+                    f"argument leaf {i} ({want.name}) is {x.dtype}{list(x.shape)}; the pipeline was traced and "
+                    f"planned with {want.dtype}{list(want.shape)}: call autoshard.parallelize's step (it plans "
+                    "again for new shapes)")
         g, cut, M, V = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
         S, v = V // self.num_chunks, self.num_chunks
         interp = Interpreter(self.mesh, self.specs)
