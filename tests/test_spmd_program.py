@@ -215,6 +215,52 @@ def test_the_program_exchanges_on_the_stage_axis_and_reduces_once() -> None:
     assert "all-reduce" in kinds(set(comps) - in_loop)  # the head's and tail's gradients, once per step
 
 
+def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_once() -> None:
+    # 2 stages of 4 devices, each stage data parallel inside (every value with the microbatch's 8 rows split
+    # over the stage's axes): each device's partial sums of the blocks' and the tail's gradients are added up
+    # over the microbatches in the loop and reduced after it, once a step; the numbers are jax.jit's
+    import dataclasses
+
+    from autoshard.pipeline import plan_pipeline
+    from autoshard.pipeline.spmd_program import spmd_pipeline_step
+    from autoshard.target import cost_model_for
+    from cost_models import ShardingSpec
+
+    rows, M = 8, 4
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", f"batch={rows * M}"], abstract=False)
+    state, batch = ex.args
+    full = trace(ex.train_step, state, batch)
+    micro = trace(ex.train_step, *microbatch_args((state, batch), full, None, M))
+    plan = plan_pipeline(micro, cost_model_for("h100", (2, 4), ("x", "y")), hardware="h100", num_microbatches=M,
+                         time_budget_s=5, stage_shape=(1, 4), uniform=True, schedule_name="1f1b")
+
+    def dp(axes: tuple[str, ...]) -> dict:
+        return {(): {t.id: ShardingSpec(dims=(axes,) + ((),) * (len(t.shape) - 1)) for t in micro.tensors
+                     if t.shape and t.shape[0] == rows and t.role.value in ("batch", "activation")}}
+
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, specs=dp(tuple(st.mesh.axis_names)),
+                                                                      update_specs={}) for st in plan.stages))
+    step = spmd_pipeline_step(micro, full, plan, jax.devices())
+    want, got = jax.tree.map(lambda x: np.array(x), state), state
+    for _ in range(3):
+        got, m1 = step(got, batch)
+        want, m2 = jax.jit(ex.train_step)(want, batch)
+        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    comps = _computations(step.lower(want, batch).compile().as_text())
+    bodies = {b for lines in comps.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
+    in_loop = _reached(comps, bodies)
+    reduced = lambda names: [shape for c in names for line in comps[c]  # noqa: E731
+                             if (m := re.match(r"\s*%\S+ = (.*?) (?:all-reduce|reduce-scatter)(?:-start)?\(", line))
+                             for shape in re.findall(r"\w+\[[\d,]*\]", m.group(1))]
+    # in the loop only the embeddings' gradients (a scatter-add and its sum, which stay reduced per microbatch)
+    params = {micro.tensors[t].name: micro.tensors[t] for t in micro.inputs}
+    embeddings = {f"f32[{','.join(map(str, params[f'state.params.{n}.embedding'].shape))}]" for n in ("wte", "wpe")}
+    assert set(reduced(in_loop)) <= embeddings, reduced(in_loop)
+    # a block's qkv kernel [64, 192]: its gradient, reduced after the loop (as the stage's [1, chunks, ...])
+    assert any(re.fullmatch(r"f32\[(1,)*64,192\]", shape) for shape in reduced(set(comps) - in_loop))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

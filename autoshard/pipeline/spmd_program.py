@@ -55,9 +55,14 @@ of ``B``'s values waits in a buffer of its own, and the residuals and the receiv
 ``W``. With ``B`` and ``W`` about a forward each, the lockstep loses little to the asynchronous schedule
 (1F1B's unit ticks make a forward wait for a backward elsewhere: up to 4/3 of the work).
 
-Not yet: blocks that read per-microbatch values other than the residual stream
-(an attention mask built from the batch), and gradients kept unreduced over a stage's data-parallel axes
-across microbatches (XLA reduces them per microbatch inside the loop; the MPMD runtime defers them).
+Gradients are reduced once a step, as the planner prices them: a stage's partial sums over its data-parallel
+axes (weight gradients of the chunk, the tail's and the head's, the loss) leave each action unreduced,
+stacked along a leading dimension split over those axes (``unreduced``, as the MPMD runtime does), are
+added up in the loop's accumulators and summed after it.
+
+Not yet: blocks that read per-microbatch values other than the residual stream (an attention mask built
+from the batch); the embedding's gradient (a scatter-add, which ``unreduced`` does not stack) is still
+reduced per microbatch.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ from autoshard.pipeline.uniform import (
     uniform_stages,
     weight_pass,
 )
+from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
 from autoshard.trace.graph import Graph, Role, Scope
 from cost_models import ShardingSpec
 
@@ -165,6 +171,17 @@ class SpmdPipelineStep:
         self.schedule = schedule(schedule_name, S, M, chunks)
         self.ticks = fused_1f1b(S, M) if fused and schedule_name == "1f1b" else ticks(self.schedule)
         self.split = weight_pass(micro, self.cut, self.parts) if self.ticks.weight_pass else None
+        self.unreduced_once: dict[str, tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]] = {}
+        # the chunk's weight gradients, partial sums over the stage's data-parallel axes, left unreduced
+        # (stacked) in the loop and reduced once a step after it (``unreduced``)
+        grads = self.split.weight[0] if self.split is not None else self.cut.chunk_b[0]
+        keep = {self.cut.chunk_b[0].outputs[p] for p in self.cut.acc_out}
+        top = self.specs.get((), {})
+        self.unreduced = plan_stacked(micro, [micro.ops[i] for i in grads.ops], top, keep)
+        # and the head's and tail's (the embedding's and the LM head's gradients, the loss)
+        for name, groups in (("head", (self.cut.head_b,)), ("tail", (self.cut.tail_f, self.cut.tail_b))):
+            ops = [micro.ops[i] for grp in groups for i in grp.ops]
+            self.unreduced_once[name] = plan_stacked(micro, ops, top, self.cut.accumulated)
         self.batch_pos = self.parts.batch_inputs
         rows = {full.tensors[full.inputs[i]].shape[0] for i in self.batch_pos}
         if len(rows) != 1 or next(iter(rows)) % M:
@@ -273,6 +290,9 @@ class SpmdPipelineStep:
             out_specs=(stage_spec, PartitionSpec()), axis_names={STAGE_AXIS}, check_vma=False)
         self._whole_ids, self._batch_t, self._f_stacked, self._b_stacked = whole_ids, batch_t, f_stacked, b_stacked
         chunk_acc, once_acc = run(stacked, whole, batch, tables)
+        held = self.unreduced[0]  # [S, v, D, ...]: the D partial sums of each, added up once a step
+        chunk_acc = [a.sum(axis=2) if cut.chunk_b[0].outputs[p] in held else a
+                     for a, p in zip(chunk_acc, cut.acc_out, strict=True)]
         scale = lambda x: (x / jnp.asarray(M, x.dtype)).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) \
             else x  # noqa: E731
         for k, pos in enumerate(cut.acc_out):
@@ -326,7 +346,15 @@ class SpmdPipelineStep:
         v = self.num_chunks
         S = V // v
         # inside the shard_map the stage axis is manual: layouts pin on the mesh as seen from here
-        interp = Interpreter(jax.sharding.get_abstract_mesh(), self.specs)
+        abstract = jax.sharding.get_abstract_mesh()
+        interp = Interpreter(abstract, self.specs)
+        def unreduced(plan: tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]) -> Interpreter:
+            return UnreducedInterpreter(abstract, self.specs, *plan, manual={STAGE_AXIS}) if plan[0] else interp
+
+        held = self.unreduced[0]
+        grads_interp = unreduced(self.unreduced)
+        head_interp, tail_interp = unreduced(self.unreduced_once["head"]), unreduced(self.unreduced_once["tail"])
+        held_once = {**self.unreduced_once["head"][0], **self.unreduced_once["tail"][0]}
         s = jax.lax.axis_index(STAGE_AXIS)
         nf = len(self._f_stacked)
         f_w = dict(zip(self._f_stacked, [x[0] for x in stacked[:nf]], strict=True))  # [v, ...]: this stage's chunks
@@ -346,6 +374,8 @@ class SpmdPipelineStep:
         res = [aval(t) for t in cut.residuals]
         head_res = [aval(t) for t in cut.head_res]
         accs = [aval(b0.outputs[k]) for k in cut.acc_out]
+        accs = [jax.ShapeDtypeStruct((stacked_size(self.mesh, held[t]), *a.shape), a.dtype) if (t := b0.outputs[k])
+                in held else a for a, k in zip(accs, cut.acc_out, strict=True)]
         once_ids = [t for grp in (cut.head_f, cut.head_b, cut.tail_f, cut.tail_b) for t in grp.outputs
                     if t in cut.accumulated]
         T = self.ticks
@@ -357,7 +387,9 @@ class SpmdPipelineStep:
         carry0 = dict(
             act=[zeros(a, T.act_slots) for a in acts], cot=[zeros(a, T.cot_slots) for a in cots],
             res=[zeros(a, T.res_slots) for a in res], hres=[zeros(a, T.res_slots) for a in head_res],
-            acc=[zeros(a, v) for a in accs], once={t: zeros(aval(t)) for t in once_ids},
+            acc=[zeros(a, v) for a in accs],
+            once={t: zeros(aval(t), stacked_size(self.mesh, held_once[t]) if t in held_once else None)
+                  for t in once_ids},
             g=[] if wp is None else [zeros(aval(wp.input_b[0].outputs[k]), T.g_slots) for k in wp.g_out])
 
         def micro_env(m: Any) -> dict[int, Any]:
@@ -366,9 +398,9 @@ class SpmdPipelineStep:
                 e[t] = jax.lax.dynamic_index_in_dim(x, m, 0, keepdims=False)
             return e
 
-        def run(group: Any, e: dict[int, Any]) -> None:
-            outs = interp.run_ops(g, [g.ops[i] for i in group.ops], group.inputs, [e[t] for t in group.inputs],
-                                  group.outputs)
+        def run(group: Any, e: dict[int, Any], by: Interpreter | None = None) -> None:
+            outs = (by or interp).run_ops(g, [g.ops[i] for i in group.ops], group.inputs,
+                                          [e[t] for t in group.inputs], group.outputs)
             e.update(zip(group.outputs, outs, strict=True))
 
         def add_once(c: dict, e: dict[int, Any], group: Any) -> None:
@@ -417,8 +449,8 @@ class SpmdPipelineStep:
                 for j, x in enumerate(f0.inputs):
                     if cut.f_kinds[j].startswith("act:"):
                         te[last.inputs[j]] = fe[x]
-                run(cut.tail_f, te)
-                run(cut.tail_b, te)
+                run(cut.tail_f, te, tail_interp)
+                run(cut.tail_b, te, tail_interp)
                 once = dict(c["once"])
                 c = dict(c, once=once)
                 add_once(c, te, cut.tail_f)
@@ -457,7 +489,7 @@ class SpmdPipelineStep:
                     x = backward_input(c, j, slot, k, ch)
                     if x is not None:
                         be[tid] = x
-                run(b0, be)
+                run(b0, be, grads_interp)
                 c = accumulate(c, ch, be, lambda p: True)
             else:  # its input-gradient part; what the weight-gradient part reads of it is kept for W
                 ib0 = wp.input_b[0]
@@ -477,7 +509,7 @@ class SpmdPipelineStep:
                     he[x] = get(v, slot)
                 for p, x in zip(cut.cot_out, out, strict=True):  # chunk 0's cotangents by their own ids
                     he[b0.outputs[p]] = x
-                run(cut.head_b, he)
+                run(cut.head_b, he, head_interp)
                 c = dict(c, once=dict(c["once"]))
                 add_once(c, he, cut.head_b)
                 return c
@@ -497,7 +529,7 @@ class SpmdPipelineStep:
                     x = backward_input(c, j, tables["w_res"][t, s], tables["w_cot"][t, s], ch)
                     if x is not None:
                         we[tid] = x
-            run(w0, we)
+            run(w0, we, grads_interp)
             return accumulate(c, ch, we, lambda p: p not in wp.acc_in_b)
 
         def no_forward(c: dict, t: Any) -> tuple[dict, list[Any]]:
@@ -525,7 +557,7 @@ class SpmdPipelineStep:
 
         c, _ = jax.lax.scan(tick, carry0, jnp.arange(T.num_ticks))
         chunk_acc = [a[None] for a in c["acc"]]
-        once = {t: jax.lax.psum(x, STAGE_AXIS) for t, x in c["once"].items()}
+        once = {t: jax.lax.psum(x.sum(axis=0) if t in held_once else x, STAGE_AXIS) for t, x in c["once"].items()}
         return chunk_acc, once
 
 

@@ -146,10 +146,12 @@ class UnreducedInterpreter(Interpreter):
     ``stacked`` maps the tensors carried stacked to their partial axes."""
 
     def __init__(self, mesh: jax.sharding.Mesh, specs: Mapping[Scope, Mapping[int, ShardingSpec]],
-                 stacked: Mapping[int, Axes], producers: Mapping[int, Axes]) -> None:
+                 stacked: Mapping[int, Axes], producers: Mapping[int, Axes],
+                 manual: Collection[str] = ()) -> None:
         super().__init__(mesh, specs)
         self.stacked = dict(stacked)
         self.producers = dict(producers)
+        self.manual = frozenset(manual)  # axes already manual where it runs (the SPMD pipeline's stage axis)
 
     def stacked_sharding(self, tid: int) -> NamedSharding:
         """Where a stacked result lives: leading dimension over its partial axes, the rest as planned
@@ -200,7 +202,7 @@ class UnreducedInterpreter(Interpreter):
             return op.eqn.primitive.bind(*xs, **params)[None]
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=_pspec(axes, dims),
-                           check_vma=False)
+                           axis_names=set(self.mesh.axis_names) - self.manual, check_vma=False)
         return fn(*invals)
 
     def _batched(self, op: Op, invals: list[Any]) -> list[Any]:
