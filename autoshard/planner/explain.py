@@ -210,7 +210,7 @@ class Explanation:
             for n, g in enumerate(self.top_ops, 1):
                 count = f" x{g['count']}" if g["count"] > 1 else ""
                 lines.append(f"  {n:>2}. {human_time(g['time']):>10} {100 * g['time'] / total:5.1f}%  "
-                             f"{g['primitive']}{count} ({g['phase']}) in {g['scope'] or '(top)'}")
+                             f"{g['primitive']}{count}{_shape(g)} ({g['phase']}) in {g['scope'] or '(top)'}")
                 m = _OP_ID.search(g["op"])
                 lines.append(f"      at {g['source'] or '?'}" + (f"; e.g. {m.group(0)}" if m else ""))
                 parts = [f"compute {human_time(g['compute'])}"]
@@ -221,6 +221,12 @@ class Explanation:
                 lines.append(f"      {', '.join(parts)}; layout {g['layout']}")
         lines += ["", self.solver]
         return "\n".join(lines)
+
+
+def _shape(group: dict[str, Any]) -> str:
+    """`` [8, 32, 16384, 16384]``: a group's result shape (plans saved before it was recorded have none)."""
+    shape = group.get("shape")
+    return f" {list(shape)}" if shape else ""
 
 
 def explain_plan(plan: Plan, *, top: int = 10) -> Explanation:
