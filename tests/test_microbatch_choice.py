@@ -159,6 +159,39 @@ def test_a_step_cramped_unpipelined_is_pipelined_with_a_count_the_planner_picks(
     assert given.num_microbatches == 8
 
 
+def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatch, caplog) -> None:
+    """The cramped step above, with the intra-operator planning made to look as if it used 9.5 s of the 10 s
+    budget (a clock that jumps when it returns): no pipeline is searched for, the intra-operator plan comes
+    back and the log says why. Asked for (``microbatches=8``), the pipeline is still planned."""
+    import time as time_module
+
+    import autoshard.api as api
+
+    model = _MLP()
+    x = jax.ShapeDtypeStruct((2048, 16), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2)), params)
+    roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=None, time_budget_s=10)
+    budget = 0.15 * roomy.peak_memory
+    real_clock, real_plan = time_module.perf_counter, api.plan_recomputing
+    skipped = [0.0]
+
+    def plan_recomputing(*a, **kw):
+        out = real_plan(*a, **kw)
+        skipped[0] = 9.5
+        return out
+
+    monkeypatch.setattr(time_module, "perf_counter", lambda: real_clock() + skipped[0])
+    monkeypatch.setattr(api, "plan_recomputing", plan_recomputing)
+    with caplog.at_level("INFO", logger="autoshard"):
+        tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, time_budget_s=10)
+    assert isinstance(tight, Plan) and tight.solver.pipeline_step_time is None
+    assert "too little to search for a pipeline" in caplog.text
+    skipped[0] = 0.0
+    given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, microbatches=8, time_budget_s=10)
+    assert isinstance(given, PipelinePlan)
+
+
 def test_the_first_count_is_sized_by_the_step_as_traced_also_when_it_fits_by_recomputing() -> None:
     """The activations that size the first candidate count are the step's as traced: the bound the failed
     intra-operator planning proved, or, when that plan fits only by recomputing, the same bound estimated

@@ -18,7 +18,9 @@ Nodes
 
 For strategy s of node i: ``c_i[s]`` = compute time + the op's own collectives (``autoshard.strategies``)
 + ε·m_i[s] with ε = 1% of the time to read a byte from device memory (a tie-break toward layouts that hold
-less: slicing an input is free, so time alone cannot choose between a replicated and a split batch);
+less: slicing an input is free, so time alone cannot choose between a replicated and a split batch; for an
+op that makes a value from nothing, an iota or a broadcast constant, ``m_i`` counts that value even when it
+is fused: the causal mask is built split like the scores that read it, not replicated and sliced);
 ``m_i[s]`` = peak bytes per device of the group's *held* tensors over their buffers' live ranges, and the
 node's interval spans those ranges. Which values hold a buffer, and until when, follows XLA's GPU buffer
 assignment (``trace.buffers``): a value fused into all its readers holds none and keeps its operands
@@ -61,6 +63,7 @@ from solvers import IntraOpProblem
 TensorKey = tuple[Scope, int]
 _FOLLOW = frozenset(ELEMENTWISE) | UNARY_FOLLOWERS
 MEMORY_TIE_BREAK = 0.01
+GENERATED = frozenset({"iota", "full", "empty", "empty2", "broadcast"})  # values made from nothing
 
 
 @dataclasses.dataclass(slots=True)
@@ -176,6 +179,7 @@ class _Build:
             op.flops,
             tuple(t in ctx.fused for t in (*op.inputs, *op.outputs)),  # fused tensors cost no traffic
             next((k for k, t in enumerate(op.inputs) if g.tensors[t].shape), None),
+            op.id in ctx.dead,  # removed by XLA: free
         )
 
     def op_strategies(self, op: Op, ctx: RuleContext) -> list[Strategy]:
@@ -518,11 +522,14 @@ class _Build:
                     node.comm[s] += extra
         # Tie-break toward less memory: holding a byte costs 1% of reading it once. Between layouts of
         # equal time (slicing an input is free), the one that keeps less per device wins.
+        # A value made from nothing (an iota, a broadcast constant: the causal mask's pieces) counts its bytes
+        # as if held, fused or not: of the layouts its reader slices for free, the split one wins, and the
+        # emitter builds only each device's part (not a replicated [S, S] iota sliced afterwards).
         hold = MEMORY_TIE_BREAK / self.cost.memory_bandwidth
         w = self.activation_weight
         memory = [n.memory * w if w != 1.0 and self.stashed(n) else n.memory for n in self.nodes]
         problem = IntraOpProblem(
-            node_costs=[n.cost + hold * m for n, m in zip(self.nodes, memory, strict=True)],
+            node_costs=[n.cost + hold * (m + self.made_bytes(n)) for n, m in zip(self.nodes, memory, strict=True)],
             node_memory=memory,
             intervals=np.array([n.interval for n in self.nodes], dtype=np.int64).reshape(-1, 2),
             edges=np.array(list(zip(edge_u, edge_v, strict=True)), dtype=np.int64).reshape(-1, 2),
@@ -531,6 +538,21 @@ class _Build:
         )
         return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
                             self.activation_weight)
+
+    def made_bytes(self, node: NodeInfo) -> np.ndarray | float:
+        """Per strategy, the bytes per device of the value a generating op (``GENERATED``, or a broadcast of a
+        scalar) makes; 0 for any other node."""
+        if node.kind != "op" or not node.ops:
+            return 0.0
+        scope, op_id = node.ops[0]
+        g = self.graphs[scope]
+        op = g.ops[op_id]
+        if not (op.primitive in GENERATED or (op.primitive == "broadcast_in_dim"
+                                              and all(not g.tensors[t].shape for t in op.inputs))):
+            return 0.0
+        key = (scope, op.outputs[0])
+        return np.array([self.bytes_on_device(g.tensors[op.outputs[0]].nbytes, node.produced(key, s))
+                         for s in range(node.k)])
 
     def stashed(self, node: NodeInfo) -> bool:
         """Whether a node holds an activation from the forward pass into the backward pass: what a

@@ -160,8 +160,10 @@ def top_ops(built: BuiltProblem, choice: np.ndarray, n: int = TOP_OPS) -> list[d
 
     A node's time is its own cost (compute and collectives, times its trip count) plus the resharding on
     the edges into it (on an edge into an input node, the tie of returned state: charged to its producer).
-    Nodes are folded by (primitive, name scope with layer indices as ``_*``, source line, phase), so the 24
-    copies of one matmul in a 24-layer model are one entry with ``count`` 24."""
+    Nodes are folded by (primitive, name scope with layer indices as ``_*``, source line, phase, result
+    shape), so the 24 copies of one matmul in a 24-layer model are one entry with ``count`` 24. The shape
+    keeps apart ops of one line that differ in size: the causal mask's [S, S] ``select_n`` and the scores'
+    [B, heads, S, S] one, folded together, read as the mask costing what the scores do."""
     p = built.problem
     res = np.zeros(len(built.nodes))
     for (u, v), mat in zip(p.edges.tolist(), p.edge_costs, strict=True):
@@ -179,14 +181,16 @@ def top_ops(built: BuiltProblem, choice: np.ndarray, n: int = TOP_OPS) -> list[d
         scope, op_id = node.ops[0]
         op = built.graphs[scope].ops[op_id]
         folded = _SCOPE_INDEX.sub("_*", op.scope)
-        key = (op.primitive, folded, op.source, op.phase, node.kind)
+        shape = built.graphs[scope].tensors[op.outputs[0]].shape if op.outputs else ()
+        key = (op.primitive, folded, op.source, op.phase, node.kind, shape)
         g = groups.get(key)
         if g is None:
             reads = ", ".join(str(spec) for _, spec in node.reads[s][:3])
             outs = ", ".join(str(spec) for _, spec in node.produces[s][:1])
             g = groups[key] = {
                 "op": op.where(), "primitive": op.primitive, "scope": folded, "source": op.source,
-                "phase": op.phase, "layout": f"{reads} -> {outs}", "count": 0, "time": 0.0, "compute": 0.0,
+                "phase": op.phase, "shape": list(shape), "layout": f"{reads} -> {outs}", "count": 0, "time": 0.0,
+                "compute": 0.0,
                 "collectives": 0.0, "resharding": 0.0,
             }
         g["count"] += 1

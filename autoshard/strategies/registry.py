@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from autoshard.trace import unruled
+from autoshard.trace.buffers import dead_ops
 from autoshard.trace.costs import CALLBACKS, ELEMENTWISE, REDUCTIONS
 from autoshard.trace.graph import Graph, Op
 from cost_models import CollectiveStep, CostModel, LogicalMesh, ShardingSpec
@@ -68,10 +69,12 @@ class RuleContext:
     mesh: LogicalMesh
     fused: frozenset[int] = frozenset()
     """Tensors that XLA keeps in registers inside a loop fusion (see ``fused_tensors``): no HBM traffic."""
+    dead: frozenset[int] = frozenset()
+    """Ops that XLA removes, nothing reading their results (``trace.buffers.dead_ops``): priced at zero."""
 
     @classmethod
     def of(cls, graph: Graph, mesh: LogicalMesh) -> RuleContext:
-        return cls(graph, mesh, fused_tensors(graph))
+        return cls(graph, mesh, fused_tensors(graph), dead_ops(graph))
 
     def shape(self, tid: int) -> tuple[int, ...]:
         return self.graph.tensors[tid].shape
@@ -225,6 +228,14 @@ def _dtype_of(op: Op, graph: Graph) -> str:
     return graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
 
 
+NO_KERNEL: frozenset[str] = frozenset({
+    # an ordering constraint only: XLA passes its operands through as they are (``trace.remat`` sends a
+    # block's kept values through one before replaying it); pricing it as a copy of them made selective
+    # recompute look slower than full recompute once full's dead forward copies were priced at zero
+    "optimization_barrier",
+})
+"""Primitives that move no data and run no kernel: priced at zero."""
+
 _LOOP_FUSIBLE = frozenset(
     (*ELEMENTWISE, "convert_element_type", "copy", "copy_p", "reduce_precision", "stop_gradient",
      "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "select_n", "transpose", "slice")
@@ -255,7 +266,11 @@ def fused_tensors(graph: Graph) -> frozenset[int]:
 
 
 def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strategy:
-    """Roofline compute on the per-device share of the work, plus the candidate's own collectives."""
+    """Roofline compute on the per-device share of the work, plus the candidate's own collectives; zero
+    for a dead op (``RuleContext.dead``), which the compiled step does not run, and for an op that runs
+    no kernel (``NO_KERNEL``)."""
+    if op.id in ctx.dead or op.primitive in NO_KERNEL:
+        return Strategy(in_specs=cand.in_specs, out_specs=cand.out_specs, compute_time=0.0, comm_time=0.0)
     graph = ctx.graph
     work_axes = cand.work_axes
     if work_axes is None:
