@@ -39,11 +39,10 @@ def test_hand_computed_single_axis() -> None:
 @pytest.mark.parametrize("p", [2, 3, 4, 8, 64])
 @pytest.mark.parametrize("n", [8.0, 1e4, 8e6, 1e9])
 def test_reduce_scatter_and_all_gather_cost_no_more_than_the_all_reduce_they_replace(p: int, n: float) -> None:
-    """Sequence parallelism swaps an all-reduce for a reduce-scatter and an all-gather of the same buffer:
-    the pair costs at most the all-reduce and one latency step more (its second launch)."""
+    """Sequence parallelism swaps an all-reduce for a reduce-scatter and an all-gather of the same buffer."""
     for link in (FAST, SLOW):
         halves = single_axis_time("reduce_scatter", n, p, link) + single_axis_time("all_gather", n, p, link)
-        assert halves <= (single_axis_time("all_reduce", n, p, link) + link.latency) * (1 + 1e-12)
+        assert halves <= single_axis_time("all_reduce", n, p, link) * (1 + 1e-12)
         assert collective_time("reduce_scatter", n, [(p, link), (2, SLOW)]) <= collective_time(
             "all_reduce", n, [(p, link), (2, SLOW)])
 
