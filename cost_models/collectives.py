@@ -25,17 +25,6 @@ Collective Communication Operations in MPICH" (IJHPCA 2005) and Chan et al. (200
     send_recv            α + n/B
 
 ``all_reduce`` takes the faster of ring and tree (what NCCL's tuner does); on large messages that is ring.
-``all_gather`` and ``reduce_scatter`` are never priced above half of that all-reduce of the same buffer::
-
-    all_gather(n), reduce_scatter(n)  <=  all_reduce(n) / 2
-
-(the ring's halves are exactly half the ring all-reduce; where the tree wins, on small buffers or many
-devices, the ring's ``p - 1`` latency steps each would price the pair above the all-reduce, while
-recursive halving and doubling, Thakur et al. §4, do each in ``log2 p`` steps). Sequence parallelism
-swaps a tensor-parallel all-reduce for a reduce-scatter and an all-gather of the same buffer, and costs
-no more communication for it (Korthikanti et al. 2022 §4.2.2); priced ring-only, the pair cost 20 us
-more than the tree all-reduce of 8 MB over 8 NVLink GPUs and the planner avoided it. The all-reduce
-itself is unchanged (``bounded`` below: it was already at most the ring halves).
 
 Several axes (hierarchical, after Alpa §4 / NCCL's 2-level rings), with the axes ordered fastest link first
 (inner) and ``p_i`` the size of the inner axis::
@@ -106,16 +95,14 @@ def _steps(kind: str, p: int) -> int:
 
 
 def single_axis_time(kind: str, nbytes: float, p: int, link: Link, *, algorithm: str = "auto") -> float:
-    """Seconds for ``kind`` over ``p`` devices joined by ``link``; ``algorithm`` is ``"auto"`` (module docstring),
-    ``"ring"`` or ``"tree"`` (tree applies to all_reduce only)."""
+    """Seconds for ``kind`` over ``p`` devices joined by ``link``; ``algorithm`` is ``"auto"``, ``"ring"``
+    or ``"tree"`` (tree applies to all_reduce only)."""
     check_kind(kind)
     if nbytes < 0:
         raise CostModelError(f"nbytes must be >= 0, got {nbytes}")
     if p <= 1 or nbytes == 0:
         return 0.0
     ring = _steps(kind, p) * link.latency + ring_bytes_sent(kind, nbytes, p) / link.bandwidth
-    if kind in ("all_gather", "reduce_scatter") and algorithm == "auto":
-        return min(ring, single_axis_time("all_reduce", nbytes, p, link) / 2)
     if kind != "all_reduce" or algorithm == "ring":
         return ring
     tree = 2 * math.ceil(math.log2(p)) * link.latency + 2.0 * nbytes / link.bandwidth

