@@ -34,17 +34,6 @@ pending partial sums as all-reduce or reduce-scatter). Train state that the step
 new optimizer state) is tied to the input node it replaces by an edge from its producer: returning it in
 another layout than it came in costs that resharding.
 
-*Shared resharding.* Edges are priced one reader at a time, but XLA reshards a value once for all the
-readers of one pass that want it in the same layout: a row-parallel matmul's output gradient ``dy`` is
-all-gathered once for both its input-gradient and weight-gradient matmuls (sequence parallel's backward),
-a normalised input once for the q, k and v projections. Where a tensor has at least two matmul readers in
-one pass (``phase``), those readers and the pass's other readers of it read it through a *share* node
-``p`` whose strategies are the tensor's layouts (the producer's own among them): the edges are
-``R_up[s_u, s_p]`` (the one resharding) and ``R_pv[s_p, s_v]``. With ``s_p`` the producer's layout every
-reader pays its own resharding, as without ``p``, so the optimum never gets worse. ``p`` holds no memory,
-as an edge's resharded copy does not (a copy shared across passes would live from the forward to the
-backward pass: readers of different passes never share one).
-
 The solver then minimises ``Σ_i c_i[s_i] + Σ_uv R_uv[s_u, s_v]`` subject to, at every time step t,
 ``Σ_{i live at t} m_i[s_i] <= memory budget`` (see ``solvers.intra_op`` for the ILP).
 """
@@ -80,7 +69,7 @@ class NodeInfo:
     the layout it needs for every tensor it reads."""
 
     name: str
-    kind: str  # "input", "op", "port", "share"
+    kind: str  # "input", "op", "port"
     ops: list[tuple[Scope, int]]
     produces: list[list[tuple[TensorKey, ShardingSpec]]]  # per strategy
     reads: list[list[tuple[TensorKey, ShardingSpec]]]  # per strategy; same keys in the same order
@@ -496,12 +485,11 @@ class _Build:
                 continue
             self.port_node(t.name, ((), tid), t.shape, t.nbytes, ctx, clock.span(*buf.live[tid]), kind="input")
         self.build_scope(g, (), 1.0, 0)
-        via = self.share_nodes()
         edge_u, edge_v, mats = [], [], []
         for v, node in enumerate(self.nodes):
             keys = [key for key, _ in node.reads[0]] if node.reads else []
             for j, key in enumerate(keys):
-                u = via.get((key, v), self.producer.get(key))
+                u = self.producer.get(key)
                 if u is None or u == v:
                     continue  # constants, literals, or read inside the same group
                 edge_u.append(u)
@@ -543,44 +531,6 @@ class _Build:
         )
         return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
                             self.activation_weight)
-
-    def share_nodes(self) -> dict[tuple[TensorKey, int], int]:
-        """Add the share nodes (module docstring, *Shared resharding*); returns (tensor, reader node) -> the
-        share node that reader reads the tensor through."""
-        readers: dict[tuple[TensorKey, str], list[int]] = defaultdict(list)
-        for v, node in enumerate(self.nodes):
-            if node.kind != "op" or not node.reads:
-                continue
-            scope, op_id = node.ops[0]
-            phase = self.graphs[scope].ops[op_id].phase
-            for key, _ in node.reads[0]:
-                u = self.producer.get(key)
-                if u is not None and u != v and key[0] == scope:
-                    readers[(key, phase)].append(v)
-        via: dict[tuple[TensorKey, int], int] = {}
-        for (key, _), vs in readers.items():
-            vs = list(dict.fromkeys(vs))
-            dots = sum(self.graphs[self.nodes[v].ops[0][0]].ops[self.nodes[v].ops[0][1]].primitive == "dot_general"
-                       for v in vs)
-            if dots < 2:
-                continue
-            u = self.producer[key]
-            g = self.graphs[key[0]]
-            t = g.tensors[key[1]]
-            own = [self.nodes[u].produced(key, s) for s in range(self.nodes[u].k)]
-            specs = list(dict.fromkeys([*own, *self.specs(t.shape, RuleContext.of(g, self.mesh))]))
-            start = min(self.nodes[v].interval[0] for v in vs)
-            zeros = np.zeros(len(specs))
-            p = len(self.nodes)
-            self.nodes.append(NodeInfo(  # not in self.producer: the producer stays the tensor's node
-                name=f"{t.name} shared by {len(vs)} readers ({self.nodes[vs[0]].name})", kind="share", ops=[],
-                produces=[[(key, sp)] for sp in specs], reads=[[(key, sp)] for sp in specs],
-                cost=zeros, compute=zeros, comm=zeros, memory=zeros, interval=(start, start + 1),
-                weight=self.nodes[vs[0]].weight, strategies=[None] * len(specs),
-            ))
-            for v in vs:
-                via[(key, v)] = p
-        return via
 
     def stashed(self, node: NodeInfo) -> bool:
         """Whether a node holds an activation from the forward pass into the backward pass: what a

@@ -346,8 +346,6 @@ def _skip_keys(graph: Graph) -> set[TensorKey]:
 def _agrees(graph: Graph, built: BuiltProblem, plan: Plan, choice: np.ndarray) -> bool:
     skip = _skip_keys(graph)
     for i, node in enumerate(built.nodes):
-        if node.kind == "share":
-            continue
         for key, spec in node.produces[int(choice[i])]:
             want = plan.specs.get(key[0], {}).get(key[1])
             if key not in skip and want is not None and want != spec:
@@ -367,7 +365,7 @@ def _match_specs(graph: Graph, built: BuiltProblem, plan: Plan, time_budget_s: f
             ok = True
             for key, spec in node.produces[s]:
                 want = plan.specs.get(key[0], {}).get(key[1])
-                if node.kind != "share" and key not in skip and want is not None and want != spec:
+                if key not in skip and want is not None and want != spec:
                     ok = False
                     break
             if ok:

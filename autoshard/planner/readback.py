@@ -33,8 +33,6 @@ def layouts(graph: Graph, built: BuiltProblem, choice: np.ndarray, pins: Mapping
     An input no node reads keeps its pinned layout, else it is replicated."""
     specs: dict[Scope, dict[int, ShardingSpec]] = defaultdict(dict)
     for i, node in enumerate(built.nodes):
-        if node.kind == "share":  # a shared resharding of a tensor, not its layout
-            continue
         for (scope, tid), spec in node.produces[int(choice[i])]:
             specs[scope][tid] = spec
     top = specs.get((), {})
