@@ -19,6 +19,7 @@ import pytest
 
 import autoshard
 from autoshard.emit import emit, global_rel_error
+from autoshard.megatron import sequence_parallel
 from cost_models import ShardingSpec
 
 MESH = {"model": 8}
@@ -49,7 +50,9 @@ def _loss(params: dict, batch: dict) -> jax.Array:
     x = batch["x"]
     for name in sorted(params):
         p = params[name]
-        x = x + jax.nn.gelu(_layer_norm(x, p["ln"]) @ p["fc"]) @ p["proj"]
+        with jax.named_scope("ln"):
+            y = _layer_norm(x, p["ln"])
+        x = x + jax.nn.gelu(y @ p["fc"]) @ p["proj"]
     return jnp.mean(jnp.square(x))
 
 
@@ -103,6 +106,8 @@ def test_a_memory_budget_only_sequence_parallelism_meets_gives_sequence_parallel
     assert tight.collective_counts.get("all_gather(model)", 0) >= 2 * BIG[3]
     # without the budget pressure the plan is not worse
     assert free.predicted_step_time <= tight.predicted_step_time
+    # what ``compare --megatron``'s SP column reports
+    assert sequence_parallel(graph, free) == 0.0 and sequence_parallel(graph, tight) == 1.0
 
 
 def test_the_sequence_parallel_step_matches_jit(plans) -> None:
