@@ -347,20 +347,22 @@ def _megatron_run(args: argparse.Namespace, target: Target, example: Example) ->
             what = f"{point.step_time:.4g} s" if point.plan is not None else point.error
             print(f"  priced {point.name}: {what} ({point.seconds:.0f} s)", file=sys.stderr, flush=True)
 
-    auto, t_auto = (None, 0.0) if args.no_auto else automatic_plan(example.train_step, example.args, target)
+    auto, t_auto, sp_auto = (None, 0.0, None) if args.no_auto else automatic_plan(example.train_step, example.args,
+                                                                                  target)
     shapes = [_stage_shape(s) for s in args.stage_shapes] if args.stage_shapes else None
     points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
                            microbatches=args.microbatches, recompute=args.recompute or ["none", "selective"],
                            schedules=args.schedules,
                            num_chunks=args.chunks, time_budget_s=args.time_budget, log=say)
-    print(grid_table(points, auto, t_auto))
+    print(grid_table(points, auto, t_auto, sp_auto))
     if args.json:
         rows = [{"stage_shape": p.stage_shape, "microbatches": p.microbatches, "schedule": p.schedule,
                  "recompute": p.recompute, "step_time": None if p.plan is None else p.step_time,
-                 "mfu": None if p.plan is None else p.plan.mfu, "error": p.error, "seconds": p.seconds}
+                 "mfu": None if p.plan is None else p.plan.mfu, "error": p.error, "seconds": p.seconds,
+                 "sequence_parallel": p.sequence_parallel}
                 for p in points]
         auto_row = None if auto is None else {"step_time": auto.predicted_step_time, "mfu": auto.mfu,
-                                              "seconds": t_auto}
+                                              "seconds": t_auto, "sequence_parallel": sp_auto}
         Path(args.json).write_text(json.dumps({"automatic": auto_row, "grid": rows}, indent=1))
     return 0
 

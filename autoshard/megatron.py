@@ -9,11 +9,25 @@ out each stage, so a point gets the best completion of its shape the solver find
 tensor and ``d``-way data parallel inside a stage when that is the cheaper). All prices come from the
 same cost model as the automatic plan: a user sees the automatic plan beside the best hand layout, and
 where it is slower the grid says by how much (``autoshard compare --megatron``).
+
+Megatron's GPT-1T layouts are two points of the grid: the 2021 one (Narayanan et al.: ``t = 8``, ``p = 64``,
+``d = 6``, interleaved, full recompute) and the 2022 one (Korthikanti et al.: the same with sequence
+parallelism and selective recompute)::
+
+    autoshard compare examples/gpt.py --preset 1t --mesh 384x8 --hardware a100 --megatron \
+        --stage-shapes 6x8 --microbatches 512 --schedules interleaved-1f1b --recompute full selective
+
+Sequence parallelism is a layout of activations, not an option: the intra-op solver lays the norms and
+residual adds out along the sequence when that is cheaper or when memory binds (``tests/test_sequence_parallel.py``).
+The table's ``SP`` column says how much of each plan did (``sequence_parallel``): the share of its
+LayerNorms' forward reductions whose input is split along the sequence; a 2022 point without it is the
+2021 layout with selective recompute, not Megatron's 2022 one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,8 +37,9 @@ from autoshard.errors import AutoshardError
 from autoshard.pipeline import PipelinePlan
 from autoshard.planner.plan import Plan
 from autoshard.target import PipelineOptions, Target
+from autoshard.trace.graph import Graph
 
-__all__ = ["GridPoint", "automatic_plan", "default_stage_shapes", "grid_table", "megatron_grid"]
+__all__ = ["GridPoint", "automatic_plan", "default_stage_shapes", "grid_table", "megatron_grid", "sequence_parallel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +53,7 @@ class GridPoint:
     plan: PipelinePlan | Plan | None
     error: str | None
     seconds: float
+    sequence_parallel: float | None = None  # ``sequence_parallel`` of the plan
 
     @property
     def name(self) -> str:
@@ -61,12 +77,38 @@ def default_stage_shapes(mesh_shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return out
 
 
+_NORM = re.compile(r"(^|/)(ln[^/]*|[^/]*norm[^/]*)$", re.IGNORECASE)
+
+
+def sequence_parallel(graph: Graph, plan: PipelinePlan | Plan) -> float | None:
+    """The share of the LayerNorms (ops in a scope named ``ln*`` or ``*norm*``) whose forward reductions
+    over the hidden dimension read a ``[batch, seq, hidden]`` input split along the sequence, in the
+    layouts ``plan`` gives ``graph`` (the trace it planned: for a pipeline, at microbatch size); None when
+    the step has none. 1.0 is Megatron's sequence parallelism everywhere, 0.0 nowhere."""
+    tables = [s.specs.get((), {}) for s in plan.stages] if isinstance(plan, PipelinePlan) else [plan.specs.get((), {})]
+    seen = split = 0
+    for op in graph.ops:
+        if op.phase != "forward" or op.primitive != "reduce_sum" or not _NORM.search(op.scope):
+            continue
+        tid = op.inputs[0]
+        shape = graph.tensors[tid].shape
+        if len(shape) != 3 or tuple(op.eqn.params["axes"]) != (2,):
+            continue
+        spec = next((t[tid] for t in tables if tid in t), None)
+        if spec is not None and len(spec.dims) == 3:
+            seen += 1
+            split += bool(spec.dims[1])
+    return split / seen if seen else None
+
+
 def automatic_plan(step_fn: Callable[..., Any], args: tuple[Any, ...], target: Target
-                   ) -> tuple[PipelinePlan | Plan, float]:
-    """The plan ``autoshard plan`` makes with only the target given, and the seconds it took."""
+                   ) -> tuple[PipelinePlan | Plan, float, float | None]:
+    """The plan ``autoshard plan`` makes with only the target given, the seconds it took and its
+    ``sequence_parallel`` share."""
     t0 = time.perf_counter()
-    plan, _, _ = plan_for(step_fn, args, target, PipelineOptions(), time_budget_s=None)
-    return plan, time.perf_counter() - t0
+    plan, planned, micro = plan_for(step_fn, args, target, PipelineOptions(), time_budget_s=None)
+    seconds = time.perf_counter() - t0
+    return plan, seconds, sequence_parallel(micro if micro is not None else planned, plan)
 
 
 def megatron_grid(step_fn: Callable[..., Any], args: tuple[Any, ...], target: Target, *,
@@ -86,22 +128,26 @@ def megatron_grid(step_fn: Callable[..., Any], args: tuple[Any, ...], target: Ta
                     opts = PipelineOptions(microbatches=count, pipeline=True, stage_shape=tuple(shape),
                                            schedule=schedule, num_chunks=num_chunks)
                     t0 = time.perf_counter()
+                    share = None
                     try:
-                        plan, _, _ = plan_for(step_fn, args, target, opts, time_budget_s=time_budget_s,
-                                              recompute=mode)
+                        plan, planned, micro = plan_for(step_fn, args, target, opts, time_budget_s=time_budget_s,
+                                                        recompute=mode)
                         error = None
+                        share = sequence_parallel(micro if micro is not None else planned, plan)
                     except AutoshardError as e:
                         plan, error = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                    point = GridPoint(tuple(shape), count, mode, schedule, plan, error, time.perf_counter() - t0)
+                    point = GridPoint(tuple(shape), count, mode, schedule, plan, error, time.perf_counter() - t0,
+                                      share)
                     out.append(point)
                     if log is not None:
                         log(point)
     return out
 
 
-def _row(name: str, seconds: float, plan: PipelinePlan | Plan | None, error: str | None) -> str:
+def _row(name: str, seconds: float, plan: PipelinePlan | Plan | None, error: str | None,
+         share: float | None = None) -> str:
     if plan is None:
-        return f"| {name} | {seconds:.0f} | {error} | | | | |"
+        return f"| {name} | {seconds:.0f} | {error} | | | | | |"
     mfu = plan.mfu
     if isinstance(plan, PipelinePlan):
         shapes = "/".join(sorted({f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages}))
@@ -109,17 +155,19 @@ def _row(name: str, seconds: float, plan: PipelinePlan | Plan | None, error: str
     else:
         stages, bubble = "intra-op", "-"
     return (f"| {name} | {seconds:.0f} | {plan.predicted_step_time:.4g} | "
-            f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {stages} | {bubble} | {plan.peak_memory / 2**30:.1f} |")
+            f"{'' if mfu is None else f'{100 * mfu:.1f}%'} | {stages} | {bubble} | {plan.peak_memory / 2**30:.1f} | "
+            f"{'-' if share is None else f'{100 * share:.0f}%'} |")
 
 
 def grid_table(points: Sequence[GridPoint], auto: PipelinePlan | Plan | None = None,
-               auto_seconds: float = 0.0) -> str:
-    """Markdown: the automatic plan (when given) and every grid point, then the best point against it."""
-    lines = ["| layout | plan s | step s | MFU | stages | bubble | GiB/dev |",
-             "|---|---:|---:|---:|---|---:|---:|"]
+               auto_seconds: float = 0.0, auto_sequence_parallel: float | None = None) -> str:
+    """Markdown: the automatic plan (when given) and every grid point, then the best point against it.
+    ``SP``: the share of the norms laid out sequence-parallel (``sequence_parallel``)."""
+    lines = ["| layout | plan s | step s | MFU | stages | bubble | GiB/dev | SP |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
     if auto is not None:
-        lines.append(_row("automatic", auto_seconds, auto, None))
-    lines += [_row(p.name, p.seconds, p.plan, p.error) for p in points]
+        lines.append(_row("automatic", auto_seconds, auto, None, auto_sequence_parallel))
+    lines += [_row(p.name, p.seconds, p.plan, p.error, p.sequence_parallel) for p in points]
     priced = [p for p in points if p.plan is not None]
     if priced:
         best = min(priced, key=lambda p: p.step_time)

@@ -45,7 +45,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     ex = load_example("examples/gpt.py", args.preset, [], abstract=True)
     target = Target.of(args.mesh, args.hardware, "auto")
-    auto, t_auto = (None, 0.0) if args.no_auto else automatic_plan(ex.train_step, ex.args, target)
+    auto, t_auto, sp_auto = (None, 0.0, None) if args.no_auto else automatic_plan(ex.train_step, ex.args, target)
     points = megatron_grid(ex.train_step, ex.args, target, stage_shapes=[_shape(s) for s in args.shapes],
                            microbatches=args.microbatches, recompute=args.recompute, schedules=args.schedules,
                            time_budget_s=args.time_budget,
@@ -53,7 +53,7 @@ def main() -> None:
                                                 f"{pt.name}: {pt.error}", flush=True))
     print(f"\n{args.preset} on {args.mesh} {args.hardware}, batch {ex.config.batch} x {ex.config.seq_len}, "
           f"{ex.config.dtype}\n")
-    print(grid_table(points, auto, t_auto))
+    print(grid_table(points, auto, t_auto, sp_auto))
 
 
 if __name__ == "__main__":

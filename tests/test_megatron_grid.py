@@ -35,6 +35,9 @@ def test_each_grid_point_is_the_pipeline_pinned_to_its_layout() -> None:
     assert odd.plan is None and odd.error and "3" in odd.error
     table = grid_table(points)
     assert "stage 1x4, B=4, 1f1b, recompute none" in table and "best grid point: stage 1x4" in table
+    # the SP column: the share of the stages' norms laid out along the sequence (GPT has 2 per block + ln_f)
+    assert fits.sequence_parallel is not None and 0.0 <= fits.sequence_parallel <= 1.0
+    assert odd.sequence_parallel is None and "| SP |" in table
 
 
 def test_compare_megatron_prints_the_automatic_plan_beside_the_grid(tmp_path: Path) -> None:
@@ -47,5 +50,5 @@ def test_compare_megatron_prints_the_automatic_plan_beside_the_grid(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr
     assert "| automatic |" in proc.stdout and "automatic / best =" in proc.stdout
     data = json.loads(out.read_text())
-    assert data["automatic"]["step_time"] > 0
+    assert data["automatic"]["step_time"] > 0 and 0.0 <= data["automatic"]["sequence_parallel"] <= 1.0
     assert [row["stage_shape"] for row in data["grid"]] == [[1, 4]] and data["grid"][0]["step_time"] > 0
