@@ -131,18 +131,22 @@ def plan(
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
              *, time_budget_s: float | None, roles: Mapping[str, str] | None = None, recompute: str = "auto",
-             ) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+             traced: Graph | None = None) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
     """``plan`` on a resolved target, also returning the traces it made: (plan, the graph it plans (the
     step's, rewritten when the plan recomputes), the microbatch-sized graph or None), so that
-    ``parallelize`` emits from them instead of tracing again."""
+    ``parallelize`` emits from them instead of tracing again. ``traced``: ``step_fn`` already traced with
+    ``args`` (``distributed.compile_everywhere`` traces it on every process first)."""
     check_time_budget(time_budget_s)
     t0 = time.perf_counter()
     if not isinstance(step_fn, Graph) and nnx_steps.holds_nnx(args):  # updates nnx objects in place
         call = nnx_steps.split(step_fn, args)
         step_fn, args = call.step, call.args
-    graph = step_fn if isinstance(step_fn, Graph) else trace(step_fn, *args, roles=roles)
+    if isinstance(step_fn, Graph) or traced is not None:
+        graph = step_fn if isinstance(step_fn, Graph) else traced
+    else:
+        graph = trace(step_fn, *args, roles=roles)
     t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
-    if t_trace is not None:
+    if t_trace is not None and traced is None:
         log.info("autoshard: traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = _choose(step_fn, args, graph, t0, t_trace, target, options,
@@ -624,8 +628,9 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(
                 fn, args, self.roles, options, device_mesh,
-                lambda shapes: plan_for(fn, shapes, self.target, options, time_budget_s=self.time_budget_s,
-                                        roles=self.roles, recompute=self.recompute)[0], given), fn=fn)
+                lambda shapes, traced: plan_for(fn, shapes, self.target, options, time_budget_s=self.time_budget_s,
+                                                roles=self.roles, recompute=self.recompute, traced=traced)[0],
+                given), fn=fn)
         if self.given_plan is not None:
             the_plan, graph, micro = self._given(fn, args, device_mesh)
         else:

@@ -270,15 +270,15 @@ class GlobalStep:
 
 def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Mapping[str | int, Any] | None,
                        options: PipelineOptions, mesh: jax.sharding.Mesh,
-                       make: Callable[[tuple[Any, ...]], Plan | PipelinePlan],
+                       make: Callable[[tuple[Any, ...], Graph], Plan | PipelinePlan],
                        given: Plan | PipelinePlan | None = None) -> tuple[Graph, Plan | PipelinePlan, GlobalStep]:
     """What ``parallelize`` compiles when several processes run: the step traced at its global size on
-    every process, planned by ``make(global_args)`` on process 0 (``agreed_plan``; ``given``: the user's
+    every process, planned by ``make(global_args, that trace)`` on process 0 (``agreed_plan``; ``given``: the user's
     plan instead, checked on every process), emitted on ``mesh``. A pipelined plan runs as one SPMD program
     (``pipeline.spmd_program``): the stages must be uniform."""
     shapes = global_shapes(fn, args, roles)
     graph = trace(fn, *shapes, roles=roles)
-    plan = given if given is not None else agreed_plan(graph, lambda: make(shapes))
+    plan = given if given is not None else agreed_plan(graph, lambda: make(shapes, graph))
     if isinstance(plan, Plan):
         graph = recomputed(graph, plan.recompute)  # the plan's rewrite, applied alike on every process
         if given is not None:
