@@ -158,6 +158,9 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
         step._last.step(*got, half)
     assert step.plan.schedule == name and step.plan.num_physical_stages == 8 // (shape[0] * shape[1])
     assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
+    # the plan priced the program as it runs: its lockstep ticks (interleaved too), one call a step
+    priced = step._last.step.predicted
+    assert step.plan.predicted_step_time == pytest.approx(priced.step - priced.dispatch, rel=1e-3)
     if recompute != "auto":  # each block replays in its stage's backward, inside the tick loop
         assert set(step.plan.recompute.values()) == {recompute} and len(step.plan.recompute) == 4
     if form.endswith(":scan"):  # the layer stack [4, ...] and its optimizer state: rows split over the stages

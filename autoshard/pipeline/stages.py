@@ -296,8 +296,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         ))
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
-    if uniform and not interleaved:
-        priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused)}
+    if uniform:  # the SPMD program's lockstep ticks, interleaved or not
+        priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks)}
     else:
         priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
     chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
@@ -419,16 +419,17 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
 
 
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
-                   num_microbatches: int, fused: bool) -> tuple[float, float]:
+                   num_microbatches: int, fused: bool, chunks: int = 1) -> tuple[float, float]:
     """Seconds of the SPMD program's tick loop (``ticks.price``: lockstep ticks, each as long as its
-    slowest stage's work, two exchanges a tick; ``fused``: 1F1B's fused ticks) and its idle fraction
-    ``1 − B·Σ_s t_s / (S·loop)``."""
-    S = len(stages)
+    slowest stage's work, two exchanges a tick; ``fused``: 1F1B's fused ticks; ``chunks``: the interleaved
+    schedule's, ``stages`` then one per virtual stage, round the ring) and its idle fraction
+    ``1 − B·Σ_u t_u / (S·loop)``."""
+    S = len(stages) // chunks
     hosts = {st.origin[0] for st in stages}
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
     times = [st.micro_time for st in stages]
-    stream = float(into[stages[1].layers[0]]) if S > 1 else 0.0
-    table = fused_1f1b(S, num_microbatches) if fused else ticks(schedule(name, S, num_microbatches))
+    stream = float(into[stages[1].layers[0]]) if len(stages) > 1 else 0.0
+    table = fused_1f1b(S, num_microbatches) if fused else ticks(schedule(name, S, num_microbatches, chunks))
     got = price(times, [0.0] * S, table, stream_bytes=stream, link=link,
                 inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0)
     return got.loop, max(0.0, 1.0 - num_microbatches * sum(times) / (S * got.loop))
