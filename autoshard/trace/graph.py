@@ -97,7 +97,8 @@ class Graph:
     output_names: tuple[str, ...]
     # output position -> input position where the result is the new value of that input (train state)
     output_aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    jaxpr: Any = dataclasses.field(default=None, repr=False)  # the ClosedJaxpr it was built from
+    # the ClosedJaxpr it was built from (a recompute rewrite keeps the traced step's: the same signature)
+    jaxpr: Any = dataclasses.field(default=None, repr=False)
     in_tree: Any = dataclasses.field(default=None, repr=False)
     out_tree: Any = dataclasses.field(default=None, repr=False)
     # tensor id -> value, for the constants (literals, closed-over arrays) that emission binds again. Keyed
