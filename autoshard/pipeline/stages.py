@@ -98,8 +98,8 @@ from autoshard.pipeline.partition import (
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
 from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
-from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
+from autoshard.planner.planning import ProblemCache
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.seeds import assignment_choice
 from autoshard.planner.shares import SHARES
@@ -124,7 +124,24 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
-    replaces the stage DP, and the step is priced as that program runs (``ticks.price``)."""
+    replaces the stage DP, and the step is priced as that program runs (``ticks.price``).
+
+    The layers' and stages' sub-graphs, and the problems built on them, are cut and built once each
+    (``partition.subgraph``, ``ProblemCache.of``) and live with ``graph`` while it is planned here; they
+    are dropped when this returns (the step's graph lives on to be emitted)."""
+    try:
+        return _plan_pipeline(graph, cost, hardware=hardware, memory_budget=memory_budget,
+                              num_microbatches=num_microbatches, schedule_name=schedule_name, num_layers=num_layers,
+                              time_budget_s=time_budget_s, max_stages=max_stages, forced_boundaries=forced_boundaries,
+                              stage_shape=stage_shape, num_chunks=num_chunks, uniform=uniform)
+    finally:
+        graph.memo("pipeline.partition.subgraph").clear()
+
+
+def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budget: float | None,
+                   num_microbatches: int, schedule_name: str, num_layers: int | None, time_budget_s: float | None,
+                   max_stages: int | None, forced_boundaries: Sequence[int], stage_shape: tuple[int, int] | None,
+                   num_chunks: int, uniform: bool) -> PipelinePlan:
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
@@ -555,8 +572,7 @@ class _ComposedMemory:
                     continue
                 start = assignment_of_layers(self.graph, plans, [per_layer[ell] for ell in ells], ops)
                 sub = subgraph(self.graph, ops)
-                built = build_problem(sub.graph, self.costs[m], None, activation_weight=weight,
-                                      reduction_weight=per_call)
+                built = ProblemCache.of(sub.graph).get(self.costs[m], None, weight, per_call)
                 total += peak_memory_of(built, assignment_choice(built, start.layouts))
             self.cache[key] = total
         return self.cache[key]

@@ -41,6 +41,16 @@ class ProblemCache:
     graph: Graph
     _built: dict[Any, tuple[Any, BuiltProblem]] = dataclasses.field(default_factory=dict)
 
+    @staticmethod
+    def of(graph: Graph) -> ProblemCache:
+        """The cache that lives with ``graph`` (``Graph.memo``): a pipeline's layer and stage sub-graphs are
+        planned several times (a fallback budget, a stage's memory checked, then the stage planned), each
+        time on the same problem."""
+        table = graph.memo("planner.planning.problems")
+        if "cache" not in table:
+            table["cache"] = ProblemCache(graph)
+        return table["cache"]
+
     def get(self, cost: CostModel, memory_budget: float | None, activation_weight: float = 1.0,
             reduction_weight: float = 1.0) -> BuiltProblem:
         key = (id(cost.profile), cost.mesh, activation_weight, reduction_weight)
