@@ -36,6 +36,7 @@ replay computes the same values).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -138,7 +139,11 @@ def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
     plan = _plan(graph, modes)
     if not plan:
         return graph
-    out = _Rewrite(graph).run(plan)
+    gc.freeze()  # the step's objects (millions on a large model) out of the full collections the rewrite's
+    try:  # allocations set off: they walked them all, doubling its time (``planner.planning._gc_frozen``)
+        out = _Rewrite(graph).run(plan)
+    finally:
+        gc.unfreeze()
     log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan),
              sum(len(r) for r, _ in plan.values()))
     return out
@@ -191,7 +196,7 @@ class _Rewrite:
             op = g.ops[t.producer]
             return op.eqn.outvars[op.outputs.index(tid)].aval
         if tid in g.inputs:
-            return g.jaxpr.in_avals[g.inputs.index(tid)]
+            return g.jaxpr.jaxpr.invars[g.inputs.index(tid)].aval
         return jax.typeof(g.constants[tid])
 
     def _read(self, tid: int) -> int:
