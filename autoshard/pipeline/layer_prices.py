@@ -23,7 +23,7 @@ import numpy as np
 
 from autoshard.pipeline.partition import SubGraph, subgraph
 from autoshard.planner.plan import Plan, PlanError
-from autoshard.planner.planning import ProblemCache, plan_graph
+from autoshard.planner.planning import PROBLEMS, ProblemCache, plan_graph
 from autoshard.planner.seeds import Assignment
 from autoshard.planner.shares import SHARES
 from autoshard.trace.graph import Graph, Scope
@@ -155,6 +155,9 @@ def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int],
     if not micro.feasible and fallback is not None and math.isfinite(update.memory):
         micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight, per_call, mstart)
         solves += 1
+    for ops in (update_ops, micro_ops):  # a problem is kept for the fallback's solve only: a stage's is large
+        if ops:
+            subgraph(graph, ops).graph.memo(PROBLEMS).clear()
     return Part(micro, update, solves)
 
 

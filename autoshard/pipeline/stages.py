@@ -98,8 +98,8 @@ from autoshard.pipeline.partition import (
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
 from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
+from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
-from autoshard.planner.planning import ProblemCache
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.seeds import assignment_choice
 from autoshard.planner.shares import SHARES
@@ -126,9 +126,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
     replaces the stage DP, and the step is priced as that program runs (``ticks.price``).
 
-    The layers' and stages' sub-graphs, and the problems built on them, are cut and built once each
-    (``partition.subgraph``, ``ProblemCache.of``) and live with ``graph`` while it is planned here; they
-    are dropped when this returns (the step's graph lives on to be emitted)."""
+    The layers' and stages' sub-graphs are cut once each (``partition.subgraph``) and live with ``graph``
+    while it is planned here; they are dropped when this returns (the step's graph lives on to be
+    emitted)."""
     try:
         return _plan_pipeline(graph, cost, hardware=hardware, memory_budget=memory_budget,
                               num_microbatches=num_microbatches, schedule_name=schedule_name, num_layers=num_layers,
@@ -572,7 +572,8 @@ class _ComposedMemory:
                     continue
                 start = assignment_of_layers(self.graph, plans, [per_layer[ell] for ell in ells], ops)
                 sub = subgraph(self.graph, ops)
-                built = ProblemCache.of(sub.graph).get(self.costs[m], None, weight, per_call)
+                built = build_problem(sub.graph, self.costs[m], None, activation_weight=weight,
+                                      reduction_weight=per_call)
                 total += peak_memory_of(built, assignment_choice(built, start.layouts))
             self.cache[key] = total
         return self.cache[key]
