@@ -18,13 +18,16 @@ from autoshard._examples import load_module
 from autoshard.cli import main as cli_main
 from autoshard.emit import global_rel_error
 from autoshard.errors import AutoshardError
+from autoshard.pipeline.pipeline_plan import graph_digest
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import most_shards, plan_recomputing
 from autoshard.target import cost_model_for
 from autoshard.trace import Graph
+from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import buffers
 from autoshard.trace.recompute import saved_by_selective
-from autoshard.trace.remat import blocks, rematerialize, uniform
+from autoshard.trace.remat import _plan, blocks, rematerialize, uniform
+from autoshard.trace.tracer import graph_of_jaxpr
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
@@ -196,8 +199,6 @@ def test_the_rewrite_keeps_every_ops_phase_and_block() -> None:
     (a pipeline stage then replays in its backward program, not in its forward one)."""
     from collections import Counter
 
-    from autoshard.trace.remat import _plan
-
     _, graph, _ = _gpt()
     for mode in ("selective", "full"):
         config = uniform(graph, mode)
@@ -252,3 +253,84 @@ def test_a_pipeline_that_recomputes_matches_jit_and_replays_in_its_backward_prog
     s, m = rerun(*args)
     s_ref, m_ref = ref(*args)
     assert global_rel_error(m_ref, m) <= TOL and global_rel_error(s_ref.opt_state, s.opt_state) <= TOL
+
+
+def _retraced(graph: Graph, modes: dict[str, str]) -> Graph:
+    """The rewrite done the other way (as ``trace.remat`` did it before it rewrote the Graph itself): the
+    step traced again through JAX, each op bound in schedule order and each block's replay bound before
+    its first backward op (behind the barrier), and the new jaxpr made a Graph by the tracer."""
+    plan = _plan(graph, modes)
+    ops, consts = graph.ops, graph.constants
+
+    def bind(op: Any, invals: list[Any], phase: str | None = None) -> list[Any]:
+        subfuns, params = jc.bind_params(op.eqn)
+        with jc.eqn_context(op.eqn, phase or op.phase, op.scope):
+            outs = op.eqn.primitive.bind(*subfuns, *invals, **params)
+        return list(outs) if op.eqn.primitive.multiple_results else [outs]
+
+    def step(*args: Any) -> list[Any]:
+        env: dict[int, Any] = dict(zip(graph.inputs, args, strict=True))
+        again: dict[int, Any] = {}
+
+        def read(tid: int, atom: Any, backward: bool) -> Any:
+            if isinstance(atom, jax.extend.core.Literal):
+                return atom.val
+            if backward and tid in again:
+                return again[tid]
+            return env[tid] if tid in env else consts[tid]
+
+        for op in ops:
+            if op.id in plan:
+                replay, produced = plan[op.id]
+                anchor = next((read(t, a, True) for t, a in zip(op.inputs, op.eqn.invars, strict=True)
+                               if not isinstance(a, jax.extend.core.Literal) and graph.tensors[t].producer is not None
+                               and ops[graph.tensors[t].producer].phase == "backward"), None)
+                stay = sorted({t for o in replay for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)
+                               if t not in produced and not isinstance(a, jax.extend.core.Literal)})
+                tied = [read(t, None, False) for t in stay] + ([anchor] if anchor is not None else [])
+                with jc.phase_scope("backward", op.layer or op.scope):
+                    vals = jax.lax.optimization_barrier(tuple(tied))[:len(stay)]
+                local = dict(zip(stay, vals, strict=True))
+                for o in replay:
+                    ins = [local[t] if t in local else again[t] if t in again else read(t, a, False)
+                           for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)]
+                    again.update(zip(ops[o].outputs, bind(ops[o], ins, "backward"), strict=True))
+            invals = [read(t, a, op.phase == "backward") for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
+            env.update(zip(op.outputs, bind(op, invals), strict=True))
+        return [env[t] if t in env else consts[t] for t in graph.outputs]
+
+    closed = jax.make_jaxpr(step)(*graph.jaxpr.in_avals)
+    return graph_of_jaxpr(closed, [graph.tensors[t].name for t in graph.inputs],
+                          [graph.tensors[t].role for t in graph.inputs], graph.output_names,
+                          graph.output_aliases, graph.in_tree, graph.out_tree)
+
+
+def _dataflow(g: Graph) -> list[tuple[Any, ...]]:
+    """Each op in schedule order with what it reads: another op's result (by position), an input of the
+    step, or a constant (by shape: a retrace may hold one constant once or once per reader)."""
+    def ref(tid: int) -> tuple[Any, ...]:
+        t = g.tensors[tid]
+        if t.producer is not None:
+            return ("op", t.producer, g.ops[t.producer].outputs.index(tid))
+        return ("input", g.inputs.index(tid)) if tid in g.inputs else ("const", t.shape, t.dtype)
+
+    return [(op.primitive, op.phase, op.layer, op.scope, op.flops, op.bytes_in, op.bytes_out, op.params,
+             [ref(t) for t in op.inputs], [(g.tensors[t].shape, g.tensors[t].dtype) for t in op.outputs])
+            for op in g.ops] + [("outputs", [ref(t) for t in g.outputs])]
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_the_rewrite_is_the_step_traced_again_with_its_replays(mode: str) -> None:
+    """Rewriting the Graph gives the step JAX traces when each block's replay is bound in its backward pass:
+    the same ops in the same order reading the same values, so the same flops per phase, the same peak
+    memory, and the digest a pipeline plan records."""
+    _, graph, _ = _gpt()
+    config = uniform(graph, mode)
+    mine, traced = rematerialize(graph, config), _retraced(graph, config)
+    mine.verify()
+    assert _dataflow(mine) == _dataflow(traced)
+    assert mine.flops_by_phase() == traced.flops_by_phase() and mine.total_flops > graph.total_flops
+    assert buffers(mine).peak(mine) == buffers(traced).peak(traced) < buffers(graph).peak(graph)
+    assert graph_digest(mine) == graph_digest(traced)
+    assert [mine.tensors[t].name for t in mine.inputs] == [graph.tensors[t].name for t in graph.inputs]
+    assert mine.output_names == traced.output_names

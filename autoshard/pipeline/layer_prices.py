@@ -23,7 +23,7 @@ import numpy as np
 
 from autoshard.pipeline.partition import SubGraph, subgraph
 from autoshard.planner.plan import Plan, PlanError
-from autoshard.planner.planning import plan_graph
+from autoshard.planner.planning import PROBLEMS, ProblemCache, plan_graph
 from autoshard.planner.seeds import Assignment
 from autoshard.planner.shares import SHARES
 from autoshard.trace.graph import Graph, Scope
@@ -108,7 +108,7 @@ def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, b
     try:
         plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s,
                           activation_weight=activation_weight, reduction_weight=reductions_per_call,
-                          starts=[x for x in starts if x])
+                          starts=[x for x in starts if x], problems=ProblemCache.of(sub.graph))
     except PlanError:
         return Priced(math.inf, math.inf, None, sub)
     # the plan's predicted time counts the reduction of the pending sums it returns once, in full
@@ -155,6 +155,9 @@ def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int],
     if not micro.feasible and fallback is not None and math.isfinite(update.memory):
         micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight, per_call, mstart)
         solves += 1
+    for ops in (update_ops, micro_ops):  # a problem is kept for the fallback's solve only: a stage's is large
+        if ops:
+            subgraph(graph, ops).graph.memo(PROBLEMS).clear()
     return Part(micro, update, solves)
 
 

@@ -346,8 +346,18 @@ def boundary(graph: Graph, op_ids: Sequence[int]) -> tuple[list[int], list[int]]
 
 
 def subgraph(graph: Graph, op_ids: Sequence[int]) -> SubGraph:
-    """The ops ``op_ids`` (in schedule order) as a Graph whose inputs and outputs are their ``boundary``."""
-    op_ids = sorted(op_ids)
+    """The ops ``op_ids`` (in schedule order) as a Graph whose inputs and outputs are their ``boundary``;
+    cut once per set of ops and graph (``Graph.memo``: the layers' pricing and the stages' plans ask for the
+    same layers' sub-graphs again and again)."""
+    key = tuple(sorted(op_ids))
+    cuts = graph.memo("pipeline.partition.subgraph")
+    sub = cuts.get(key)
+    if sub is None:
+        sub = cuts[key] = _cut(graph, key)
+    return sub
+
+
+def _cut(graph: Graph, op_ids: Sequence[int]) -> SubGraph:
     inside = set(op_ids)
     in_tids, out_tids = boundary(graph, op_ids)
     produced = {t for i in op_ids for t in graph.ops[i].outputs}

@@ -124,7 +124,24 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
-    replaces the stage DP, and the step is priced as that program runs (``ticks.price``)."""
+    replaces the stage DP, and the step is priced as that program runs (``ticks.price``).
+
+    The layers' and stages' sub-graphs are cut once each (``partition.subgraph``) and live with ``graph``
+    while it is planned here; they are dropped when this returns (the step's graph lives on to be
+    emitted)."""
+    try:
+        return _plan_pipeline(graph, cost, hardware=hardware, memory_budget=memory_budget,
+                              num_microbatches=num_microbatches, schedule_name=schedule_name, num_layers=num_layers,
+                              time_budget_s=time_budget_s, max_stages=max_stages, forced_boundaries=forced_boundaries,
+                              stage_shape=stage_shape, num_chunks=num_chunks, uniform=uniform)
+    finally:
+        graph.memo("pipeline.partition.subgraph").clear()
+
+
+def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budget: float | None,
+                   num_microbatches: int, schedule_name: str, num_layers: int | None, time_budget_s: float | None,
+                   max_stages: int | None, forced_boundaries: Sequence[int], stage_shape: tuple[int, int] | None,
+                   num_chunks: int, uniform: bool) -> PipelinePlan:
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))

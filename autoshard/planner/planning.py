@@ -32,6 +32,9 @@ from solvers import InfeasibleError, solve_intra_op
 log = logging.getLogger("autoshard")
 
 
+PROBLEMS = "planner.planning.problems"  # the ``Graph.memo`` table ``ProblemCache.of`` keeps its cache in
+
+
 @dataclasses.dataclass(slots=True)
 class ProblemCache:
     """The problems built for one graph, kept across several ``plan_graph`` calls on it (pricing hand-written
@@ -40,6 +43,16 @@ class ProblemCache:
 
     graph: Graph
     _built: dict[Any, tuple[Any, BuiltProblem]] = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def of(graph: Graph) -> ProblemCache:
+        """The cache that lives with ``graph`` (``Graph.memo(PROBLEMS)``, until its owner clears it): a
+        pipeline's layer or stage is planned again under a larger budget when it does not fit its share,
+        on the same problem."""
+        table = graph.memo(PROBLEMS)
+        if "cache" not in table:
+            table["cache"] = ProblemCache(graph)
+        return table["cache"]
 
     def get(self, cost: CostModel, memory_budget: float | None, activation_weight: float = 1.0,
             reduction_weight: float = 1.0) -> BuiltProblem:

@@ -97,13 +97,24 @@ class Graph:
     output_names: tuple[str, ...]
     # output position -> input position where the result is the new value of that input (train state)
     output_aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    jaxpr: Any = dataclasses.field(default=None, repr=False)  # the ClosedJaxpr it was built from
+    # the ClosedJaxpr it was built from (a recompute rewrite keeps the traced step's: the same signature)
+    jaxpr: Any = dataclasses.field(default=None, repr=False)
     in_tree: Any = dataclasses.field(default=None, repr=False)
     out_tree: Any = dataclasses.field(default=None, repr=False)
     # tensor id -> value, for the constants (literals, closed-over arrays) that emission binds again. Keyed
     # by tensor, not by jaxpr variable: jax 0.11 shares one jaxpr between call sites (optax's two
     # tree_bias_correction calls), so one inner variable can stand for several values.
     constants: Mapping[int, Any] = dataclasses.field(default_factory=dict, repr=False)
+    # per-instance tables of values later passes derive purely from this graph (see ``memo``); a copy made
+    # with ``dataclasses.replace`` starts with its own, empty
+    _memo: dict[str, dict[Any, Any]] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                         compare=False)
+
+    def memo(self, name: str) -> dict[Any, Any]:
+        """A table for values a pass derives purely from this graph (a pipeline's cut of some ops into a
+        sub-graph, asked for again by every layer's pricing and every stage's plan): the graph is
+        immutable, so they hold as long as it lives and never leak to another graph."""
+        return self._memo.setdefault(name, {})
 
     # ---- queries -------------------------------------------------------------------------------------
 

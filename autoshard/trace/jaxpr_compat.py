@@ -375,3 +375,27 @@ def eqn_context(eqn: Any, phase: str | None = None, scope: str | None = None) ->
     if ctx is not None and getattr(ctx, "manager", None) is not None:
         stack.enter_context(ctx.manager)
     return stack
+
+
+def eqn_in(eqn: Any, phase: str | None, scope: str) -> Any:
+    """``eqn`` with the name stack ``<transform>(<scope>)`` the tracer reads back as ``scope`` in ``phase``
+    (``phase_scope``'s stack, written into the equation instead of bound under): ``trace.remat`` copies a
+    forward equation into the backward pass, and the emitter binds the copy under that stack. ``eqn``
+    itself where name stacks are not reachable."""
+    if _siu is None:
+        return eqn
+    name_stack = _siu.new_name_stack()
+    transform = _PHASE_TRANSFORM.get(phase or "")
+    if transform is not None:
+        name_stack = name_stack.transform(transform)
+    for part in scope.split("/"):
+        if part:
+            name_stack = name_stack.extend(part)
+    return eqn.replace(source_info=eqn.source_info.replace(name_stack=name_stack))
+
+
+def barrier_eqn(avals: Sequence[Any], phase: str | None, scope: str) -> Any:
+    """One ``optimization_barrier`` equation over values of ``avals``, under ``scope`` in ``phase``."""
+    closed = jax.make_jaxpr(lambda *xs: jax.lax.optimization_barrier(xs))(*avals)
+    (eqn,) = closed.jaxpr.eqns
+    return eqn_in(eqn, phase, scope)

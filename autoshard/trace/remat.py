@@ -21,15 +21,22 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
   every backward op from there reads the replayed values. The forward's copies die after their last
   forward reader.
 
-The result is an ordinary Graph (traced again from the rewritten jaxpr, with the step's input and output
-names, roles and pytrees), so the planner prices the extra forward work and the shorter live ranges with
-its own rules (``trace.buffers``: the replayed values live only during the block's backward), and the
-emitter emits it like any step: numerics are those of the original step (the replay computes the same
-values).
+The result is an ordinary Graph, rewritten in place of a trace (``_Rewrite``: no JAX tracing, one pass
+over the ops): each op keeps its equation, a replayed op a copy of its forward equation under the
+block's backward name stack (``jaxpr_compat.eqn_in``), and the barrier an equation of its own
+(``jaxpr_compat.barrier_eqn``), so the emitter binds them like any op. The ops, their order, what each
+reads and the values they make are those of the step traced again with the replays bound in place
+(``tests/test_remat.py`` checks this against such a trace); constants keep the traced step's tensors (a
+replayed op reads the constant its original reads). The step's jaxpr (``Graph.jaxpr``) is kept for its
+signature: inputs, outputs and their avals are unchanged. The planner prices the extra forward work and
+the shorter live ranges with its own rules (``trace.buffers``: the replayed values live only during the
+block's backward), and the emitter emits it like any step: numerics are those of the original step (the
+replay computes the same values).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -40,9 +47,10 @@ from jax.extend.core import Literal
 from autoshard.errors import TraceError
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import buffers
-from autoshard.trace.graph import Graph, Op
+from autoshard.trace.graph import Graph, Op, Tensor
 from autoshard.trace.recompute import MODES, saved_by_selective, stashes
-from autoshard.trace.tracer import graph_of_jaxpr
+from autoshard.trace.roles import Role
+from autoshard.trace.tracer import params_digest
 
 log = logging.getLogger("autoshard")
 
@@ -131,66 +139,155 @@ def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
     plan = _plan(graph, modes)
     if not plan:
         return graph
-    ops = graph.ops
-    consts = graph.constants
-
-    def bind(op: Op, invals: list[Any], phase: str | None = None) -> list[Any]:
-        """``op`` bound again with its scope and phase (``phase`` overrides it: a replayed forward op runs
-        in the backward pass, and a pipeline puts it in the backward program by its phase)."""
-        eqn = op.eqn
-        subfuns, params = jc.bind_params(eqn)
-        with jc.eqn_context(eqn, phase or op.phase, op.scope):
-            outs = eqn.primitive.bind(*subfuns, *invals, **params)
-        return list(outs) if eqn.primitive.multiple_results else [outs]
-
-    def step(*args: Any) -> list[Any]:
-        env: dict[int, Any] = dict(zip(graph.inputs, args, strict=True))
-        again: dict[int, Any] = {}  # replayed values, read by backward ops
-
-        def read(tid: int, atom: Any, backward: bool) -> Any:
-            if isinstance(atom, Literal):
-                return atom.val
-            if backward and tid in again:
-                return again[tid]
-            if tid in env:
-                return env[tid]
-            return consts[tid]
-
-        for op in ops:
-            backward = op.phase == "backward"
-            if op.id in plan:
-                replay, produced = plan[op.id]
-                anchor = next((read(t, a, True) for t, a in zip(op.inputs, op.eqn.invars, strict=True)
-                               if not isinstance(a, Literal) and graph.tensors[t].producer is not None
-                               and ops[graph.tensors[t].producer].phase == "backward"), None)
-                stay = sorted({t for o in replay for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)
-                               if t not in produced and not isinstance(a, Literal)})
-                vals = [read(t, None, False) for t in stay]
-                with jc.phase_scope("backward", op.layer or op.scope):
-                    if anchor is not None:
-                        *vals, _ = jax.lax.optimization_barrier((*vals, anchor))
-                    else:
-                        vals = list(jax.lax.optimization_barrier(tuple(vals)))
-                local = dict(zip(stay, vals, strict=True))
-                for o in replay:
-                    rop = ops[o]
-                    ins = [a.val if isinstance(a, Literal) else local[t] if t in local else again[t]
-                           if t in again else read(t, a, False) for t, a in zip(rop.inputs, rop.eqn.invars, strict=True)]
-                    for t, x in zip(rop.outputs, bind(rop, ins, "backward"), strict=True):
-                        again[t] = x
-            invals = [read(t, a, backward) for t, a in zip(op.inputs, op.eqn.invars, strict=True)]
-            for t, x in zip(op.outputs, bind(op, invals), strict=True):
-                env[t] = x
-        return [env[t] if t in env else consts[t] for t in graph.outputs]
-
-    closed = jax.make_jaxpr(step)(*graph.jaxpr.in_avals)
-    names = [graph.tensors[t].name for t in graph.inputs]
-    roles = [graph.tensors[t].role for t in graph.inputs]
-    out = graph_of_jaxpr(closed, names, roles, graph.output_names, graph.output_aliases, graph.in_tree,
-                         graph.out_tree)
+    gc.freeze()  # the step's objects (millions on a large model) out of the full collections the rewrite's
+    try:  # allocations set off: they walked them all, doubling its time (``planner.planning._gc_frozen``)
+        out = _Rewrite(graph).run(plan)
+    finally:
+        gc.unfreeze()
     log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan),
              sum(len(r) for r, _ in plan.values()))
     return out
+
+
+class _Rewrite:
+    """The rewritten step, built op by op in the order a trace of it would make its ops and tensors (see
+    the module docstring): ids are positions, tensors numbered as they are made (the constants and inputs
+    first, then each op's literal operands and results), so the step's own ops and values keep their
+    order and the replays' are numbered where they run."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.tensors: list[dict[str, Any]] = []  # the new tensors' fields, consumers and live range aside
+        self.ops: list[dict[str, Any]] = []
+        self.constants: dict[int, Any] = {}
+        self.new: dict[int, int] = {}  # tensor of ``graph`` -> its id in the rewritten step
+        self.again: dict[int, int] = {}  # tensor of ``graph`` -> its replayed copy, read by backward ops
+        self._made = 0  # tensors of ``graph`` below this id are numbered (``_catch_up``)
+
+    # ---- tensors -------------------------------------------------------------------------------------
+
+    def _tensor(self, t: Tensor, producer: int | None, *, copy: bool) -> int:
+        """A new tensor shaped like ``t``: ``t`` itself (``copy=False``), or a copy of it (a replayed value,
+        a barrier's result, or a literal a replayed op reads again)."""
+        tid = len(self.tensors)
+        role, name = t.role, t.name
+        if producer is not None and (copy or name == f"t{t.id}"):
+            name = f"t{tid}"  # the tracer's name for an unnamed value
+        if copy and producer is not None:
+            role = Role.ACTIVATION
+        self.tensors.append(dict(id=tid, name=name, shape=t.shape, dtype=t.dtype, nbytes=t.nbytes, role=role,
+                                 producer=producer))
+        if producer is None and t.id in self.graph.constants:
+            self.constants[tid] = self.graph.constants[t.id]
+        return tid
+
+    def _catch_up(self, upto: int) -> None:
+        """Number the step's constants, inputs and literals made before its tensor ``upto``."""
+        while self._made < upto:
+            t = self.graph.tensors[self._made]
+            if t.producer is None:
+                self.new[t.id] = self._tensor(t, None, copy=False)
+            self._made += 1
+
+    def _aval(self, tid: int) -> Any:
+        """The abstract value of tensor ``tid`` of the step (weak type included), as its equation has it."""
+        g, t = self.graph, self.graph.tensors[tid]
+        if t.producer is not None:
+            op = g.ops[t.producer]
+            return op.eqn.outvars[op.outputs.index(tid)].aval
+        if tid in g.inputs:
+            return g.jaxpr.jaxpr.invars[g.inputs.index(tid)].aval
+        return jax.typeof(g.constants[tid])
+
+    def _read(self, tid: int) -> int:
+        if tid not in self.new:  # a literal of an op without results: numbered when first read
+            self.new[tid] = self._tensor(self.graph.tensors[tid], None, copy=False)
+        return self.new[tid]
+
+    # ---- ops -----------------------------------------------------------------------------------------
+
+    def _op(self, op: Op, inputs: list[int], outputs: list[Tensor], *, copy: bool, phase: str | None = None,
+            eqn: Any = None, scope: str | None = None) -> list[int]:
+        """Append ``op`` (or, with ``copy``, a replay of it) reading ``inputs``; returns its results' ids."""
+        oid = len(self.ops)
+        outs = [self._tensor(t, oid, copy=copy) for t in outputs]
+        if not copy:
+            for t, n in zip(outputs, outs, strict=True):
+                self.new[t.id] = n
+        nbytes = [self.tensors[i]["nbytes"] for i in inputs]
+        self.ops.append(dict(
+            id=oid, primitive=op.primitive, inputs=tuple(inputs), outputs=tuple(outs), flops=op.flops,
+            bytes_in=sum(nbytes), bytes_out=sum(self.tensors[i]["nbytes"] for i in outs), source=op.source,
+            scope=op.scope if scope is None else scope, layer=op.layer, phase=phase or op.phase,
+            params=op.params, bodies=op.bodies, trip_count=op.trip_count, eqn=op.eqn if eqn is None else eqn))
+        return outs
+
+    def _replay(self, op: Op, replay: list[int], produced: set[int]) -> None:
+        """Before ``op`` (its block's first backward op): the barrier and the block's replayed forward ops."""
+        g = self.graph
+        anchor = next((t for t, a in zip(op.inputs, op.eqn.invars, strict=True)
+                       if not isinstance(a, Literal) and g.tensors[t].producer is not None
+                       and g.ops[g.tensors[t].producer].phase == "backward"), None)
+        stay = sorted({t for o in replay for t, a in zip(g.ops[o].inputs, g.ops[o].eqn.invars, strict=True)
+                       if t not in produced and not isinstance(a, Literal)})
+        local: dict[int, int] = {}
+        tied = [*stay, *([anchor] if anchor is not None else [])]
+        if tied:
+            scope = op.layer or op.scope
+            eqn = jc.barrier_eqn([self._aval(t) for t in tied], "backward", scope)
+            barrier = Op(id=-1, primitive="optimization_barrier", inputs=(), outputs=(), flops=0.0, bytes_in=0,
+                         bytes_out=0, source=op.source, scope=scope, layer=op.layer, phase="backward",
+                         params=params_digest(eqn.params), eqn=eqn)
+            ins = [self.new[t] if t in stay else self.again.get(t, self.new[t]) for t in tied]
+            outs = self._op(barrier, ins, [g.tensors[t] for t in tied], copy=True)
+            local = dict(zip(stay, outs, strict=False))
+        for o in replay:
+            rop = g.ops[o]
+            ins = [self._tensor(g.tensors[t], None, copy=True) if isinstance(a, Literal)
+                   else local[t] if t in local else self.again[t] if t in self.again else self._read(t)
+                   for t, a in zip(rop.inputs, rop.eqn.invars, strict=True)]
+            outs = self._op(rop, ins, [g.tensors[t] for t in rop.outputs], copy=True, phase="backward",
+                            eqn=jc.eqn_in(rop.eqn, "backward", rop.scope))
+            self.again.update(zip(rop.outputs, outs, strict=True))
+
+    def run(self, plan: Mapping[int, tuple[list[int], set[int]]]) -> Graph:
+        g = self.graph
+        for op in g.ops:
+            if op.id in plan:
+                self._replay(op, *plan[op.id])
+            if op.outputs:
+                self._catch_up(op.outputs[0])
+            backward = op.phase == "backward"
+            ins = [self.again[t] if backward and t in self.again else self._read(t) for t in op.inputs]
+            self._op(op, ins, [g.tensors[t] for t in op.outputs], copy=False)
+            if op.outputs:
+                self._made = op.outputs[-1] + 1
+        self._catch_up(len(g.tensors))
+        return _finish(g, self.ops, self.tensors, [self.new[t] for t in g.inputs],
+                       [self._read(t) for t in g.outputs], self.constants)
+
+
+def _finish(graph: Graph, ops: list[dict[str, Any]], tensors: list[dict[str, Any]], inputs: list[int],
+            outputs: list[int], constants: dict[int, Any]) -> Graph:
+    """The Graph of ``ops`` and ``tensors`` (consumers and live ranges as ``tracer`` gives them), with
+    ``graph``'s signature: its names, aliases, pytrees and jaxpr (whose inputs and outputs it keeps)."""
+    n_ops = len(ops)
+    consumers: list[list[int]] = [[] for _ in tensors]
+    for i, op in enumerate(ops):
+        for t in op["inputs"]:
+            c = consumers[t]
+            if not c or c[-1] != i:
+                c.append(i)
+    out_set = set(outputs)
+    made = []
+    for t, cons in zip(tensors, consumers, strict=True):
+        prod = t["producer"]
+        start = 0 if prod is None else prod
+        end = n_ops if t["id"] in out_set else cons[-1] + 1 if cons else start + 1 if prod is not None else start
+        made.append(Tensor(**t, consumers=tuple(cons), live=(start, max(end, start))))
+    return Graph(ops=tuple(Op(**op) for op in ops), tensors=tuple(made), inputs=tuple(inputs),
+                 outputs=tuple(outputs), output_names=graph.output_names, output_aliases=graph.output_aliases,
+                 jaxpr=graph.jaxpr, in_tree=graph.in_tree, out_tree=graph.out_tree, constants=constants)
 
 
 def uniform(graph: Graph, mode: str, first: int | None = None) -> dict[str, str]:

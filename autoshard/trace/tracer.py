@@ -103,7 +103,7 @@ def _dtype_info(aval: Any) -> tuple[tuple[int, ...], str, int]:
     return shape, str(dtype), math.prod(shape) * itemsize
 
 
-def _params_digest(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+def params_digest(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     out = []
     for k, v in params.items():
         if isinstance(v, ClosedJaxpr | Jaxpr) or callable(v):
@@ -233,7 +233,7 @@ class _Builder:
                 scope="/".join(scope),
                 layer=layer,
                 phase=phase,
-                params=_params_digest(eqn.params),
+                params=params_digest(eqn.params),
                 bodies=bodies,
                 trip_count=trip,
                 eqn=eqn,
