@@ -171,8 +171,8 @@ class _Build:
         self.bufs: dict[Scope, Buffers] = {}  # which tensors hold a buffer, and when (trace.buffers)
         self.clocks: dict[Scope, Clock] = {}  # where each scope's ops sit on the problem's time axis
         self._boundary: int | None = -1  # time of the first backward op (None: none; -1: not yet found)
-        self.gradients = frozenset(((), t) for t in gradient_tensors(graph))
-        self.combine = max(1, sum(1 for t in graph.input_tensors(Role.PARAM) if t.consumers))
+        grads, self.combine = combined_reductions(graph)
+        self.gradients = frozenset(((), t) for t in grads)
         self._created: dict[int, list[tuple[frozenset[str], float]]] = {}
 
     def combine_of(self, key: TensorKey) -> int:
@@ -581,7 +581,7 @@ class _Build:
         k = self.combine
         for s in range(node.k):
             axes: set[str] = set()
-            if node.kind == "op" and all(key in self.gradients for key, _ in node.produces[s]):
+            if node.kind == "op" and node.produces[s] and all(key in self.gradients for key, _ in node.produces[s]):
                 for _, spec in node.produces[s]:
                     axes |= spec.partial
                 st = node.strategies[s]
@@ -677,6 +677,12 @@ class _Build:
                 m[i, j] = c
         self._matrix_cache[key] = m
         return m
+
+
+def combined_reductions(graph: Graph) -> tuple[set[int], int]:
+    """(``gradient_tensors``, ``k``: how many of their all-reduces XLA issues as one, the parameters the
+    step reads): how the problem prices the reduction of those tensors' pending sums."""
+    return gradient_tensors(graph), max(1, sum(1 for t in graph.input_tensors(Role.PARAM) if t.consumers))
 
 
 def gradient_tensors(graph: Graph) -> set[int]:
