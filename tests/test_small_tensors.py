@@ -101,7 +101,7 @@ def _issued(hlo: str) -> dict[str, list[str]]:
 def test_megatron_alternates_column_and_row_for_a_narrow_batch() -> None:
     """Batch 32, hidden 256: Alpa expects column- and row-split kernels in turn, the batch replicated. The
     pairs reduce their [batch, hidden] activations (forward) and input gradients (backward), never a
-    weight, and the compiled program issues as many collectives as the plan counts."""
+    weight, each at its full price, and the compiled program issues as many collectives as the plan counts."""
     graph, args, plan = _plan(32, 256)
     assert _kernels(plan) == [COLUMN, ROW] * (LAYERS // 2), _kernels(plan)
     assert {t.name: str(t.spec) for t in plan.inputs}["batch.x"] == "R·R"
@@ -113,6 +113,10 @@ def test_megatron_alternates_column_and_row_for_a_narrow_batch() -> None:
     moved = {shape for shapes in issued.values() for shape in shapes}
     assert moved <= {"f32[32,256]", "f32[8,256]", "f32[]"}, issued  # activations (whole or a batch block), loss
     assert len(issued["all_reduce"]) >= LAYERS - 2, issued
+    # each activation all-reduce waits for the previous layer's: XLA cannot combine them, each pays its latency
+    cost = CostModel.load(CPU_PROFILE, mesh_shape=(4,), axis_names=("model",))
+    each = cost.collective_time("all_reduce", 32 * 256 * 4, ("model",))
+    assert plan.time_breakdown["all_reduce(model)"] >= (LAYERS - 2) * each * (1 - 1e-12)
 
 
 def test_data_parallel_for_a_wide_batch_of_narrow_layers() -> None:

@@ -44,7 +44,8 @@ update, as a result, or by one-operand backward ops that make only gradient tens
 a bias's sum) is priced ``collectives.combined`` with ``k`` = the parameters the step reads: its time less
 ``(1 - 1/k)·α``, α the latency of that all-reduce, so ``k`` gradients pay it once between them. That is
 exact for an affine price when all ``k`` are reduced on the same axes; ``m < k`` of them pay ``m/k·α``
-(an underestimate of ``(1 - m/k)·α``), and the loss adds ``α/k`` where XLA adds nothing. It holds wherever the
+(an underestimate of ``(1 - m/k)·α``: a Megatron step that reduces its loss alone pays ``α/k`` for it),
+and the loss beside ``k`` gradients adds ``α/k`` where XLA adds nothing. It holds wherever the
 reduction lands: in the op's own strategy, in a follower, on an edge, or as the step returns the sum.
 All-reduces of activations stay priced one by one: each waits for the previous layer's.
 
