@@ -54,6 +54,20 @@ forward and reduce-scatter its gradient backward (two collectives per layer) bea
 pairs (an all-reduce per pair and pass) and data parallelism. The other way round (an all-gather or a
 reduce-scatter as an all-reduce of a padded buffer) is not a bound: XLA issues the collective the layout
 asks for, and on the GPU that is a ring all-gather or reduce-scatter however a tree all-reduce is priced.
+
+Combined all-reduces (``combined``). XLA's all-reduce combiner (CPU and GPU) issues independent all-reduces
+over the same devices as one instruction of all their buffers: the gradients of a data-parallel step, reduced
+as the backward pass ends, pay the latency once (the 6-layer MLP of ``tests/test_small_tensors.py`` issues
+its 12 gradients and its loss as one all-reduce of 13 values). A linear price of one of ``k`` such
+all-reduces, each with its own time ``t_i`` and the latency ``α`` of that collective on that group::
+
+    combined(t_i; α, k) = t_i - (1 - 1/k) · min(α, t_i)
+
+whose sum over the ``k`` is ``Σ t_i - (k-1)·α``: exactly ``t(Σ n_i)`` when ``t`` is affine
+(``α + n/B``) and all ``k`` are reduced together. When only ``m < k`` of them are reduced on that group, the
+sum charges ``m/k`` latencies instead of one (an underestimate of ``(1 - m/k)·α``); when XLA's size threshold
+cuts a large step's gradients into several instructions, it charges one latency where it issues several (an
+underestimate of a latency per extra instruction, small beside the bytes of buffers that large).
 """
 
 from __future__ import annotations
@@ -152,6 +166,14 @@ def collective_time(kind: str, nbytes: float, groups: Sequence[tuple[int, Link]]
         latency=max(lk.latency for _, lk in groups),
     )
     return min(hier, single_axis_time(kind, nbytes, p, slowest))
+
+
+def combined(time: float, latency: float, k: int) -> float:
+    """The price of one of ``k`` all-reduces that XLA issues as one instruction (module docstring): its own
+    ``time`` less ``(1 - 1/k)`` of the ``latency`` they share, never below ``time / k``."""
+    if k <= 1:
+        return time
+    return time - (1.0 - 1.0 / k) * min(latency, time)
 
 
 def bounded(kind: str, own: Callable[[str], float]) -> float:

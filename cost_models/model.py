@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cost_models.collectives import bounded, check_kind, collective_time
+from cost_models.collectives import bounded, check_kind, collective_time, combined
 from cost_models.dtypes import DtypeLike, dtype_bytes
 from cost_models.errors import CostModelError
 from cost_models.hardware import Cluster, Device
@@ -210,26 +210,41 @@ class CostModel:
         prices or another mesh."""
         return self._memo.setdefault(name, {})
 
+    def latency(self, kind: str, axes: Axes) -> float:
+        """Seconds of collective ``kind`` over ``axes`` on a one-byte buffer: what it costs whatever it moves
+        (the smallest measured sample's time on a measured curve)."""
+        return self.collective_time(kind, 1, axes)
+
     def reshard(
-        self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec
+        self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec, *, combine: int = 1
     ) -> ReshardCost:
         """Collectives and seconds to take a tensor of global ``shape`` from ``src`` to ``dst``
-        (rules in ``cost_models.reshard``; each step priced by ``collective_time``)."""
+        (rules in ``cost_models.reshard``; each step priced by ``collective_time``). ``combine``: the
+        all-reduces of pending sums are one of that many that XLA issues as one instruction, each charged
+        ``collectives.combined`` (a gradient reduced as the backward pass ends)."""
         # asked again and again by the problem builder (every edge of every op group)
         table = self.memo("cost_models.reshard")
-        key = (tuple(shape), str(dtype), src, dst)
+        key = (tuple(shape), str(dtype), src, dst, combine)
         hit = table.get(key)
         if hit is not None:
             return hit
         steps = tuple(
-            replace(s, time=self.collective_time(s.kind, s.nbytes, s.axes))
+            replace(s, time=self.step_time(s.kind, s.nbytes, s.axes, combine))
             for s in plan_reshard(shape, dtype_bytes(dtype), src, dst, self.mesh)
         )
         cost = ReshardCost(time=math.fsum(s.time for s in steps), steps=steps, src=src, dst=dst)
         table[key] = cost
         return cost
 
+    def step_time(self, kind: str, nbytes: float, axes: Axes, combine: int = 1) -> float:
+        """``collective_time``; an all-reduce that is one of ``combine`` issued as one instruction priced
+        ``collectives.combined`` (its share of the latency they pay once)."""
+        t = self.collective_time(kind, nbytes, axes)
+        if kind != "all_reduce" or combine <= 1:
+            return t
+        return combined(t, self.latency(kind, axes), combine)
+
     def reshard_time(
-        self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec
+        self, shape: Sequence[int], dtype: DtypeLike, src: ShardingSpec, dst: ShardingSpec, *, combine: int = 1
     ) -> float:
-        return self.reshard(shape, dtype, src, dst).time
+        return self.reshard(shape, dtype, src, dst, combine=combine).time

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from autoshard.pipeline.partition import SubGraph, subgraph
+from autoshard.planner.build import combined_reductions
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import PROBLEMS, ProblemCache, plan_graph
 from autoshard.planner.seeds import Assignment
@@ -119,14 +120,17 @@ def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, b
 
 def output_reduction(graph: Graph, plan: Plan, cost: CostModel) -> float:
     """Seconds to reduce the pending sums among ``graph``'s results under ``plan`` (all-reduce, or what
-    ``CostModel.reshard_time`` prices for leaving them partial to materialised, as ``planner.build`` does)."""
+    ``CostModel.reshard_time`` prices for leaving them partial to materialised, a gradient's all-reduce one
+    of those XLA issues as one, as ``planner.build`` does)."""
     table = plan.specs.get((), {})
+    grads, k = combined_reductions(graph)
     total = 0.0
     for tid in dict.fromkeys(graph.outputs):
         spec = table.get(tid)
         if spec is not None and spec.partial:
             t = graph.tensors[tid]
-            total += cost.reshard_time(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims))
+            total += cost.reshard_time(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims),
+                                       combine=k if tid in grads else 1)
     return total
 
 

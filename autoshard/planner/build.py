@@ -36,6 +36,27 @@ pending partial sums as all-reduce or reduce-scatter). Train state that the step
 new optimizer state) is tied to the input node it replaces by an edge from its producer: returning it in
 another layout than it came in costs that resharding.
 
+Gradients reduced together
+--------------------------
+XLA's all-reduce combiner issues independent all-reduces over the same devices as one instruction, and the
+gradients of a data-parallel step are that: each reduced as the backward pass ends, none read by the backward
+pass again (nor is the loss the step returns). The all-reduce of a pending sum on such a *gradient tensor*
+(``gradient_tensors``: made by the backward pass or the update, or returned by the step, and read only by the
+update, as a result, or by one-operand backward ops that make only gradient tensors: a reshape, a transpose,
+a bias's sum) is priced ``collectives.combined`` with ``k`` = the parameters the step reads: its time less
+``(1 - 1/k)·α``, α the latency of that all-reduce, so ``k`` gradients pay it once between them. That is
+exact for an affine price when all ``k`` are reduced on the same axes; ``m < k`` of them pay ``m/k·α``
+(an underestimate of ``(1 - m/k)·α``: a Megatron step that reduces its loss alone pays ``α/k`` for it),
+and the loss beside ``k`` gradients adds ``α/k`` where XLA adds nothing. It holds wherever the
+reduction lands: in the op's own strategy, in a follower, on an edge, or as the step returns the sum.
+All-reduces of activations stay priced one by one: each waits for the previous layer's.
+
+An op that makes such a pending sum from an operand sliced for free (read split from a layout that is not)
+gets ``(1 - 1/k)·α`` back on that edge (``_Build.sliced_into_sum``): XLA, handed the layouts the plan pins
+(never a pending sum), computes that value whole where it lies and issues no all-reduce, so the cheap shared
+latency must not buy the plan a split of work that never runs (a Megatron step's bias gradients summed over
+a quarter of a replicated batch each and reduced).
+
 The solver then minimises ``Σ_i c_i[s_i] + Σ_uv R_uv[s_u, s_v]`` subject to, at every time step t,
 ``Σ_{i live at t} m_i[s_i] <= memory budget`` (see ``solvers.intra_op`` for the ILP).
 """
@@ -120,6 +141,12 @@ class BuiltProblem:
     edges: tuple[EdgeInfo, ...]
     graphs: dict[Scope, Graph]
     activation_weight: float = 1.0
+    gradients: frozenset[TensorKey] = frozenset()  # gradient tensors (module docstring), top level only
+    combine: int = 1  # how many gradient all-reduces XLA issues as one (the parameters the step reads)
+
+    def combine_of(self, key: TensorKey) -> int:
+        """How many all-reduces a reduction of tensor ``key``'s pending sum is issued with (1: on its own)."""
+        return self.combine if key in self.gradients else 1
 
 
 class _Build:
@@ -148,6 +175,12 @@ class _Build:
         self.bufs: dict[Scope, Buffers] = {}  # which tensors hold a buffer, and when (trace.buffers)
         self.clocks: dict[Scope, Clock] = {}  # where each scope's ops sit on the problem's time axis
         self._boundary: int | None = -1  # time of the first backward op (None: none; -1: not yet found)
+        grads, self.combine = combined_reductions(graph)
+        self.gradients = frozenset(((), t) for t in grads)
+        self._created: dict[int, list[tuple[frozenset[str], float]]] = {}
+
+    def combine_of(self, key: TensorKey) -> int:
+        return self.combine if key in self.gradients else 1
 
     # ---- helpers ---------------------------------------------------------------------------------------
 
@@ -293,7 +326,7 @@ class _Build:
             for f in members[1:]:
                 src = next(t for t in f.inputs if graph.tensors[t].shape)
                 in_spec = spec_of[src]
-                fst = self.follow(f, in_spec, ctx)
+                fst = self.follow(f, in_spec, ctx, self.combine_of((scope, src)))
                 c_time += fst.compute_time
                 m_time += fst.comm_time
                 for t, s in zip(f.inputs, fst.in_specs, strict=True):
@@ -319,6 +352,10 @@ class _Build:
         else:  # everything the group computes is fused into its readers, or it has no results (a callback)
             interval = when(leader.id, leader.id + 1)
         name = leader.where() + (f" (+{len(members) - 1} followers)" if len(members) > 1 else "")
+        k = min(self.combine_of((scope, t)) for t in leader.outputs) if leader.outputs else 1
+        if k > 1:  # the leader's all-reduces reduce gradients: one of k issued as one
+            comm = [c - sum(x.time - self.cost.step_time(x.kind, x.nbytes, x.axes, k) for x in st.comm)
+                    for c, st in zip(comm, strategies, strict=True)]
         compute_a, comm_a = np.array(compute) * weight, np.array(comm) * weight
         self.add_node(NodeInfo(
             name=name, kind="op", ops=[(scope, i) for i in sorted(group)], produces=produces, reads=reads,
@@ -326,16 +363,16 @@ class _Build:
             interval=interval, weight=weight, strategies=list(strategies),
         ))
 
-    def follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext) -> Strategy:
+    def follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext, combine: int = 1) -> Strategy:
         """The follower's strategy when its operand arrives as ``in_spec``: same layout out; a pending sum
-        is reduced first unless the op is linear in it."""
-        key = (self.op_key(op, ctx), in_spec)
+        is reduced first unless the op is linear in it (an all-reduce one of ``combine`` issued as one)."""
+        key = (self.op_key(op, ctx), in_spec, combine)
         hit = self._follow_cache.get(key)
         if hit is None:
-            hit = self._follow_cache[key] = self._follow(op, in_spec, ctx)
+            hit = self._follow_cache[key] = self._follow(op, in_spec, ctx, combine)
         return hit
 
-    def _follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext) -> Strategy:
+    def _follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext, combine: int) -> Strategy:
         g = ctx.graph
         src = next(t for t in op.inputs if g.tensors[t].shape)
         linear = op.primitive in ("neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "mul",
@@ -345,7 +382,7 @@ class _Build:
         st = price(op, Candidate(in_specs, (spec,)), ctx, self.cost)
         if spec is not in_spec:  # the reduction happens here
             t = g.tensors[src]
-            extra = self.cost.reshard_time(t.shape, t.dtype, in_spec, spec)
+            extra = self.cost.reshard_time(t.shape, t.dtype, in_spec, spec, combine=combine)
             st = dataclasses.replace(st, in_specs=tuple(in_spec if x == src else s for x, s in
                                                         zip(op.inputs, in_specs, strict=True)),
                                      comm_time=st.comm_time + extra)
@@ -498,7 +535,9 @@ class _Build:
                     continue  # constants, literals, or read inside the same group
                 edge_u.append(u)
                 edge_v.append(v)
-                mats.append(self.matrix(key, u, v, j) * node.weight)
+                mat = self.matrix(key, u, v, j, self.combine_of(key))
+                sliced = self.sliced_into_sum(key, u, v, j)
+                mats.append((mat if sliced is None else mat + sliced) * node.weight)
                 self.edges.append(EdgeInfo(u, v, key, node.weight, "data", key))
         for src, dst, weight, kind in self.ties:
             self.add_tie(src, dst, weight, kind, edge_u, edge_v, mats)
@@ -516,8 +555,8 @@ class _Build:
             for s in range(node.k):
                 spec = node.produced(((), tid), s)
                 if spec.partial:
-                    extra = self.reduction_weight * self.cost.reshard_time(t.shape, t.dtype, spec,
-                                                                           ShardingSpec(dims=spec.dims))
+                    extra = self.reduction_weight * self.cost.reshard_time(
+                        t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims), combine=self.combine_of(((), tid)))
                     node.cost[s] += extra
                     node.comm[s] += extra
         # Tie-break toward less memory: holding a byte costs 1% of reading it once. Between layouts of
@@ -537,7 +576,52 @@ class _Build:
             node_names=[self.label(n) for n in self.nodes],
         )
         return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
-                            self.activation_weight)
+                            self.activation_weight, self.gradients, self.combine)
+
+    def created_sums(self, v: int) -> list[tuple[frozenset[str], float]]:
+        """Per strategy of node ``v``: the mesh axes over which it makes a pending sum of gradients that is
+        reduced as one of ``combine`` (a partial result it does not read as partial, or its own all-reduce),
+        and the latency that sharing saves, ``(1 - 1/k)·α`` of an all-reduce over those axes."""
+        hit = self._created.get(v)
+        if hit is not None:
+            return hit
+        node, out = self.nodes[v], []
+        k = self.combine
+        for s in range(node.k):
+            axes: set[str] = set()
+            if node.kind == "op" and node.produces[s] and all(key in self.gradients for key, _ in node.produces[s]):
+                for _, spec in node.produces[s]:
+                    axes |= spec.partial
+                st = node.strategies[s]
+                for c in st.comm if st is not None else ():
+                    if c.kind == "all_reduce":
+                        axes |= set(c.axes)
+                for _, spec in node.reads[s]:
+                    axes -= spec.partial if spec is not None else set()
+            saved = (1 - 1 / k) * self.cost.latency("all_reduce", tuple(sorted(axes))) if axes and k > 1 else 0.0
+            out.append((frozenset(axes), saved))
+        self._created[v] = out
+        return out
+
+    def sliced_into_sum(self, key: TensorKey, u: int, v: int, j: int) -> np.ndarray | None:
+        """The latency taken back (``created_sums``) where node ``v`` makes its pending sum of gradients from
+        operand ``key`` sliced for free from a layout not split over those axes: XLA computes such a value
+        whole where it lies and issues no all-reduce, so the sum would be a reduction of its own, not one of
+        the data-parallel step's. (Charged on each such operand: an op that slices two pays it twice.)"""
+        created = self.created_sums(v)
+        if not any(saved for _, saved in created):
+            return None
+        src = [self.nodes[u].produced(key, s) for s in range(self.nodes[u].k)]
+        extra = np.zeros((len(src), len(created)))
+        for b, (axes, saved) in enumerate(created):
+            need = self.nodes[v].reads[b][j][1]
+            if not saved or need is None:
+                continue
+            sliced = axes & need.axes_used
+            for a, spec in enumerate(src):
+                if sliced - spec.axes_used:
+                    extra[a, b] = saved
+        return extra
 
     def made_bytes(self, node: NodeInfo) -> np.ndarray | float:
         """Per strategy, the bytes per device of the value a generating op (``GENERATED``, or a broadcast of a
@@ -589,20 +673,20 @@ class _Build:
         edge_v.append(v)
         self.edges.append(EdgeInfo(u, v, src, weight, kind, dst))
 
-    def matrix(self, key: TensorKey, u: int, v: int, j: int) -> np.ndarray:
+    def matrix(self, key: TensorKey, u: int, v: int, j: int, combine: int = 1) -> np.ndarray:
         g = self.graphs[key[0]]
         t = g.tensors[key[1]]
         src = [self.nodes[u].produced(key, s) for s in range(self.nodes[u].k)]
         dst = [self.nodes[v].reads[s][j][1] for s in range(self.nodes[v].k)]
-        return self.reshard_matrix(t.shape, t.dtype, src, dst)
+        return self.reshard_matrix(t.shape, t.dtype, src, dst, combine)
 
     def reshard_matrix(self, shape: tuple[int, ...], dtype: str, src: Sequence[ShardingSpec],
-                       dst: Sequence[ShardingSpec | None]) -> np.ndarray:
-        key = (shape, dtype, tuple(src), tuple(dst))
+                       dst: Sequence[ShardingSpec | None], combine: int = 1) -> np.ndarray:
+        key = (shape, dtype, tuple(src), tuple(dst), combine)
         hit = self._matrix_cache.get(key)
         if hit is not None:
             return hit
-        cache = self._pair_cache.setdefault((shape, dtype), {})
+        cache = self._pair_cache.setdefault((shape, dtype, combine), {})
         m = np.empty((len(src), len(dst)))
         for i, a in enumerate(src):
             for j, b in enumerate(dst):
@@ -611,11 +695,42 @@ class _Build:
                     continue
                 c = cache.get((a, b))
                 if c is None:
-                    c = self.cost.reshard_time(shape, dtype, a, b) if a != b else 0.0
+                    c = self.cost.reshard_time(shape, dtype, a, b, combine=combine) if a != b else 0.0
                     cache[(a, b)] = c
                 m[i, j] = c
         self._matrix_cache[key] = m
         return m
+
+
+def combined_reductions(graph: Graph) -> tuple[set[int], int]:
+    """(``gradient_tensors``, ``k``: how many of their all-reduces XLA issues as one, the parameters the
+    step reads): how the problem prices the reduction of those tensors' pending sums."""
+    return gradient_tensors(graph), max(1, sum(1 for t in graph.input_tensors(Role.PARAM) if t.consumers))
+
+
+def gradient_tensors(graph: Graph) -> set[int]:
+    """The top-level tensors whose pending sums XLA reduces together (module docstring): made by a backward
+    or update op (or a result of the step, as the loss), and read only by update ops or by backward ops of
+    one operand (a reshape, a transpose, a sum, a scaling) whose results are all such tensors. A backward op
+    of several operands (the matmul of an input gradient, a mask) makes the next layer's gradients wait for
+    the reduction: not such a tensor."""
+    out: set[int] = set()
+    results = set(graph.outputs)
+
+    def chain(r: Op) -> bool:
+        return (r.phase == "backward" and len({t for t in r.inputs if graph.tensors[t].shape}) == 1
+                and all(o in out for o in r.outputs))
+
+    for op in reversed(graph.ops):  # readers come after the tensors they read
+        if op.bodies:
+            continue
+        for tid in op.outputs:
+            if op.phase == "forward" and tid not in results:
+                continue
+            readers = [graph.ops[c] for c in graph.tensors[tid].consumers]
+            if all(not r.bodies and (r.phase not in ("forward", "backward") or chain(r)) for r in readers):
+                out.add(tid)
+    return out
 
 
 def _peak_in_order(order: Sequence[tuple[int, int]], sizes: Sequence[float]) -> float:

@@ -62,12 +62,17 @@ def issued(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> Iterator
     ops. Three sources: an op's own strategy (the all-reduce of a matmul's partial sums), each resharding
     edge (an all-gather of a sharded weight for a replicated matmul: once per reading op, so a weight read by
     a forward and a backward matmul is gathered twice, as FSDP does), and the pending sums the step returns
-    (a gradient reduced as the step ends)."""
+    (a gradient reduced as the step ends). An all-reduce of a gradient is one of ``built.combine`` that XLA
+    issues as one instruction: it is counted as a value, as the compiled program's tuple has one, at its share
+    of the time (``planner.build``, "Gradients reduced together")."""
     for i, node in enumerate(built.nodes):
         st = node.strategies[int(choice[i])]
         if st is not None:
+            scope, op_id = node.ops[0]
+            outs = built.graphs[scope].ops[op_id].outputs
+            k = min((built.combine_of((scope, t)) for t in outs), default=1)
             for c in st.comm:
-                yield f"{c.kind}({','.join(c.axes)})", c.time, node.weight, False
+                yield f"{c.kind}({','.join(c.axes)})", cost.step_time(c.kind, c.nbytes, c.axes, k), node.weight, False
     p = built.problem
     for (u, v), mat, e in zip(p.edges, p.edge_costs, built.edges, strict=True):
         if float(mat[choice[u], choice[v]]) <= 0:
@@ -77,7 +82,8 @@ def issued(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> Iterator
         s_v = int(choice[v])
         dst = built.nodes[v].needed(e.target, s_v) if e.kind == "data" else built.nodes[v].produced(e.target, s_v)
         if src is not None and dst is not None:
-            for step in cost.reshard(tensor.shape, tensor.dtype, src, dst).steps:
+            k = built.combine_of(e.tensor) if e.kind == "data" else 1
+            for step in cost.reshard(tensor.shape, tensor.dtype, src, dst, combine=k).steps:
                 yield f"{step.kind}({','.join(step.axes)})", step.time, e.weight, True
     g = built.graphs[()]
     results = {((), t) for t in g.outputs}
@@ -86,7 +92,8 @@ def issued(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> Iterator
             if key in results and spec.partial:
                 results.discard(key)
                 t = g.tensors[key[1]]
-                for step in cost.reshard(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims)).steps:
+                for step in cost.reshard(t.shape, t.dtype, spec, ShardingSpec(dims=spec.dims),
+                                         combine=built.combine_of(key)).steps:
                     yield f"{step.kind}({','.join(step.axes)})", step.time, 1.0, False
 
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cost_models import Link
-from cost_models.collectives import KINDS, collective_time, ring_bytes_sent, single_axis_time
+from cost_models.collectives import KINDS, collective_time, combined, ring_bytes_sent, single_axis_time
 
 FAST = Link(name="fast", bandwidth=1e9, latency=1e-6)
 SLOW = Link(name="slow", bandwidth=1e8, latency=1e-5)
@@ -99,3 +99,17 @@ def test_all_reduce_costs_about_reduce_scatter_plus_all_gather(n: float, p: int)
     ring = single_axis_time("all_reduce", n, p, FAST, algorithm="ring")
     parts = single_axis_time("reduce_scatter", n, p, FAST) + single_axis_time("all_gather", n, p, FAST)
     assert math.isclose(ring, parts, rel_tol=1e-9)
+
+
+@given(sizes=st.lists(st.floats(1, 1e9), min_size=1, max_size=40), p=st.integers(2, 64))
+def test_combined_all_reduces_pay_the_latency_once(sizes: list[float], p: int) -> None:
+    """k ring all-reduces issued as one instruction: their shares sum to one all-reduce of all their bytes
+    (the ring's price is affine in the bytes), and none is charged below 1/k of its own time."""
+    k = len(sizes)
+    alpha = single_axis_time("all_reduce", 1e-30, p, FAST, algorithm="ring")
+    own = [single_axis_time("all_reduce", n, p, FAST, algorithm="ring") for n in sizes]
+    shares = [combined(t, alpha, k) for t in own]
+    assert math.isclose(sum(shares), single_axis_time("all_reduce", sum(sizes), p, FAST, algorithm="ring"),
+                        rel_tol=1e-9)
+    assert all(s >= t / k * (1 - 1e-12) for s, t in zip(shares, own, strict=True))
+    assert combined(own[0], alpha, 1) == own[0]
