@@ -43,6 +43,19 @@ class ArgumentMismatch(EmitError):
     """An emitted step called with argument leaves whose shapes or dtypes differ from the traced ones."""
 
 
+def check_leaves(graph: Graph, leaves: Sequence[Any], what: str, more: str = "") -> None:
+    """``ArgumentMismatch`` naming the first of ``leaves`` whose shape or dtype differs from ``graph``'s input
+    (a program checks this when jax.jit traces it for a new signature); ``what`` was traced, ``more``: other
+    advice after parallelize's."""
+    for i, (t, x) in enumerate(zip(graph.inputs, leaves, strict=True)):
+        want = graph.tensors[t]
+        if tuple(x.shape) != want.shape or str(x.dtype) != want.dtype:
+            raise ArgumentMismatch(
+                f"argument leaf {i} ({want.name}) is {x.dtype}{list(x.shape)}; the {what} was traced and "
+                f"planned with {want.dtype}{list(want.shape)}: call autoshard.parallelize's step (it plans "
+                f"again for new shapes){more}")
+
+
 class EmittedStep:
     """A traced step re-emitted as one jitted SPMD program; call it like the traced function.
 
@@ -99,13 +112,7 @@ class EmittedStep:
     def _flat_step(self, *leaves: Any) -> tuple[Any, ...]:
         # runs only when jax.jit traces, i.e. for an argument signature it has not compiled yet: the graph's
         # ops carry the traced shapes, so leaves of other shapes are refused here, not replayed wrongly
-        for i, (t, x) in enumerate(zip(self.graph.inputs, leaves, strict=True)):
-            want = self.graph.tensors[t]
-            if tuple(x.shape) != want.shape or str(x.dtype) != want.dtype:
-                raise ArgumentMismatch(
-                    f"argument leaf {i} ({want.name}) is {x.dtype}{list(x.shape)}; the step was traced and "
-                    f"planned with {want.dtype}{list(want.shape)}: call autoshard.parallelize's step (it plans "
-                    "again for new shapes) or emit a plan made for these shapes")
+        check_leaves(self.graph, leaves, "step", " or emit a plan made for these shapes")
         self.interpreter.reset()
         return tuple(self.interpreter.run(self.graph, (), leaves, pin_inputs=False))
 

@@ -78,7 +78,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
-from autoshard.emit.program import ArgumentMismatch
+from autoshard.emit.program import check_leaves
 from autoshard.emit.specs import named_sharding, normalize_key
 from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
@@ -229,13 +229,7 @@ class SpmdPipelineStep:
     # -- the program ----------------------------------------------------------------------------------------
 
     def _program(self, *leaves: Any) -> list[Any]:
-        for i, (t, x) in enumerate(zip(self.graph.inputs, leaves, strict=True)):  # when jax.jit traces
-            want = self.graph.tensors[t]
-            if tuple(x.shape) != want.shape or str(x.dtype) != want.dtype:
-                raise ArgumentMismatch(
-                    f"argument leaf {i} ({want.name}) is {x.dtype}{list(x.shape)}; the pipeline was traced and "
-                    f"planned with {want.dtype}{list(want.shape)}: call autoshard.parallelize's step (it plans "
-                    "again for new shapes)")
+        check_leaves(self.graph, leaves, "pipeline")  # when jax.jit traces
         g, cut, M, V = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
         S, v = V // self.num_chunks, self.num_chunks
         interp = Interpreter(self.mesh, self.specs)
@@ -320,6 +314,7 @@ class SpmdPipelineStep:
         sums one by one would gather them), and is left out with the ops that fed only it."""
         g, cut, V = self.micro, self.cut, self.cut.num_stages
         b0 = cut.chunk_b[0].outputs
+        update = set(cut.update.ops)
         skip: set[int] = set()
         for op_id in cut.update.ops:
             rows = stacked_rows(g, op_id)
@@ -336,7 +331,7 @@ class SpmdPipelineStep:
             env[g.ops[op_id].outputs[0]] = scale(x.reshape(V * d, *x.shape[2:]))
             skip.add(op_id)
             skip.update(p for t in g.ops[op_id].inputs if (p := g.tensors[t].producer) is not None
-                        and p in set(cut.update.ops) and g.ops[p].primitive != "stack" and g.tensors[t].consumers == (op_id,))
+                        and p in update and g.ops[p].primitive != "stack" and g.tensors[t].consumers == (op_id,))
         if not skip:
             return cut.update
         return Group.of(g, [i for i in cut.update.ops if i not in skip])
