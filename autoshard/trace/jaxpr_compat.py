@@ -347,14 +347,18 @@ def phase_scope(phase: str | None, scope: str, traceback: Any = None) -> context
     name stacks are not reachable."""
     if _siu is None:
         return contextlib.nullcontext()
-    name_stack = _siu.current_name_stack()
+    return _siu.user_context(traceback, name_stack=_stack_in(_siu.current_name_stack(), phase, scope))
+
+
+def _stack_in(name_stack: Any, phase: str | None, scope: str) -> Any:
+    """``name_stack`` extended by ``<transform>(<scope>)``: what the tracer reads back as ``scope`` in ``phase``."""
     transform = _PHASE_TRANSFORM.get(phase or "")
     if transform is not None:
         name_stack = name_stack.transform(transform)
     for part in scope.split("/"):
         if part:
             name_stack = name_stack.extend(part)
-    return _siu.user_context(traceback, name_stack=name_stack)
+    return name_stack
 
 
 def eqn_context(eqn: Any, phase: str | None = None, scope: str | None = None) -> contextlib.AbstractContextManager:
@@ -384,13 +388,7 @@ def eqn_in(eqn: Any, phase: str | None, scope: str) -> Any:
     itself where name stacks are not reachable."""
     if _siu is None:
         return eqn
-    name_stack = _siu.new_name_stack()
-    transform = _PHASE_TRANSFORM.get(phase or "")
-    if transform is not None:
-        name_stack = name_stack.transform(transform)
-    for part in scope.split("/"):
-        if part:
-            name_stack = name_stack.extend(part)
+    name_stack = _stack_in(_siu.new_name_stack(), phase, scope)
     return eqn.replace(source_info=eqn.source_info.replace(name_stack=name_stack))
 
 
