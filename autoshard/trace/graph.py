@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
@@ -290,3 +290,25 @@ def peak_of_intervals(spans: Iterable[tuple[tuple[int, int], int]], steps: int) 
         cur += d
         peak = max(peak, cur)
     return peak
+
+
+def links(op_inputs: Sequence[Sequence[int]], producers: Sequence[int | None], outputs: Collection[int],
+          ) -> tuple[list[tuple[int, ...]], list[tuple[int, int]]]:
+    """Per tensor (``producers[t]``: the op making it, None for inputs and constants): the ops reading it
+    (``op_inputs[i]``: op ``i``'s inputs), each once in op order, and its live interval (module docstring:
+    from its producer up to one past its last consumer, a step output to the end; an unread value made by
+    an op lives one step, an unread input not at all)."""
+    n_ops = len(op_inputs)
+    consumers: list[list[int]] = [[] for _ in producers]
+    for i, ins in enumerate(op_inputs):
+        for t in ins:
+            c = consumers[t]
+            if not c or c[-1] != i:
+                c.append(i)
+    out_set = set(outputs)
+    live = []
+    for t, (prod, cons) in enumerate(zip(producers, consumers, strict=True)):
+        start = 0 if prod is None else prod
+        end = n_ops if t in out_set else cons[-1] + 1 if cons else start + 1 if prod is not None else start
+        live.append((start, max(end, start)))
+    return [tuple(c) for c in consumers], live

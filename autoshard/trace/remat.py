@@ -47,7 +47,7 @@ from jax.extend.core import Literal
 from autoshard.errors import TraceError
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import buffers
-from autoshard.trace.graph import Graph, Op, Tensor
+from autoshard.trace.graph import Graph, Op, Tensor, links
 from autoshard.trace.recompute import MODES, saved_by_selective, stashes
 from autoshard.trace.roles import Role
 from autoshard.trace.tracer import params_digest
@@ -271,20 +271,8 @@ def _finish(graph: Graph, ops: list[dict[str, Any]], tensors: list[dict[str, Any
             outputs: list[int], constants: dict[int, Any]) -> Graph:
     """The Graph of ``ops`` and ``tensors`` (consumers and live ranges as ``tracer`` gives them), with
     ``graph``'s signature: its names, aliases, pytrees and jaxpr (whose inputs and outputs it keeps)."""
-    n_ops = len(ops)
-    consumers: list[list[int]] = [[] for _ in tensors]
-    for i, op in enumerate(ops):
-        for t in op["inputs"]:
-            c = consumers[t]
-            if not c or c[-1] != i:
-                c.append(i)
-    out_set = set(outputs)
-    made = []
-    for t, cons in zip(tensors, consumers, strict=True):
-        prod = t["producer"]
-        start = 0 if prod is None else prod
-        end = n_ops if t["id"] in out_set else cons[-1] + 1 if cons else start + 1 if prod is not None else start
-        made.append(Tensor(**t, consumers=tuple(cons), live=(start, max(end, start))))
+    consumers, live = links([op["inputs"] for op in ops], [t["producer"] for t in tensors], outputs)
+    made = [Tensor(**t, consumers=c, live=span) for t, c, span in zip(tensors, consumers, live, strict=True)]
     return Graph(ops=tuple(Op(**op) for op in ops), tensors=tuple(made), inputs=tuple(inputs),
                  outputs=tuple(outputs), output_names=graph.output_names, output_aliases=graph.output_aliases,
                  jaxpr=graph.jaxpr, in_tree=graph.in_tree, out_tree=graph.out_tree, constants=constants)

@@ -39,7 +39,7 @@ from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace import roles as _roles
 from autoshard.trace import unruled
 from autoshard.trace.costs import op_flops
-from autoshard.trace.graph import Graph, Op, Role, Tensor
+from autoshard.trace.graph import Graph, Op, Role, Tensor, links
 
 _INHERITED_ROLES = frozenset({Role.PARAM, Role.OPT_STATE, Role.BATCH, Role.STATE, Role.CONST})
 _WRAPPER = re.compile(r"[A-Za-z_][\w]*\(([^()]*)\)")
@@ -299,25 +299,11 @@ class _Builder:
         in_tree: Any = None,
         out_tree: Any = None,
     ) -> Graph:
-        n_ops = len(self.ops)
-        consumers: list[list[int]] = [[] for _ in self.t_name]
-        for i, op in enumerate(self.ops):
-            for t in op["inputs"]:
-                c = consumers[t]
-                if not c or c[-1] != i:
-                    c.append(i)
+        consumers, live = links([op["inputs"] for op in self.ops], self.t_producer, outputs)
         out_set = set(outputs)
         tensors = []
         for tid in range(len(self.t_name)):
             prod = self.t_producer[tid]
-            start = 0 if prod is None else prod
-            cons = consumers[tid]
-            if tid in out_set:
-                end = n_ops
-            elif cons:
-                end = cons[-1] + 1
-            else:
-                end = start + 1 if prod is not None else start
             role = self.t_role[tid]
             if tid in out_set and role is Role.ACTIVATION and in_tree is not None:
                 role = Role.OUTPUT
@@ -330,8 +316,8 @@ class _Builder:
                     nbytes=self.t_nbytes[tid],
                     role=role,
                     producer=prod,
-                    consumers=tuple(cons),
-                    live=(start, max(end, start)),
+                    consumers=consumers[tid],
+                    live=live[tid],
                 )
             )
         for name, tid in zip(output_names, outputs, strict=True):
