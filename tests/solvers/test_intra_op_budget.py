@@ -85,11 +85,16 @@ def test_a_guarded_solve_from_a_script_without_a_main_guard_does_not_run_the_scr
 def test_a_short_budget_on_a_large_problem_is_spent_improving_the_start() -> None:
     # a planner seed: a large problem, a budget of about its set-up; what is kept back for expanding the
     # answer must not swallow the whole budget (it did: 12k nodes kept 1.2 s back, and a 2 s solve
-    # returned its least-memory start, 10% dearer)
+    # returned its least-memory start, 10% dearer). The set-up is timed warm (the first solve compiles the
+    # kernels) and the budget is twice it plus 2 s of search: on CI's two busy cores a budget of twice a
+    # cold set-up left no search at all (0.975 of the start; on an idle machine 0.90)
     p = _large_problem(12_000, 4, seed=1)
-    t0 = time.perf_counter()
     quick = solve_intra_op(p, time_budget_s=0.0)
-    setup = time.perf_counter() - t0
-    sol = solve_intra_op(p, time_budget_s=max(2.0, 2 * setup))
+    setup = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        solve_intra_op(p, time_budget_s=0.0)
+        setup = min(setup, time.perf_counter() - t0)
+    sol = solve_intra_op(p, time_budget_s=2 * setup + 2.0)
     assert sol.feasible and quick.feasible
     assert sol.cost < 0.97 * quick.cost, (sol.cost, quick.cost, setup)
