@@ -95,7 +95,7 @@ def test_unknown_mode_or_setting_is_refused() -> None:
         autoshard.plan(graph, mesh=(2,), recompute="sometimes")
 
 
-def test_auto_recomputes_only_when_the_step_does_not_fit() -> None:
+def test_auto_recomputes_only_when_the_step_does_not_fit_and_only_the_blocks_it_must() -> None:
     _, graph, _ = _gpt()
     cost = cost_model_for("h100", (1,), ("x",))
     kw: dict[str, Any] = {"hardware": "h100", "time_budget_s": 10}
@@ -105,13 +105,25 @@ def test_auto_recomputes_only_when_the_step_does_not_fit() -> None:
     sel, _ = plan_recomputing(graph, cost, recompute="selective", memory_budget=None, **kw)
     assert full.peak_memory < sel.peak_memory < roomy.peak_memory
     assert roomy.predicted_step_time < sel.predicted_step_time < full.predicted_step_time
-    # a budget between selective's peak and the step's: auto chooses selective, on every block
-    tight, rewritten = plan_recomputing(graph, cost, memory_budget=(sel.peak_memory + roomy.peak_memory) / 2, **kw)
-    assert set(tight.recompute.values()) == {"selective"} and len(tight.recompute) == 4
+    # a budget between selective's peak and the step's: auto chooses selective, on the first blocks only,
+    # faster than selective on every block under the same budget
+    budget = (sel.peak_memory + roomy.peak_memory) / 2
+    tight, rewritten = plan_recomputing(graph, cost, memory_budget=budget, **kw)
+    every, _ = plan_recomputing(graph, cost, recompute="selective", memory_budget=budget, **kw)
+    names = blocks(graph)
+    assert set(tight.recompute.values()) == {"selective"} and 0 < len(tight.recompute) < 4
+    assert list(tight.recompute) == names[:len(tight.recompute)]
+    assert tight.predicted_step_time < every.predicted_step_time and tight.peak_memory <= budget
     assert rewritten is not graph and tight.peak_memory < roomy.peak_memory
-    # between full's and selective's: full
-    tighter, _ = plan_recomputing(graph, cost, memory_budget=(full.peak_memory + sel.peak_memory) / 2, **kw)
-    assert set(tighter.recompute.values()) == {"full"}
+    # between full's and selective's: full on the first blocks, selective on the rest (full everywhere fits,
+    # and is slower)
+    budget = (full.peak_memory + sel.peak_memory) / 2
+    tighter, _ = plan_recomputing(graph, cost, memory_budget=budget, **kw)
+    every, _ = plan_recomputing(graph, cost, recompute="full", memory_budget=budget, **kw)
+    modes = [tighter.recompute.get(b, "none") for b in names]
+    k = modes.count("full")
+    assert 0 < k < 4 and modes == ["full"] * k + ["selective"] * (4 - k), modes
+    assert tighter.predicted_step_time < every.predicted_step_time and tighter.peak_memory <= budget
     # below full's: the error says what each setting needs
     with pytest.raises(DoesNotFit, match=r"recompute or not \(as traced at least .* GB, with selective "
                        r"recompute at least .* GB, with full recompute at least .* GB, of its 4 blocks\)") as e:
@@ -178,6 +190,26 @@ def test_parallelized_step_with_recompute_matches_jit(mode: str, tmp_path: Path)
     state, metrics = rerun(*args)
     assert abs(float(metrics["loss"]) - want[0][0]) <= TOL * abs(want[0][0])
     assert global_rel_error(want[0][1], state.opt_state) <= TOL
+
+
+def test_a_step_recomputing_only_its_first_blocks_matches_jit() -> None:
+    """A budget only some blocks' recompute meets: ``parallelize`` emits the planner's per-block choice (the
+    first blocks selective, the others as traced) and computes the unsharded step's numbers."""
+    step, graph, args = _gpt(concrete=True)
+    cost = cost_model_for("h100", (1,), ("x",))
+    kw: dict[str, Any] = {"hardware": "h100", "time_budget_s": 10}
+    roomy, _ = plan_recomputing(graph, cost, memory_budget=None, **kw)
+    sel, _ = plan_recomputing(graph, cost, recompute="selective", memory_budget=None, **kw)
+    par = autoshard.parallelize(step, mesh=(1,), hardware="h100", memory_budget=(sel.peak_memory + roomy.peak_memory) / 2,
+                                time_budget_s=30)
+    ref = jax.jit(step)
+    (want, batch), got = args, args[0]
+    for _ in range(STEPS):
+        want, m1 = ref(want, batch)
+        got, m2 = par(got, batch)
+        assert abs(float(m2["loss"]) - float(m1["loss"])) <= TOL * abs(float(m1["loss"]))
+    assert global_rel_error(want.opt_state, got.opt_state) <= TOL
+    assert set(par.plan.recompute.values()) == {"selective"} and 0 < len(par.plan.recompute) < len(blocks(graph))
 
 
 def test_cli_recompute_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -319,13 +351,19 @@ def _dataflow(g: Graph) -> list[tuple[Any, ...]]:
             for op in g.ops] + [("outputs", [ref(t) for t in g.outputs])]
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "full:1,selective:2"])
 def test_the_rewrite_is_the_step_traced_again_with_its_replays(mode: str) -> None:
     """Rewriting the Graph gives the step JAX traces when each block's replay is bound in its backward pass:
     the same ops in the same order reading the same values, so the same flops per phase, the same peak
-    memory, and the digest a pipeline plan records."""
+    memory, and the digest a pipeline plan records. ``full:1,selective:2``: a mode per block (full on the
+    first, selective on the next two, none on the last), as the planner's search between modes makes."""
     _, graph, _ = _gpt()
-    config = uniform(graph, mode)
+    if ":" in mode:
+        runs = [(m, int(n)) for m, n in (part.split(":") for part in mode.split(","))]
+        per_block = [m for m, n in runs for _ in range(n)]
+        config = {b: m for b, m in zip(blocks(graph), per_block + ["none"] * 4, strict=False)}
+    else:
+        config = uniform(graph, mode)
     mine, traced = rematerialize(graph, config), _retraced(graph, config)
     mine.verify()
     assert _dataflow(mine) == _dataflow(traced)

@@ -49,12 +49,13 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None]
         modes = modes[modes.index(start):]
     errors: list[tuple[str, PipelineDoesNotFit]] = []
     for n, mode in enumerate(modes):
-        left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
-                                                      0.25 * time_budget_s / (len(modes) - n))
         config = uniform(micro, mode) if mode != "none" else {}
         graph = recomputed(micro, config)
         if mode != "none" and graph is micro and recompute == "auto":
             break  # no block to recompute
+        # what is left once the microbatch step is rewritten (charged to the budget)
+        left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
+                                                      0.25 * time_budget_s / (len(modes) - n))
         try:
             the_plan = plan(graph, left)
         except PipelineDoesNotFit as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.summary import human_time, mfu_line
+from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
 
 
@@ -23,7 +24,7 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
         *([mfu_line(plan.mfu, plan.model_flops)] if plan.mfu is not None else []),
-        *([f"recompute: {'/'.join(sorted(set(plan.recompute.values())))} on {len(plan.recompute)} blocks (replayed "
+        *([f"recompute: {remat.summary(plan.recompute)} (replayed "
            "in each stage's backward program; counted in its time)"] if plan.recompute else []),
         "",
         f"  {'stage':<6}{'layers':<10}{'submesh':<10}{'devices':<16}{'fwd+bwd/microbatch':>20}{'update':>12}"

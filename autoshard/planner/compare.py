@@ -34,6 +34,7 @@ from autoshard.planner.planning import ProblemCache, plan_graph
 from autoshard.planner.readback import memory_at_peak
 from autoshard.planner.recompute import plan_recomputing
 from autoshard.planner.summary import human_time, tensor_class
+from autoshard.trace import remat
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
 from cost_models import CostModel
@@ -318,7 +319,7 @@ def recompute_note(plan: Plan) -> str:
     """What a plan recomputes: ``"selective on 2 blocks"`` (``"none"`` when nothing)."""
     if not plan.recompute:
         return "none"
-    return f"{'/'.join(sorted(set(plan.recompute.values())))} on {len(plan.recompute)} blocks"
+    return remat.summary(plan.recompute)
 
 
 def _recomputing_as(auto: Plan, plan: Plan) -> Plan:

@@ -28,8 +28,9 @@ Formally, with ``G_m`` the step rewritten with mode ``m`` on every block and ``T
 time of ``G`` under the budget (``+inf`` when nothing fits), ``auto`` returns
 ``argmin_{m ∈ (none, selective, full)} T(G_m)`` under the order above: it stops at the first finite one,
 since ``T(G_none) <= T(G_selective) <= T(G_full)`` whenever they are finite (each adds work and frees
-memory). Not searched yet: recomputing only some blocks (the first ``k``), which would fit between two
-modes.
+memory). Between the first mode that fits, ``m``, and the one before it, the first ``k`` blocks are
+then searched (``_fewer_blocks``): ``m`` on them and the earlier mode on the rest, fitting between the
+two modes, with the time budget's remainder.
 
 The plan records the blocks and modes (``Plan.recompute``); ``parallelize`` applies the same rewrite to
 its trace before emitting, so the program runs what was planned.
@@ -48,6 +49,7 @@ from typing import Any
 
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.planning import ProblemCache, plan_graph
+from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph, Tensor
 from autoshard.trace.recompute import MODES, estimate, peak_holders
 from autoshard.trace.remat import blocks, rematerialize, uniform
@@ -84,8 +86,6 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
     budget = kw.get("memory_budget")
     names: list[str] | None = None  # the step's blocks, found once a recompute mode is tried
     for mode in modes:
-        left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
-                                                      0.25 * time_budget_s)
         if mode != "none" and names is None:
             names = blocks(graph)
         if recompute == "auto" and mode != "none" and not names:
@@ -104,6 +104,9 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
                 break  # nothing to recompute: the step as traced was the only candidate
             log.warning("autoshard: recompute=%r: the step has no repeated blocks to recompute; planned as "
                         "traced", recompute)
+        # what is left once the step is rewritten (1-2 s on GPT-39B, charged to the budget like the build)
+        left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
+                                                      0.25 * time_budget_s)
         try:
             plan = plan_graph(target, cost, time_budget_s=left, problems=problems if target is graph else None, **kw)
         except DoesNotFit as e:
@@ -115,6 +118,10 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             continue
         if mode != "none":
             log.info("autoshard: recompute %s on %d blocks makes the step fit", mode, len(config))
+        if recompute == "auto" and mode != "none" and budget is not None:
+            prev = modes[modes.index(mode) - 1]
+            return _fewer_blocks(graph, cost, names or [], mode, prev, (plan, target, config), budget,
+                                 None if time_budget_s is None else t0 + time_budget_s, kw)
         return (plan if target is graph else _with_recompute(plan, config)), target
     if first is not None and len(needs) == 1:
         raise first
@@ -133,6 +140,72 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         f"(memory_budget=None, --memory-budget none) to see what it would need.{as_traced}",
         needed=needs.get("full", first.needed if first is not None else None),
         as_traced=needs.get("none")) from None
+
+
+def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, prev: str,
+                  every: tuple[Plan, Graph, dict[str, str]], budget: float, deadline: float | None,
+                  kw: dict[str, Any]) -> tuple[Plan, Graph]:
+    """The fastest plan found recomputing ``mode`` on only the first ``k`` blocks and ``prev`` (the mode
+    before it, with which the step did not fit) on the others; ``every``: the plan with ``mode`` on all
+    ``L`` blocks, its graph and its blocks' modes.
+
+    With ``T(k)`` the optimal step time of the step so rewritten (``+inf`` when nothing fits; ``T(L)`` is
+    ``every``'s), ``k`` is searched in ``[k_0, L]``: ``k_0`` the fewest blocks whose rewrite passes the
+    least-bytes bound (``estimate`` with every value split as far as the axes divide it; a proven lower
+    bound on the peak, non-increasing in ``k``, so no ``k < k_0`` fits), found by bisection on that cheap
+    bound. Then a descent that takes ``T`` as unimodal (fewer recomputed blocks do less work until the
+    memory they hold forces slower layouts, then nothing fits): with ``[a, b]`` the interval left and
+    ``b`` the best ``k`` so far, plan ``k = ⌊(a + b)/2⌋``; when it fits and is faster, ``b = k``, else
+    ``a = k + 1``. Each probe starts from the best plan's input layouts and gets the time the all-blocks
+    plan took, while the budget (``deadline``) has that much left; with no budget, at most
+    ``⌈log2(L + 1)⌉`` probes. The first blocks in forward order recompute: every block's stash is live at
+    the peak (the backward pass's start), and the first blocks' replays run last, when most stashes are
+    freed. Megatron's ``--recompute-num-layers`` chooses so by hand."""
+    best_plan, best_graph, best_config = every
+    total = len(names)
+    took = best_plan.solver.build_seconds + best_plan.solver.seed_seconds + best_plan.solver.solve_seconds
+    size = least_bytes(cost.mesh)
+
+    def config(k: int) -> dict[str, str]:
+        return {b: (mode if i < k else prev) for i, b in enumerate(names)}
+
+    def more() -> bool:
+        return probes < math.ceil(math.log2(total + 1)) if deadline is None else deadline - time.perf_counter() >= took
+
+    probes = 0
+    if not more():
+        return _with_recompute(best_plan, best_config), best_graph
+    a, b = 0, total
+    while a < b:  # k_0: the fewest blocks at ``mode`` that the least-bytes bound lets fit
+        k = (a + b) // 2
+        if estimate(graph, config(k), nbytes=size).peak_bytes <= budget:
+            b = k
+        else:
+            a = k + 1
+    b = total  # [a, b]: k_0 .. L, b the best so far
+    while a < b and more():
+        k = (a + b) // 2
+        probes += 1
+        modes = {n: m for n, m in config(k).items() if m != "none"}
+        target = recomputed(graph, modes)
+        start = {lay.name: lay.spec for lay in best_plan.inputs}
+        try:
+            plan = plan_graph(target, cost, **{**kw, "time_budget_s": None if deadline is None else took,
+                                               "starts": (start,)})
+        except DoesNotFit:
+            log.info("autoshard: recompute %s on the first %d of %d blocks (%s on the rest) does not fit",
+                     mode, k, total, prev)
+            a = k + 1
+            continue
+        faster = plan.predicted_step_time < best_plan.predicted_step_time
+        log.info("autoshard: recompute %s on the first %d of %d blocks (%s on the rest): %s per step, %s",
+                 mode, k, total, prev, human_time(plan.predicted_step_time),
+                 f"faster than {human_time(best_plan.predicted_step_time)}" if faster else "no faster")
+        if faster:
+            best_plan, best_graph, best_config, b = plan, target, config(k), k
+        else:
+            a = k + 1
+    return _with_recompute(best_plan, best_config), best_graph
 
 
 def most_shards(shape: tuple[int, ...], sizes: tuple[int, ...]) -> int:

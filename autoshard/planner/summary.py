@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from autoshard.planner.plan import Plan
 from autoshard.planner.utilization import ModelFlops
+from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
 
 _LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)")
@@ -42,8 +43,7 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     if plan.mfu is not None:
         lines.append(mfu_line(plan.mfu, plan.model_flops))
     if plan.recompute:
-        modes = sorted(set(plan.recompute.values()))
-        lines.append(f"recompute: {'/'.join(modes)} on {len(plan.recompute)} blocks (their forward ops run again "
+        lines.append(f"recompute: {remat.summary(plan.recompute)} (their forward ops run again "
                      "in the backward pass; counted in compute)")
     lines += [
         "",

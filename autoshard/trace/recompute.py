@@ -27,9 +27,10 @@ traced without remat, estimated with ``full``, against the compiled step with ``
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from autoshard.trace.buffers import Buffers, buffers
 from autoshard.trace.graph import Graph, Op, Tensor
@@ -53,9 +54,10 @@ def saved_by_selective(op: Op) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecomputeEstimate:
-    """One setting applied to every block: the step's peak bytes and the extra forward work."""
+    """A setting (one mode on every block, or a mode per block): the step's peak bytes and the extra
+    forward work."""
 
-    mode: str
+    mode: str  # the mode, or how many blocks take each (``full on 12, none on 36``)
     peak_bytes: float
     extra_flops: float
     extra_bytes: float  # bytes the recomputed ops read and write
@@ -79,20 +81,24 @@ def stashes(graph: Graph, buf: Buffers | None = None) -> dict[str, list[int]]:
     return dict(out)
 
 
-def estimate(graph: Graph, mode: str, nbytes: Callable[[Tensor], float] | None = None,
+def estimate(graph: Graph, mode: str | Mapping[str, str], nbytes: Callable[[Tensor], float] | None = None,
              seconds: Callable[[Op], float] | None = None) -> RecomputeEstimate:
-    """The step's peak memory and extra work with ``mode`` applied to every block (unsharded bytes unless
-    ``nbytes`` gives a tensor's bytes per device; ``seconds`` prices one recomputed op, e.g. with the
-    planner's cost model)."""
-    if mode not in MODES:
-        raise ValueError(f"recompute mode {mode!r}: expected one of {', '.join(MODES)}")
+    """The step's peak memory and extra work with ``mode`` applied to every block, or with each block's
+    own mode (``mode`` a mapping block tag -> mode, ``none`` for a block it leaves out); unsharded bytes
+    unless ``nbytes`` gives a tensor's bytes per device; ``seconds`` prices one recomputed op, e.g. with
+    the planner's cost model."""
+    for m in ((mode,) if isinstance(mode, str) else mode.values()):
+        if m not in MODES:
+            raise ValueError(f"recompute mode {m!r}: expected one of {', '.join(MODES)}")
     size = nbytes or (lambda t: float(t.nbytes))
     buf = buffers(graph)
     live = list(buf.live)
     extra: list[float] = []  # bytes of the recomputed copies, whose intervals follow the tensors' in live
     extra_flops = extra_bytes = extra_seconds = 0.0
-    blocks = stashes(graph, buf)
-    if mode != "none":
+    stash = stashes(graph, buf)
+    mode_of = {b: (mode if isinstance(mode, str) else mode.get(b, "none")) for b in stash}
+    blocks = {b: tids for b, tids in stash.items() if mode_of[b] != "none"}
+    if blocks:
         bwd_start: dict[str, int] = {}
         for op in graph.ops:
             if op.phase == "backward" and op.layer and op.layer not in bwd_start:
@@ -103,7 +109,7 @@ def estimate(graph: Graph, mode: str, nbytes: Callable[[Tensor], float] | None =
                 continue
             for tid in tids:
                 t = graph.tensors[tid]
-                if mode == "selective" and saved_by_selective(graph.ops[t.producer]):  # type: ignore[index]
+                if mode_of[layer] == "selective" and saved_by_selective(graph.ops[t.producer]):  # type: ignore[index]
                     continue
                 start, end = live[tid]
                 fwd_end = max([c + 1 for c in t.consumers if graph.ops[c].phase == "forward"] + [start + 1])
@@ -114,14 +120,16 @@ def estimate(graph: Graph, mode: str, nbytes: Callable[[Tensor], float] | None =
         for op in graph.ops:
             if op.phase != "forward" or op.layer not in blocks:
                 continue
-            if mode == "selective" and saved_by_selective(op):
+            if mode_of[op.layer] == "selective" and saved_by_selective(op):
                 continue
             extra_flops += op.flops
             extra_bytes += op.bytes_in + op.bytes_out
             extra_seconds += seconds(op) if seconds is not None else 0.0
     sizes = [size(t) if h else 0.0 for t, h in zip(graph.tensors, buf.held, strict=True)] + extra
-    return RecomputeEstimate(mode=mode, peak_bytes=_peak(live, sizes), extra_flops=extra_flops,
-                             extra_bytes=extra_bytes, extra_seconds=extra_seconds, blocks=len(blocks))
+    label = mode if isinstance(mode, str) else ", ".join(
+        f"{m} on {n}" for m, n in collections.Counter(mode_of.values()).most_common())
+    return RecomputeEstimate(mode=label, peak_bytes=_peak(live, sizes), extra_flops=extra_flops,
+                             extra_bytes=extra_bytes, extra_seconds=extra_seconds, blocks=len(stash))
 
 
 def peak_holders(graph: Graph, k: int = 3) -> list[tuple[str, float]]:
