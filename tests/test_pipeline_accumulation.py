@@ -45,25 +45,42 @@ class _MLP(nn.Module):
         return jnp.mean(h**2)
 
 
+class _EmbeddedMLP(nn.Module):
+    """``_MLP`` over the embeddings of 8 tokens a row (a vocabulary of 40): the embedding's gradient is a
+    scatter-add of the microbatch's rows into zeros."""
+
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return _MLP(self.layers, name="mlp")(nn.Embed(40, 24, name="embed")(tokens))
+
+
 def _train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
     loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
     with jax.numpy_dtype_promotion("standard"):
         return state.apply_gradients(grads=grads), {"loss": loss}
 
 
-def _state_and_batch(num_microbatches: int, layers: int = 4) -> tuple[TrainState, dict[str, jax.Array]]:
-    model = _MLP(layers)
-    x = jax.random.normal(jax.random.key(0), (num_microbatches * ROWS, 16))
+def _state_and_batch(num_microbatches: int, layers: int = 4, *, embed: bool = False
+                     ) -> tuple[TrainState, dict[str, jax.Array]]:
+    model = _EmbeddedMLP(layers) if embed else _MLP(layers)
+    if embed:
+        x = jax.random.randint(jax.random.key(0), (num_microbatches * ROWS, 8), 0, 40)
+    else:
+        x = jax.random.normal(jax.random.key(0), (num_microbatches * ROWS, 16))
     params = model.init(jax.random.key(1), x)["params"]
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
     return state.replace(step=jnp.zeros((), jnp.int32)), {"x": x}
 
 
 def data_parallel_pipeline(num_microbatches: int, schedule: str = "1f1b", *, layers: int = 4,
-                           num_layers: int = 2, **kw) -> tuple[PipelinedStep, TrainState, dict[str, jax.Array]]:
+                           num_layers: int = 2, embed: bool = False,
+                           **kw) -> tuple[PipelinedStep, TrainState, dict[str, jax.Array]]:
     """Two stages of four devices, each stage data parallel inside its submesh: every value with a batch
-    dimension split over the stage's axes, parameters and optimizer state replicated."""
-    state, batch = _state_and_batch(num_microbatches, layers)
+    dimension split over the stage's axes, parameters and optimizer state replicated (``embed``: the
+    model reads tokens through an embedding)."""
+    state, batch = _state_and_batch(num_microbatches, layers, embed=embed)
     full = autoshard.trace(_train_step, state, batch)
     g = autoshard.trace(_train_step, *microbatch_args((state, batch), full, None, num_microbatches))
     cost = cost_model_for("h100", (2, 4), ("x", "y"))
@@ -123,6 +140,17 @@ def test_gradients_are_reduced_once_per_step_whatever_the_microbatch_count() -> 
         assert sum(n for (_, kind), n in counts.items() if kind == "reduce") == n_grads + 1, counts
         totals[B] = total
     assert totals[4] == totals[8] > 0
+
+
+def test_an_embeddings_gradient_is_reduced_once_per_step() -> None:
+    # the embedding's gradient, a scatter-add of each device's rows into zeros, is a partial sum like the
+    # kernels' and leaves the backward program unreduced: no per-microbatch program reduces anything
+    step, state, batch = data_parallel_pipeline(4, embed=True)
+    _, counts = _per_step(step)
+    assert all(n == 0 for (_, kind), n in counts.items() if kind in ("forward", "backward")), counts
+    n_grads = len(jax.tree.leaves(state.params))
+    assert sum(n for (_, kind), n in counts.items() if kind == "reduce") == n_grads + 1, counts
+    _matches_the_unsharded_step(step, state, batch)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

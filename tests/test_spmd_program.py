@@ -220,8 +220,9 @@ def test_the_program_exchanges_on_the_stage_axis_and_reduces_once() -> None:
 
 def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_once() -> None:
     # 2 stages of 4 devices, each stage data parallel inside (every value with the microbatch's 8 rows split
-    # over the stage's axes): each device's partial sums of the blocks' and the tail's gradients are added up
-    # over the microbatches in the loop and reduced after it, once a step; the numbers are jax.jit's
+    # over the stage's axes): each device's partial sums of the blocks', the tail's and the head's gradients
+    # (the embeddings' too) are added up over the microbatches in the loop and reduced after it, once a step;
+    # the numbers are jax.jit's
     import dataclasses
 
     from autoshard.pipeline import plan_pipeline
@@ -256,10 +257,8 @@ def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_on
     reduced = lambda names: [shape for c in names for line in comps[c]  # noqa: E731
                              if (m := re.match(r"\s*%\S+ = (.*?) (?:all-reduce|reduce-scatter)(?:-start)?\(", line))
                              for shape in re.findall(r"\w+\[[\d,]*\]", m.group(1))]
-    # in the loop only the embeddings' gradients (a scatter-add and its sum, which stay reduced per microbatch)
-    params = {micro.tensors[t].name: micro.tensors[t] for t in micro.inputs}
-    embeddings = {f"f32[{','.join(map(str, params[f'state.params.{n}.embedding'].shape))}]" for n in ("wte", "wpe")}
-    assert set(reduced(in_loop)) <= embeddings, reduced(in_loop)
+    # nothing is reduced in the loop, the embeddings' gradients (scatter-adds into zeros) included
+    assert not reduced(in_loop), reduced(in_loop)
     # a block's qkv kernel [64, 192]: its gradient, reduced after the loop (as the stage's [1, chunks, ...])
     assert any(re.fullmatch(r"f32\[(1,)*64,192\]", shape) for shape in reduced(set(comps) - in_loop))
 

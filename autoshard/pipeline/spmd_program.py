@@ -56,13 +56,12 @@ of ``B``'s values waits in a buffer of its own, and the residuals and the receiv
 (1F1B's unit ticks make a forward wait for a backward elsewhere: up to 4/3 of the work).
 
 Gradients are reduced once a step, as the planner prices them: a stage's partial sums over its data-parallel
-axes (weight gradients of the chunk, the tail's and the head's, the loss) leave each action unreduced,
-stacked along a leading dimension split over those axes (``unreduced``, as the MPMD runtime does), are
-added up in the loop's accumulators and summed after it.
+axes (weight gradients of the chunk, the tail's and the head's, the loss, the embeddings' scatter-adds
+into zeros) leave each action unreduced, stacked along a leading dimension split over those axes
+(``unreduced``, as the MPMD runtime does), are added up in the loop's accumulators and summed after it.
 
 Not yet: blocks that read per-microbatch values other than the residual stream (an attention mask built
-from the batch); the embedding's gradient (a scatter-add, which ``unreduced`` does not stack) is still
-reduced per microbatch.
+from the batch).
 """
 
 from __future__ import annotations

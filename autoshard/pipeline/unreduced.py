@@ -12,15 +12,28 @@ once per step, in the layout the update wants (an all-reduce, or a reduce-scatte
 Which values are stacked (``plan_stacked``, static, from the stage's layouts):
 
 - *producers*: a ``dot_general`` whose contracting dimensions are split over the same axes ``A`` on both
-  operands, and a ``reduce_sum`` over dimensions split over ``A``; their result is partial over ``A``.
-  They run as a ``jax.shard_map`` over the whole submesh computing the local result, with a new leading
-  dimension of size 1 per device (``D`` in all, split over ``A``).
+  operands, a ``reduce_sum`` over dimensions split over ``A``, and a ``scatter-add`` into zeros (an
+  embedding's gradient, below); their result is partial over ``A``. They run as a ``jax.shard_map`` over
+  the whole submesh computing the local result, with a new leading dimension of size 1 per device (``D``
+  in all, split over ``A``).
 - *linear ops* on stacked values, run under ``jax.vmap`` over the leading dimension: layout ops
   (``transpose``, ``reshape``, ``convert_element_type``, ...), ``reduce_sum``, sums of stacked values with
-  the same axes, and products or quotients by an unstacked value (``mul``, ``div``).
+  the same axes, products or quotients by an unstacked value (``mul``, ``div``), and a ``scatter-add`` of
+  stacked updates into zeros at unstacked indices.
 - a value stays stacked only if it ends in an accumulated result that no other per-microbatch program
   reads, through ops that keep it stacked; everything else is computed as before (XLA reduces it where
   the op sits). The analysis prunes until no stacked value feeds an op that needs it whole.
+
+The scatter-add rule. ``r = scatter_add(z, idx, u) = z + s`` adds the rows of ``u`` at ``idx`` into ``z``.
+With ``u`` split over ``A`` along its scatter (window-less) dimensions, ``idx`` split identically (so each
+device holds the indices of its rows) and ``z`` not split over ``A``, device ``i``'s local scatter-add is
+``z + s_i`` with ``Σ_i s_i = s``: the stack sums to ``D·z + s = r + (D − 1)·z``. That is ``r`` only when
+``z = 0``, so the operand must be known zeros (a zero constant, or a ``broadcast_in_dim`` of one), as
+``jax.grad`` makes it for a gather's transpose; any other operand is left to XLA. The operand must also be
+split only along window dimensions that the updates cover whole and split alike (its indexed and inserted
+dimensions whole, so that local indices are the global ones), with no ``operand_batching_dims``; zeros
+without a planned layout are taken whole. The result is laid out as the operand. The same zero operand
+lets a scatter-add take stacked updates under ``vmap``: each slice gives ``0 + s_i``.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
@@ -42,6 +56,7 @@ Axes = tuple[str, ...]
 _LAYOUT = frozenset({"transpose", "reshape", "convert_element_type", "copy", "copy_p", "neg", "squeeze",
                      "expand_dims", "broadcast_in_dim", "reduce_precision", "reduce_sum"})
 _SUMS = frozenset({"add", "add_any", "sub"})
+_SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
 
 
 def _axes_of(spec: ShardingSpec | None, dim: int) -> Axes | None:
@@ -75,10 +90,61 @@ def produced_partial(op: Op, graph: Graph, specs: Mapping[int, ShardingSpec]) ->
         if xs is None or xs.partial:
             return ()
         return tuple(a for d in op.eqn.params["axes"] for a in xs.dims[d])
+    if name in _SCATTER_ADD:
+        return _scatter_partial(op, graph, specs)
     return ()
 
 
-def _linear(op: Op, stacked_in: Sequence[bool], axes_in: Sequence[Axes | None]) -> bool:
+def _zeros(graph: Graph, tid: int) -> bool:
+    """Whether tensor ``tid`` is known to be all zeros: a zero constant, or a ``broadcast_in_dim`` of one."""
+    producer = graph.tensors[tid].producer
+    if producer is None:
+        value = graph.constants.get(tid)
+        return value is not None and not np.any(np.asarray(value) != 0)
+    op = graph.ops[producer]
+    return op.primitive == "broadcast_in_dim" and len(op.inputs) == 1 and _zeros(graph, op.inputs[0])
+
+
+def _whole(shape: Sequence[int]) -> ShardingSpec:
+    return ShardingSpec(dims=((),) * len(shape))
+
+
+def _scatter_partial(op: Op, graph: Graph, specs: Mapping[int, ShardingSpec]) -> Axes:
+    """The axes ``A`` over which a scatter-add into zeros is partial (the module docstring's rule), or ``()``."""
+    if len(op.inputs) != 3 or not _zeros(graph, op.inputs[0]):
+        return ()
+    zs, xs, us = (specs.get(t) for t in op.inputs)
+    if xs is None or us is None or xs.partial or us.partial or (zs is not None and zs.partial):
+        return ()
+    zs = zs if zs is not None else _whole(graph.tensors[op.inputs[0]].shape)
+    dn = op.eqn.params["dimension_numbers"]
+    if dn.operand_batching_dims or dn.scatter_indices_batching_dims:
+        return ()
+    z_shape, u_shape = graph.tensors[op.inputs[0]].shape, graph.tensors[op.inputs[2]].shape
+    window = tuple(dn.update_window_dims)
+    rows = [d for d in range(len(u_shape)) if d not in window]
+    # the indices: the updates' scatter dimensions, split alike, then the index vector, whole
+    if len(xs.dims) != len(rows) + 1 or xs.dims[-1] or any(
+            tuple(xs.dims[k]) != tuple(us.dims[d]) for k, d in enumerate(rows)):
+        return ()
+    axes = tuple(a for d in rows for a in us.dims[d])
+    # the operand: split only along window dimensions that the updates cover whole and split alike
+    covered = [d for d in range(len(z_shape)) if d not in dn.inserted_window_dims]
+    if len(covered) != len(window):
+        return ()
+    for w, d in zip(window, covered, strict=True):
+        if tuple(us.dims[w]) != tuple(zs.dims[d]):
+            return ()
+        if zs.dims[d] and (d in dn.scatter_dims_to_operand_dims or u_shape[w] != z_shape[d]):
+            return ()
+    if any(zs.dims[d] for d in dn.inserted_window_dims):
+        return ()
+    if set(axes) & {a for d in zs.dims for a in d}:
+        return ()
+    return axes
+
+
+def _linear(op: Op, graph: Graph, stacked_in: Sequence[bool], axes_in: Sequence[Axes | None]) -> bool:
     """Whether ``op`` may take its stacked inputs (those flagged) stacked and give stacked results."""
     n = sum(stacked_in)
     if not n or len({a for a, s in zip(axes_in, stacked_in, strict=True) if s}) != 1:
@@ -92,6 +158,8 @@ def _linear(op: Op, stacked_in: Sequence[bool], axes_in: Sequence[Axes | None]) 
         return n == 1 and len(op.inputs) == 2
     if name == "div":
         return len(op.inputs) == 2 and stacked_in[0] and not stacked_in[1]
+    if name in _SCATTER_ADD:  # stacked updates into zeros: the slices sum to the scatter of their sum
+        return tuple(stacked_in) == (False, False, True) and _zeros(graph, op.inputs[0])
     return False
 
 
@@ -115,7 +183,7 @@ def plan_stacked(graph: Graph, ops: Sequence[Op], specs: Mapping[int, ShardingSp
                 continue
             flags = [t in stacked for t in op.inputs]
             inexact = all(jnp.issubdtype(graph.tensors[t].dtype, jnp.inexact) for t in op.outputs)
-            if inexact and _linear(op, flags, [stacked.get(t) for t in op.inputs]):
+            if inexact and _linear(op, graph, flags, [stacked.get(t) for t in op.inputs]):
                 ax = next(stacked[t] for t in op.inputs if t in stacked)
                 for t in op.outputs:
                     stacked[t] = ax
@@ -185,12 +253,17 @@ class UnreducedInterpreter(Interpreter):
     def _local(self, op: Op, invals: list[Any], scope: Mapping[int, ShardingSpec]) -> Any:
         """A producer's local result on every device, stacked: ``(D, *shape)`` split over its axes."""
         axes = self.producers[op.id]
-        in_specs = tuple(PartitionSpec(*(_entry(d) for d in scope[t].dims)) for t in op.inputs)
+        layouts = [scope.get(t) for t in op.inputs]
+        if op.primitive in _SCATTER_ADD and layouts[0] is None:  # zeros with no planned layout: whole
+            layouts[0] = _whole(op.eqn.invars[0].aval.shape)
+        in_specs = tuple(PartitionSpec(*(_entry(d) for d in x.dims)) for x in layouts)  # type: ignore[union-attr]
         if op.primitive == "dot_general":
             (lc, rc), (lb, rb) = op.eqn.params["dimension_numbers"]
             ls, rs = scope[op.inputs[0]].dims, scope[op.inputs[1]].dims
             dims = [ls[i] for i in lb] + [ls[i] for i in range(len(ls)) if i not in (*lc, *lb)]
             dims += [rs[i] for i in range(len(rs)) if i not in (*rc, *rb)]
+        elif op.primitive in _SCATTER_ADD:  # laid out as its operand, zeros (``_scatter_partial``)
+            dims = list(layouts[0].dims)  # type: ignore[union-attr]
         else:
             xs = scope[op.inputs[0]].dims
             dims = [xs[i] for i in range(len(xs)) if i not in op.eqn.params["axes"]]
