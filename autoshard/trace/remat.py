@@ -279,16 +279,16 @@ def _finish(graph: Graph, ops: list[dict[str, Any]], tensors: list[dict[str, Any
                  jaxpr=graph.jaxpr, in_tree=graph.in_tree, out_tree=graph.out_tree, constants=constants)
 
 
-def uniform(graph: Graph, mode: str, first: int | None = None, rest: str = "none") -> dict[str, str]:
-    """``mode`` for every block (or the ``first`` ones in forward order), ``rest`` for the others."""
+def uniform(graph: Graph, mode: str, first: int | None = None) -> dict[str, str]:
+    """``mode`` for every block (or the ``first`` ones in forward order), ``none`` for the rest."""
     names = blocks(graph)
     k = len(names) if first is None else first
-    return {b: (mode if i < k else rest) for i, b in enumerate(names)}
+    return {b: (mode if i < k else "none") for i, b in enumerate(names)}
 
 
 def summary(modes: Mapping[str, str]) -> str:
-    """How reports name a recompute setting per block: ``full on 12 blocks, selective on 36`` (the modes
-    in ``MODES`` order, ``none`` left out; ``none`` when no block recomputes)."""
+    """How reports name a recompute setting per block: ``full on 12 blocks, selective on 36`` (full first,
+    then selective; blocks as traced left out; ``none`` when no block recomputes)."""
     counts = collections.Counter(m for m in modes.values() if m != "none")
     parts = [f"{m} on {counts[m]}" for m in reversed(MODES) if counts[m]]
     if not parts:
