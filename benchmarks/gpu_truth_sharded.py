@@ -381,7 +381,7 @@ def sharded_rows(preset: str, overrides: list[str], layouts: Sequence[str], devi
 
     from autoshard._examples import load_example
     from autoshard.emit import emit
-    from autoshard.pipeline.partition import microbatch_args
+    from autoshard.pipeline.partition import trace_microbatch
     from autoshard.pipeline.pipeline_plan import graph_digest
     from autoshard.trace import trace
     from autoshard.trace.remat import rematerialize
@@ -416,7 +416,7 @@ def sharded_rows(preset: str, overrides: list[str], layouts: Sequence[str], devi
         return
     t0 = time.perf_counter()
     try:
-        micro = trace(ex.train_step, *microbatch_args(ex.args, graph, None, MICROBATCHES))
+        micro = trace_microbatch(ex.train_step, ex.args, graph, MICROBATCHES)
         pplan, plan_s, cached = cache.get(f"{preset}:{','.join(overrides)}:pipeline-4x2", graph_digest(micro),
                                           lambda: _pipeline_plan(micro, time_budget, (1, 2)))
     except Exception as e:
@@ -582,7 +582,7 @@ def tick_rows(preset: str, overrides: list[str], cache: PlanCache, time_budget: 
     import jax.numpy as jnp
 
     from autoshard._examples import load_example
-    from autoshard.pipeline.partition import microbatch_args
+    from autoshard.pipeline.partition import trace_microbatch
     from autoshard.pipeline.pipeline_plan import graph_digest
     from autoshard.pipeline.runtime import build_pipelined_step
     from autoshard.trace import trace
@@ -593,7 +593,7 @@ def tick_rows(preset: str, overrides: list[str], cache: PlanCache, time_budget: 
     try:
         ex = load_example(GPT, preset, overrides, abstract=True)
         graph = trace(ex.train_step, *ex.args)
-        micro = trace(ex.train_step, *microbatch_args(ex.args, graph, None, MICROBATCHES))
+        micro = trace_microbatch(ex.train_step, ex.args, graph, MICROBATCHES)
         pplan, row["plan_s"], row["plan_cached"] = cache.get(
             f"{preset}:{','.join(overrides)}:pipeline-4x1", graph_digest(micro),
             lambda: _pipeline_plan(micro, time_budget, (1, 1), TICK_STAGES))
@@ -697,7 +697,7 @@ def plan_only(models: Sequence[tuple[str, list[str]]], layouts: Sequence[str], c
               time_budget: float) -> int:
     """Plan every case into ``cache`` (no compiling): run here, with the GPU's jax version, to spare its time."""
     from autoshard._examples import load_example
-    from autoshard.pipeline.partition import microbatch_args
+    from autoshard.pipeline.partition import trace_microbatch
     from autoshard.pipeline.pipeline_plan import graph_digest
     from autoshard.trace import trace
 
@@ -708,7 +708,7 @@ def plan_only(models: Sequence[tuple[str, list[str]]], layouts: Sequence[str], c
             _, s, hit = cache.get(f"{preset}:{','.join(overrides)}:{layout}", graph_digest(graph),
                                   lambda lay=layout, g=graph: _intra_plan(lay, g, time_budget))
             print(f"{preset} {layout}: {'cached' if hit else f'planned in {s:.1f} s'}", flush=True)
-        micro = trace(ex.train_step, *microbatch_args(ex.args, graph, None, MICROBATCHES))
+        micro = trace_microbatch(ex.train_step, ex.args, graph, MICROBATCHES)
         for name, shape, n in (("pipeline-4x2", (1, 2), DEVICES), ("pipeline-4x1", (1, 1), TICK_STAGES)):
             _, s, hit = cache.get(f"{preset}:{','.join(overrides)}:{name}", graph_digest(micro),
                                   lambda sh=shape, n=n, m=micro: _pipeline_plan(m, time_budget, sh, n))

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
 from autoshard._examples import load_example  # noqa: E402
-from autoshard.pipeline.partition import microbatch_args  # noqa: E402
+from autoshard.pipeline.partition import trace_microbatch  # noqa: E402
 from autoshard.pipeline.spmd_program import spmd_pipeline_step  # noqa: E402
 from autoshard.planner.recompute import recomputed  # noqa: E402
 from autoshard.trace import trace  # noqa: E402
@@ -63,8 +63,7 @@ def main() -> None:
                    schedule=plan.schedule, chunks=plan.num_chunks, recompute=dict(plan.recompute))
         t1 = time.perf_counter()
         full = trace(ex.train_step, *ex.args)
-        micro = recomputed(trace(ex.train_step, *microbatch_args(ex.args, full, None, plan.num_microbatches)),
-                           plan.recompute)
+        micro = recomputed(trace_microbatch(ex.train_step, ex.args, full, plan.num_microbatches), plan.recompute)
         step = spmd_pipeline_step(micro, full, plan, jax.devices()[: shape[0] * shape[1]])
         built = time.perf_counter() - t1
         t2 = time.perf_counter()

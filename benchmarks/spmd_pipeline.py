@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
 from autoshard._examples import load_example  # noqa: E402
-from autoshard.pipeline.partition import microbatch_args  # noqa: E402
+from autoshard.pipeline.partition import trace_microbatch  # noqa: E402
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, stage_mesh  # noqa: E402
 from autoshard.trace import trace  # noqa: E402
 
@@ -48,7 +48,7 @@ def _example(count: int, abstract: bool):
 
 def _spmd(fn: Any, args: tuple, count: int, name: str) -> SpmdPipelineStep:  # traced, not run
     full = trace(fn, *args)
-    micro = trace(fn, *microbatch_args(args, full, None, count))
+    micro = trace_microbatch(fn, args, full, count)
     return SpmdPipelineStep(micro, full, stage_mesh(jax.devices(), STAGES), count, name)
 
 

@@ -21,7 +21,7 @@ import autoshard
 from autoshard._examples import load_example
 from autoshard.emit import global_rel_error
 from autoshard.emit.program import ArgumentMismatch
-from autoshard.pipeline.partition import PipelineError, microbatch_args
+from autoshard.pipeline.partition import PipelineError, microbatch_args, trace_microbatch
 from autoshard.pipeline.schedules import schedule
 from autoshard.pipeline.spmd_program import stage_mesh
 from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
@@ -40,7 +40,7 @@ def _micro(layers: int = 4, micro: int = 4, **overrides: object):
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"layers={layers}"] +
                       [f"{k}={v}" for k, v in overrides.items()], abstract=True)
     full = trace(ex.train_step, *ex.args)
-    return trace(ex.train_step, *microbatch_args(ex.args, full, None, micro)), full
+    return trace_microbatch(ex.train_step, ex.args, full, micro), full
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -64,7 +64,10 @@ def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None
     micro, _ = _micro()
     with pytest.raises(PipelineError, match=r"4 numbered blocks .* 3 stages cannot share evenly; use a stage count"):
         uniform_stages(micro, 3)
-    scanned, _ = _micro(scan_layers=True)
+    # a layer stack written as one scan, not unrolled (``trace_microbatch`` unrolls it; a graph traced
+    # otherwise reaches the cut whole)
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "scan_layers=true"], abstract=True)
+    scanned = trace(ex.train_step, *microbatch_args(ex.args, trace(ex.train_step, *ex.args), None, 4))
     with pytest.raises(PipelineError, match="one scan"):
         uniform_stages(scanned, 2)
 

@@ -21,6 +21,12 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
   every backward op from there reads the replayed values. The forward's copies die after their last
   forward reader.
 
+With ``invariant`` (``rematerialize(..., invariant=True)``; every pipeline's microbatch trace,
+``pipeline.partition.trace_microbatch``), each block also replays, whatever its mode, the values of its
+stash that do not depend on the batch (``batch_dependent``) and that ``CHEAP_INVARIANT`` ops make from what
+stays: its weights cast to bf16, a mask built from an iota. A pipeline stage holds a block's stash once
+per microbatch in flight, and such a value is the same for every one of them; replayed, it costs a cast.
+
 The result is an ordinary Graph, rewritten in place of a trace (``_Rewrite``: no JAX tracing, one pass
 over the ops): each op keeps its equation, a replayed op a copy of its forward equation under the
 block's backward name stack (``jaxpr_compat.eqn_in``), and the barrier an equation of its own
@@ -61,8 +67,31 @@ def blocks(graph: Graph) -> list[str]:
     return list(stashes(graph))
 
 
-def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], set[int]]]:
-    """First backward op of each recomputed block -> (replay op ids in order, recomputed tensor ids)."""
+# Ops cheap enough to run again in the backward pass when their value does not depend on the batch
+# (``invariant``): casts, layout changes, constants and the elementwise ops that build masks from them.
+CHEAP_INVARIANT = frozenset({
+    "convert_element_type", "broadcast_in_dim", "iota", "reshape", "transpose", "squeeze", "expand_dims",
+    "slice", "concatenate", "copy", "copy_p", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not",
+    "select_n", "add", "sub", "mul", "neg"})
+
+
+def batch_dependent(graph: Graph) -> list[bool]:
+    """Per tensor: whether its value depends on a batch input (``Role.BATCH``) through the dataflow."""
+    dep = [False] * len(graph.tensors)
+    for t in graph.inputs:
+        dep[t] = graph.tensors[t].role == Role.BATCH
+    for op in graph.ops:
+        if any(dep[i] for i in op.inputs):
+            for o in op.outputs:
+                dep[o] = True
+    return dep
+
+
+def _plan(graph: Graph, modes: Mapping[str, str], invariant: bool = False
+          ) -> dict[int, tuple[list[int], set[int]]]:
+    """First backward op of each recomputed block -> (replay op ids in order, recomputed tensor ids).
+    ``invariant``: every block also replays the values of its stash that do not depend on the batch and
+    are made by ``CHEAP_INVARIANT`` ops from what stays (the module docstring)."""
     buf = buffers(graph)
     stash = stashes(graph, buf)
     read_back = _read_by_backward(graph)
@@ -71,11 +100,13 @@ def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], 
         if op.phase == "backward" and op.layer and op.layer not in first_bwd:
             first_bwd[op.layer] = op.id
     outputs = set(graph.outputs)
+    dep = batch_dependent(graph) if invariant else []
     out: dict[int, tuple[list[int], set[int]]] = {}
-    for layer, mode in modes.items():
+    for layer in ({**dict.fromkeys(stash, "none"), **modes} if invariant else modes):
+        mode = modes.get(layer, "none")
         if mode not in MODES:
             raise TraceError(f"recompute mode {mode!r} for block {layer!r}: expected one of {', '.join(MODES)}")
-        if mode == "none" or layer not in stash or layer not in first_bwd:
+        if (mode == "none" and not invariant) or layer not in stash or layer not in first_bwd:
             continue
         again = first_bwd[layer]
 
@@ -84,8 +115,11 @@ def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], 
             if t.producer is None:
                 return True
             op = graph.ops[t.producer]
-            return (op.layer != layer or op.phase != "forward"
-                    or (mode == "selective" and saved_by_selective(op)))
+            if op.layer != layer or op.phase != "forward":
+                return True
+            if invariant and not dep[tid] and op.primitive in CHEAP_INVARIANT:
+                return False
+            return mode == "none" or (mode == "selective" and saved_by_selective(op))
 
         def late(tid: int, again: int = again) -> bool:
             return (tid not in outputs
@@ -134,10 +168,11 @@ def _read_by_backward(graph: Graph) -> dict[str, set[int]]:
     return out
 
 
-def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
+def rematerialize(graph: Graph, modes: Mapping[str, str], *, invariant: bool = False) -> Graph:
     """``graph`` with each block of ``modes`` (block tag -> ``none``/``selective``/``full``) recomputed in
-    its backward pass (see the module docstring). Blocks not named, and ``none``, are left as traced."""
-    plan = _plan(graph, modes)
+    its backward pass (see the module docstring). Blocks not named, and ``none``, are left as traced,
+    except that with ``invariant`` every block replays its batch-independent stash."""
+    plan = _plan(graph, modes, invariant)
     if not plan:
         return graph
     gc.freeze()  # the step's objects (millions on a large model) out of the full collections the rewrite's
@@ -145,8 +180,12 @@ def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
         out = _Rewrite(graph).run(plan)
     finally:
         gc.unfreeze()
-    log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan),
-             sum(len(r) for r, _ in plan.values()))
+    ops = sum(len(r) for r, _ in plan.values())
+    if any(m != "none" for m in modes.values()):
+        log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan), ops)
+    else:
+        log.info("autoshard: %d blocks make their batch-independent values again in their backward pass (%d ops)",
+                 len(plan), ops)
     return out
 
 
