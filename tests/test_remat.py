@@ -89,7 +89,7 @@ def test_full_recompute_frees_every_block_value_before_the_backward_pass() -> No
 
 def test_unknown_mode_or_setting_is_refused() -> None:
     _, graph, _ = _gpt()
-    with pytest.raises(AutoshardError, match=r"recompute mode 'some'.*none, selective, full"):
+    with pytest.raises(AutoshardError, match=r"recompute mode 'some'.*none, invariant, selective, full"):
         rematerialize(graph, {blocks(graph)[0]: "some"})
     with pytest.raises(PlanError, match=r"recompute='sometimes'.*auto"):
         autoshard.plan(graph, mesh=(2,), recompute="sometimes")
@@ -289,21 +289,20 @@ def test_a_pipeline_that_recomputes_matches_jit_and_replays_in_its_backward_prog
     assert global_rel_error(m_ref, m) <= TOL and global_rel_error(s_ref.opt_state, s.opt_state) <= TOL
 
 
-def test_a_pipeline_holds_a_blocks_batch_independent_values_once_not_per_microbatch() -> None:
-    """The microbatch trace every pipeline reads makes each block's bf16 weights again in its backward
-    pass (``trace_microbatch``): nothing a stage stashes per microbatch in flight is the same for every
-    microbatch, and the planned stages hold less than the plain trace's, on the same cut and layouts'
-    choices (a 4-stage 1F1B of the bf16 tiny GPT, stage 0 holding 4 microbatches)."""
+def test_a_pipeline_recomputes_a_blocks_batch_independent_values_first() -> None:
+    """``invariant``, the first step of a pipeline's recompute: each block makes its bf16 weights again in
+    its backward pass, so nothing a stage stashes per microbatch in flight is the same for every
+    microbatch, and the planned stages hold less than the plain trace's (a 1F1B of the bf16 tiny GPT on
+    stages of 2 devices, layouts chosen with no budget)."""
     from autoshard.pipeline import microbatch_args, plan_pipeline
-    from autoshard.pipeline.partition import trace_microbatch
     from autoshard.trace.recompute import stashes
     from autoshard.trace.remat import batch_dependent
 
     mod = load_module(GPT)
     args = mod.make("tiny", abstract=True, dtype="bfloat16", **SMALL)
     full = autoshard.trace(mod.train_step, *args)
-    micro = trace_microbatch(mod.train_step, args, full, 4)
     plain = autoshard.trace(mod.train_step, *microbatch_args(args, full, None, 4))
+    micro = rematerialize(plain, uniform(plain, "invariant"))
 
     def invariant_stash(g: Graph) -> float:
         dep = batch_dependent(g)
@@ -317,11 +316,11 @@ def test_a_pipeline_holds_a_blocks_batch_independent_values_once_not_per_microba
     assert held[0] < held[1], held
 
 
-def _retraced(graph: Graph, modes: dict[str, str], invariant: bool = False) -> Graph:
+def _retraced(graph: Graph, modes: dict[str, str]) -> Graph:
     """The rewrite done the other way (as ``trace.remat`` did it before it rewrote the Graph itself): the
     step traced again through JAX, each op bound in schedule order and each block's replay bound before
     its first backward op (behind the barrier), and the new jaxpr made a Graph by the tracer."""
-    plan = _plan(graph, modes, invariant)
+    plan = _plan(graph, modes)
     ops, consts = graph.ops, graph.constants
 
     def bind(op: Any, invals: list[Any], phase: str | None = None) -> list[Any]:
@@ -387,21 +386,21 @@ def test_the_rewrite_is_the_step_traced_again_with_its_replays(mode: str) -> Non
     the same ops in the same order reading the same values, so the same flops per phase, the same peak
     memory, and the digest a pipeline plan records. ``full:1,selective:2``: a mode per block (full on the
     first, selective on the next two, none on the last), as the planner's search between modes makes;
-    ``invariant``: no mode, each block's batch-independent stash (its weights cast to bf16) made again, as
-    every pipeline's microbatch trace has it (the replayed casts cost bytes, no flops)."""
+    ``invariant``: each block's batch-independent stash (its weights cast to bf16) made again, the first
+    step of a pipeline's recompute (the replayed casts cost bytes, no flops)."""
     _, graph, _ = _gpt()
     invariant = mode == "invariant"
     if invariant:
         mod = load_module(GPT)
         graph = autoshard.trace(mod.train_step, *mod.make("tiny", abstract=True, dtype="bfloat16", **SMALL))
-        config: dict[str, str] = {}
+        config: dict[str, str] = {b: "invariant" for b in blocks(graph)}
     elif ":" in mode:
         runs = [(m, int(n)) for m, n in (part.split(":") for part in mode.split(","))]
         per_block = [m for m, n in runs for _ in range(n)]
         config = {b: m for b, m in zip(blocks(graph), per_block + ["none"] * 4, strict=False)}
     else:
         config = uniform(graph, mode)
-    mine, traced = rematerialize(graph, config, invariant=invariant), _retraced(graph, config, invariant)
+    mine, traced = rematerialize(graph, config), _retraced(graph, config)
     mine.verify()
     assert _dataflow(mine) == _dataflow(traced)
     assert mine.flops_by_phase() == traced.flops_by_phase()

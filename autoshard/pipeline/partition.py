@@ -51,7 +51,6 @@ import numpy as np
 from autoshard.errors import AutoshardError
 from autoshard.trace.graph import Graph, Op, Role, Tensor
 from autoshard.trace.jaxpr_compat import REMAT
-from autoshard.trace.remat import rematerialize
 from autoshard.trace.tracer import trace
 from autoshard.trace.unroll import unroll_layer_stacks
 from solvers.inter_op import ClusteringProblem, cluster_layers
@@ -500,12 +499,7 @@ def microbatch_args(args: Sequence[Any], graph: Graph, parts: StepParts | None =
 def trace_microbatch(fn: Callable[..., Any], args: Sequence[Any], graph: Graph, num_microbatches: int, *,
                      roles: Mapping[str | int, Any] | None = None) -> Graph:
     """``fn`` traced at microbatch size (``microbatch_args``; ``graph``: its trace at full size), with a layer
-    stack written as one scan unrolled into numbered blocks (``trace.unroll``) and each block's values that
-    do not depend on the batch (its weights cast to bf16, its causal mask) made again in its backward pass
-    instead of held from its forward (``trace.remat``, ``invariant``): the graph every pipeline pass (stage
-    DP, uniform cut, runtimes) reads. A stage holds a block's stash once per microbatch in flight; such a
-    value is the same for every microbatch, and held so it would be held that many times (GPT-1T's bf16
-    weights: 15.7 of a block's 41.9 GB of stash a microbatch, unsharded; GPT-39B's 1x8 stages of 6 blocks
-    and 8 microbatches in flight: 9.7 GB a device), where making it again costs a cast or an iota."""
+    stack written as one scan unrolled into numbered blocks (``trace.unroll``): the graph every pipeline
+    pass (stage DP, uniform cut, runtimes) reads."""
     micro = trace(fn, *microbatch_args(args, graph, None, num_microbatches), roles=roles)
-    return rematerialize(unroll_layer_stacks(micro), {}, invariant=True)
+    return unroll_layer_stacks(micro)

@@ -21,11 +21,11 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
   every backward op from there reads the replayed values. The forward's copies die after their last
   forward reader.
 
-With ``invariant`` (``rematerialize(..., invariant=True)``; every pipeline's microbatch trace,
-``pipeline.partition.trace_microbatch``), each block also replays, whatever its mode, the values of its
-stash that do not depend on the batch (``batch_dependent``) and that ``CHEAP_INVARIANT`` ops make from what
-stays: its weights cast to bf16, a mask built from an iota. A pipeline stage holds a block's stash once
-per microbatch in flight, and such a value is the same for every one of them; replayed, it costs a cast.
+A fourth mode, ``invariant`` (``REMAT_MODES``; pipelines only, ``pipeline.recompute``), replays only the
+values of the block's stash that do not depend on the batch (``batch_dependent``) and that
+``CHEAP_INVARIANT`` ops make from what stays: its weights cast to bf16, a mask built from an iota.
+``selective`` and ``full`` replay those too. A pipeline stage holds a block's stash once per microbatch in
+flight, and such a value is the same for every one of them; replayed, it costs a cast.
 
 The result is an ordinary Graph, rewritten in place of a trace (``_Rewrite``: no JAX tracing, one pass
 over the ops): each op keeps its equation, a replayed op a copy of its forward equation under the
@@ -55,7 +55,7 @@ from autoshard.errors import TraceError
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import buffers
 from autoshard.trace.graph import Graph, Op, Tensor, links
-from autoshard.trace.recompute import MODES, saved_by_selective, stashes
+from autoshard.trace.recompute import saved_by_selective, stashes
 from autoshard.trace.roles import Role
 from autoshard.trace.tracer import params_digest
 
@@ -67,6 +67,8 @@ def blocks(graph: Graph) -> list[str]:
     return list(stashes(graph))
 
 
+# The per-block modes the rewrite takes: ``trace.recompute.MODES`` and ``invariant`` (the module docstring).
+REMAT_MODES = ("none", "invariant", "selective", "full")
 # Ops cheap enough to run again in the backward pass when their value does not depend on the batch
 # (``invariant``): casts, layout changes, constants and the elementwise ops that build masks from them.
 CHEAP_INVARIANT = frozenset({
@@ -87,11 +89,8 @@ def batch_dependent(graph: Graph) -> list[bool]:
     return dep
 
 
-def _plan(graph: Graph, modes: Mapping[str, str], invariant: bool = False
-          ) -> dict[int, tuple[list[int], set[int]]]:
-    """First backward op of each recomputed block -> (replay op ids in order, recomputed tensor ids).
-    ``invariant``: every block also replays the values of its stash that do not depend on the batch and
-    are made by ``CHEAP_INVARIANT`` ops from what stays (the module docstring)."""
+def _plan(graph: Graph, modes: Mapping[str, str]) -> dict[int, tuple[list[int], set[int]]]:
+    """First backward op of each recomputed block -> (replay op ids in order, recomputed tensor ids)."""
     buf = buffers(graph)
     stash = stashes(graph, buf)
     read_back = _read_by_backward(graph)
@@ -100,13 +99,13 @@ def _plan(graph: Graph, modes: Mapping[str, str], invariant: bool = False
         if op.phase == "backward" and op.layer and op.layer not in first_bwd:
             first_bwd[op.layer] = op.id
     outputs = set(graph.outputs)
-    dep = batch_dependent(graph) if invariant else []
+    dep = batch_dependent(graph) if any(m != "none" for m in modes.values()) else []
     out: dict[int, tuple[list[int], set[int]]] = {}
-    for layer in ({**dict.fromkeys(stash, "none"), **modes} if invariant else modes):
-        mode = modes.get(layer, "none")
-        if mode not in MODES:
-            raise TraceError(f"recompute mode {mode!r} for block {layer!r}: expected one of {', '.join(MODES)}")
-        if (mode == "none" and not invariant) or layer not in stash or layer not in first_bwd:
+    for layer, mode in modes.items():
+        if mode not in REMAT_MODES:
+            raise TraceError(f"recompute mode {mode!r} for block {layer!r}: expected one of "
+                             f"{', '.join(REMAT_MODES)}")
+        if mode == "none" or layer not in stash or layer not in first_bwd:
             continue
         again = first_bwd[layer]
 
@@ -117,9 +116,9 @@ def _plan(graph: Graph, modes: Mapping[str, str], invariant: bool = False
             op = graph.ops[t.producer]
             if op.layer != layer or op.phase != "forward":
                 return True
-            if invariant and not dep[tid] and op.primitive in CHEAP_INVARIANT:
+            if not dep[tid] and op.primitive in CHEAP_INVARIANT:
                 return False
-            return mode == "none" or (mode == "selective" and saved_by_selective(op))
+            return mode == "invariant" or (mode == "selective" and saved_by_selective(op))
 
         def late(tid: int, again: int = again) -> bool:
             return (tid not in outputs
@@ -168,11 +167,11 @@ def _read_by_backward(graph: Graph) -> dict[str, set[int]]:
     return out
 
 
-def rematerialize(graph: Graph, modes: Mapping[str, str], *, invariant: bool = False) -> Graph:
-    """``graph`` with each block of ``modes`` (block tag -> ``none``/``selective``/``full``) recomputed in
-    its backward pass (see the module docstring). Blocks not named, and ``none``, are left as traced,
-    except that with ``invariant`` every block replays its batch-independent stash."""
-    plan = _plan(graph, modes, invariant)
+def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
+    """``graph`` with each block of ``modes`` (block tag -> ``none``/``invariant``/``selective``/``full``)
+    recomputed in its backward pass (see the module docstring). Blocks not named, and ``none``, are left as
+    traced."""
+    plan = _plan(graph, modes)
     if not plan:
         return graph
     gc.freeze()  # the step's objects (millions on a large model) out of the full collections the rewrite's
@@ -180,12 +179,8 @@ def rematerialize(graph: Graph, modes: Mapping[str, str], *, invariant: bool = F
         out = _Rewrite(graph).run(plan)
     finally:
         gc.unfreeze()
-    ops = sum(len(r) for r, _ in plan.values())
-    if any(m != "none" for m in modes.values()):
-        log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan), ops)
-    else:
-        log.info("autoshard: %d blocks make their batch-independent values again in their backward pass (%d ops)",
-                 len(plan), ops)
+    log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan),
+             sum(len(r) for r, _ in plan.values()))
     return out
 
 
@@ -327,9 +322,9 @@ def uniform(graph: Graph, mode: str, first: int | None = None) -> dict[str, str]
 
 def summary(modes: Mapping[str, str]) -> str:
     """How reports name a recompute setting per block: ``full on 12 blocks, selective on 36`` (full first,
-    then selective; blocks as traced left out; ``none`` when no block recomputes)."""
+    then selective, then invariant; blocks as traced left out; ``none`` when no block recomputes)."""
     counts = collections.Counter(m for m in modes.values() if m != "none")
-    parts = [f"{m} on {counts[m]}" for m in reversed(MODES) if counts[m]]
+    parts = [f"{m} on {counts[m]}" for m in reversed(REMAT_MODES) if counts[m]]
     if not parts:
         return "none"
     return ", ".join([parts[0] + (" block" if counts[parts[0].split()[0]] == 1 else " blocks"), *parts[1:]])
