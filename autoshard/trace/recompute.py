@@ -27,7 +27,6 @@ traced without remat, estimated with ``full``, against the compiled step with ``
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -57,7 +56,7 @@ class RecomputeEstimate:
     """A setting (one mode on every block, or a mode per block): the step's peak bytes and the extra
     forward work."""
 
-    mode: str  # the mode, or how many blocks take each (``full on 12, none on 36``)
+    mode: str | Mapping[str, str]  # as ``estimate`` was given it
     peak_bytes: float
     extra_flops: float
     extra_bytes: float  # bytes the recomputed ops read and write
@@ -126,9 +125,7 @@ def estimate(graph: Graph, mode: str | Mapping[str, str], nbytes: Callable[[Tens
             extra_bytes += op.bytes_in + op.bytes_out
             extra_seconds += seconds(op) if seconds is not None else 0.0
     sizes = [size(t) if h else 0.0 for t, h in zip(graph.tensors, buf.held, strict=True)] + extra
-    label = mode if isinstance(mode, str) else ", ".join(
-        f"{m} on {n}" for m, n in collections.Counter(mode_of.values()).most_common())
-    return RecomputeEstimate(mode=label, peak_bytes=_peak(live, sizes), extra_flops=extra_flops,
+    return RecomputeEstimate(mode=mode, peak_bytes=_peak(live, sizes), extra_flops=extra_flops,
                              extra_bytes=extra_bytes, extra_seconds=extra_seconds, blocks=len(stash))
 
 

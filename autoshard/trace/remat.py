@@ -337,7 +337,9 @@ def summary(modes: Mapping[str, str]) -> str:
     """How reports name a recompute setting per block: ``full on 12 blocks, selective on 36`` (full first,
     then selective, then invariant; blocks as traced left out; ``none`` when no block recomputes)."""
     counts = collections.Counter(m for m in modes.values() if m != "none")
-    parts = [f"{m} on {counts[m]}" for m in reversed(REMAT_MODES) if counts[m]]
-    if not parts:
+    named = [m for m in reversed(REMAT_MODES) if counts[m]]
+    if not named:
         return "none"
-    return ", ".join([parts[0] + (" block" if counts[parts[0].split()[0]] == 1 else " blocks"), *parts[1:]])
+    first, *rest = named
+    return ", ".join([f"{first} on {counts[first]} block{'' if counts[first] == 1 else 's'}",
+                      *(f"{m} on {counts[m]}" for m in rest)])
