@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -236,10 +237,14 @@ def test_the_rewrite_keeps_every_ops_phase_and_block() -> None:
         config = uniform(graph, mode)
         g = rematerialize(graph, config)
         want = Counter((op.primitive, op.phase, op.layer) for op in graph.ops)
-        for replay, _ in _plan(graph, config).values():
+        for replay, produced in _plan(graph, config).values():
             want.update((graph.ops[o].primitive, "backward", graph.ops[o].layer) for o in replay)
-        for b in blocks(graph):
-            want[("optimization_barrier", "backward", b)] += 1
+            # a barrier for each value the replay reads from outside it, beside the block's anchor
+            outside = {t for o in replay for t, a in zip(graph.ops[o].inputs, graph.ops[o].eqn.invars, strict=True)
+                       if t not in produced and not isinstance(a, jax.extend.core.Literal)}
+            layer = graph.ops[replay[0]].layer
+            want[("optimization_barrier", "backward", layer)] += len(outside)
+            want[("reduce_max", "backward", layer)] += 1
         assert Counter((op.primitive, op.phase, op.layer) for op in g.ops) == want, mode
 
 
@@ -274,8 +279,13 @@ def test_a_pipeline_that_recomputes_matches_jit_and_replays_in_its_backward_prog
     stage_of = plan.stage_of_op()
     parts = split_step(micro)
     barriers = [op for op in micro.ops if op.primitive == "optimization_barrier"]
-    # each block's replay, beside those of batch-independent values the microbatch trace has (none in fp32)
-    assert len(barriers) == 4 + sum(op.primitive == "optimization_barrier" for op in plain.ops)
+    # each value a block's replay reads passes a barrier beside the block's anchor (fp32: the microbatch
+    # trace has no barrier of its own)
+    assert barriers and not any(op.primitive == "optimization_barrier" for op in plain.ops)
+    anchors = {op.outputs[0]: op.layer for op in micro.ops if op.primitive == "reduce_max"
+               and op.phase == "backward" and micro.tensors[op.outputs[0]].shape == ()}
+    assert sorted(anchors.values()) == sorted(plan.recompute)
+    assert all(len(b.inputs) == 2 and anchors.get(b.inputs[1]) == b.layer for b in barriers)
     for seg in segments(micro, parts, stage_of):
         for i in seg.ops:
             if micro.ops[i].primitive == "optimization_barrier":
@@ -316,11 +326,12 @@ def test_a_pipeline_recomputes_a_blocks_batch_independent_values_first() -> None
     assert held[0] < held[1], held
 
 
-def test_a_selective_block_replays_its_weight_casts_behind_a_barrier_of_their_own() -> None:
-    """bf16 blocks under selective recompute: the casts of their weights are replayed first, behind a
-    barrier that holds the fp32 weight matrices and the incoming cotangent only; the block's other replays
-    sit behind a second barrier that holds no weight matrix (the norms' scales and biases, which they read)
-    (``rematerialize``'s docstring: one barrier for both priced GPT-1T's block 23% dearer)."""
+def test_each_replayed_value_passes_a_barrier_of_its_own_beside_a_scalar_anchor() -> None:
+    """bf16 blocks under selective recompute replay the casts of their fp32 weight matrices: each value a
+    replay reads passes a barrier of its own, beside its block's anchor (the incoming cotangent reduced to
+    a scalar), so no barrier asks one value to take another's layout. One barrier holding the matrices
+    beside the cotangent priced GPT-1T's selective block 23% dearer (the matrices replicated), and with
+    the cotangent a rank apart it was gathered instead."""
     from autoshard.trace.graph import Role
 
     mod = load_module(GPT)
@@ -329,9 +340,16 @@ def test_a_selective_block_replays_its_weight_casts_behind_a_barrier_of_their_ow
     kernels = {t for t in r.inputs if r.tensors[t].role == Role.PARAM and len(r.tensors[t].shape) == 2
                and r.tensors[t].name.startswith("state.params.block_")}
     barriers = [op for op in r.ops if op.primitive == "optimization_barrier"]
-    with_weights = [b for b in barriers if kernels & set(b.inputs)]
-    assert len(barriers) == 8 and len(with_weights) == 4
-    assert all(len(set(b.inputs) - kernels) == 1 for b in with_weights)  # the matrices and the anchor
+    anchors = {op.outputs[0]: op for op in r.ops if op.primitive == "reduce_max" and op.phase == "backward"
+               and r.tensors[op.outputs[0]].shape == ()}
+    assert sorted(op.layer for op in anchors.values()) == sorted(blocks(graph))
+    for b in barriers:
+        _, anchor = b.inputs
+        assert anchors[anchor].layer == b.layer
+        cotangent = r.tensors[anchors[anchor].inputs[0]]
+        assert r.ops[cotangent.producer].phase == "backward" and cotangent.shape[:-1] == (SMALL["batch"], SMALL["seq_len"])
+    # every weight matrix of a block is cast again in its backward pass, read through its own barrier
+    assert {b.inputs[0] for b in barriers} >= kernels
     assert r.flops_by_phase() == rematerialize(graph, {b: "selective" for b in blocks(graph)}).flops_by_phase()
 
 
@@ -367,10 +385,16 @@ def _retraced(graph: Graph, modes: dict[str, str]) -> Graph:
                                and ops[graph.tensors[t].producer].phase == "backward"), None)
                 stay = sorted({t for o in replay for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)
                                if t not in produced and not isinstance(a, jax.extend.core.Literal)})
-                tied = [read(t, None, False) for t in stay] + ([anchor] if anchor is not None else [])
-                with jc.phase_scope("backward", op.layer or op.scope):
-                    vals = jax.lax.optimization_barrier(tuple(tied))[:len(stay)]
-                local = dict(zip(stay, vals, strict=True))
+                tie = []
+                if stay and anchor is not None:
+                    tie = [anchor]
+                    if anchor.shape and jnp.issubdtype(anchor.dtype, jnp.number):
+                        with jc.phase_scope("backward", op.scope):
+                            tie = [jc.anchor(anchor)]
+                local = {}
+                for t in stay:  # a barrier for each value, beside the anchor
+                    with jc.phase_scope("backward", op.layer or op.scope):
+                        local[t] = jax.lax.optimization_barrier((read(t, None, False), *tie))[0]
                 for o in replay:
                     ins = [local[t] if t in local else again[t] if t in again else read(t, a, False)
                            for t, a in zip(ops[o].inputs, ops[o].eqn.invars, strict=True)]

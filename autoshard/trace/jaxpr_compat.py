@@ -397,3 +397,18 @@ def barrier_eqn(avals: Sequence[Any], phase: str | None, scope: str) -> Any:
     closed = jax.make_jaxpr(lambda *xs: jax.lax.optimization_barrier(xs))(*avals)
     (eqn,) = closed.jaxpr.eqns
     return eqn_in(eqn, phase, scope)
+
+
+def anchor_eqn(aval: Any, phase: str | None, scope: str) -> Any:
+    """One ``reduce_max`` equation of a value of ``aval`` to a scalar, under ``scope`` in ``phase``: the
+    anchor ``trace.remat`` ties a block's replays to (``anchor``)."""
+    closed = jax.make_jaxpr(anchor)(aval)
+    (eqn,) = closed.jaxpr.eqns
+    return eqn_in(eqn, phase, scope)
+
+
+def anchor(x: Any) -> Any:
+    """``x`` reduced to a scalar (its largest element): a value that exists only once ``x`` does and that
+    every layout of ``x`` makes with a scalar all-reduce, so a barrier holding it beside any value asks
+    nothing of that value's layout."""
+    return jax.lax.reduce_max(x, tuple(range(len(x.shape))))

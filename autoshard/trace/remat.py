@@ -15,11 +15,15 @@ to it afterwards; this pass does at the jaxpr level what ``jax.checkpoint`` does
   the block's backward, undoing the saving;
 - the *replay* is the block's forward ops that produce ``R`` or the values ``R`` is computed from, back to
   the values that stay (the block's inputs, what the mode keeps, anything made outside the block);
-- at the block's first backward op, the replay runs again on the values that stay, passed through
-  ``jax.lax.optimization_barrier`` together with a value the backward op reads (the incoming cotangent),
-  so that XLA neither merges the copy with the forward (CSE) nor runs it before the backward needs it;
-  every backward op from there reads the replayed values. The forward's copies die after their last
-  forward reader.
+- at the block's first backward op, the replay runs again on the values that stay, each passed through
+  a ``jax.lax.optimization_barrier`` of its own together with the block's *anchor* (the incoming
+  cotangent reduced to a scalar, ``jaxpr_compat.anchor``), so that XLA neither merges the copy with the
+  forward (CSE) nor runs it before the backward needs it; every backward op from there reads the
+  replayed values. The forward's copies die after their last forward reader. One barrier per value, and
+  a scalar anchor, leave every value its own layout: a barrier of several shapes has one layout per
+  candidate (``strategies.elementwise.barrier``), and one barrier holding a block's fp32 weight
+  matrices beside its ``[b, s, h]`` activations and cotangent was priced, and emitted, with the weights
+  or the cotangent gathered every block and microbatch.
 
 A fourth mode, ``invariant`` (``REMAT_MODES``; pipelines only, ``pipeline.recompute``), replays only the
 values of the block's stash that do not depend on the batch (``batch_dependent``) and that
@@ -29,8 +33,8 @@ flight, and such a value is the same for every one of them; replayed, it costs a
 
 The result is an ordinary Graph, rewritten in place of a trace (``_Rewrite``: no JAX tracing, one pass
 over the ops): each op keeps its equation, a replayed op a copy of its forward equation under the
-block's backward name stack (``jaxpr_compat.eqn_in``), and the barrier an equation of its own
-(``jaxpr_compat.barrier_eqn``), so the emitter binds them like any op. The ops, their order, what each
+block's backward name stack (``jaxpr_compat.eqn_in``), the anchor and the barriers equations of their
+own (``jaxpr_compat.anchor_eqn``, ``barrier_eqn``), so the emitter binds them like any op. The ops, their order, what each
 reads and the values they make are those of the step traced again with the replays bound in place
 (``tests/test_remat.py`` checks this against such a trace); constants keep the traced step's tensors (a
 replayed op reads the constant its original reads). The step's jaxpr (``Graph.jaxpr``) is kept for its
@@ -54,10 +58,11 @@ from jax.extend.core import Literal
 from autoshard.errors import TraceError
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.buffers import buffers
+from autoshard.trace.costs import op_flops
 from autoshard.trace.graph import Graph, Op, Tensor, links
 from autoshard.trace.recompute import saved_by_selective, stashes
 from autoshard.trace.roles import Role
-from autoshard.trace.tracer import params_digest
+from autoshard.trace.tracer import dtype_info, params_digest
 
 log = logging.getLogger("autoshard")
 
@@ -170,20 +175,7 @@ def _read_by_backward(graph: Graph) -> dict[str, set[int]]:
 def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
     """``graph`` with each block of ``modes`` (block tag -> ``none``/``invariant``/``selective``/``full``)
     recomputed in its backward pass (see the module docstring). Blocks not named, and ``none``, are left as
-    traced.
-
-    A ``selective`` block replays its batch-independent values first, behind a barrier of their own (an
-    ``invariant`` pass), then the rest: one barrier holding the fp32 weights its casts read beside the
-    block's activations priced GPT-1T's selective block on 3x8 A100s at 82.0 ms a microbatch, two barriers
-    at 66.7 ms (1024 microbatches, ZB-H1: 106.2 s a step against 89.1 s)."""
-    light = {b: "invariant" for b, m in modes.items() if m in ("invariant", "selective")}
-    if any(m == "selective" for m in modes.values()) and light:
-        graph = _rematerialize(graph, light)
-        modes = {b: m for b, m in modes.items() if m != "invariant"}
-    return _rematerialize(graph, modes)
-
-
-def _rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
+    traced."""
     plan = _plan(graph, modes)
     if not plan:
         return graph
@@ -270,8 +262,39 @@ class _Rewrite:
             params=op.params, bodies=op.bodies, trip_count=op.trip_count, eqn=op.eqn if eqn is None else eqn))
         return outs
 
+    def tensors_of(self, tid: int) -> Tensor:
+        """A template for a copy of the rewritten step's tensor ``tid`` (``_tensor`` reads its fields)."""
+        t = self.tensors[tid]
+        return Tensor(id=-1, name="", shape=t["shape"], dtype=t["dtype"], nbytes=t["nbytes"], role=t["role"],
+                      producer=t["producer"], consumers=(), live=(0, 0))
+
+    def _anchor(self, op: Op, tid: int, original: int) -> tuple[int, Any] | None:
+        """The value the barriers before ``op`` hold beside what they pass: the incoming cotangent ``tid``
+        (the rewritten step's id of ``original``) reduced to a scalar (``jaxpr_compat.anchor``), made in
+        ``op``'s scope. A scalar asks nothing of a layout: one barrier holding a ``[b, s, h]`` cotangent
+        beside ``[h, 4h]`` weights replicated whichever operand was not the largest's rank
+        (``strategies.elementwise.barrier``), gathering GPT-1T's cotangent or weights every block and
+        microbatch. Returns its id and abstract value; the cotangent itself where it is a scalar already
+        or not a number."""
+        aval = self._aval(original)
+        if not aval.shape or not jax.numpy.issubdtype(aval.dtype, jax.numpy.number):
+            return tid, aval
+        eqn = jc.anchor_eqn(aval, "backward", op.scope)
+        (out,) = eqn.outvars
+        shape = tuple(aval.shape)
+        red = Op(id=-1, primitive="reduce_max", inputs=(), outputs=(), source=op.source, scope=op.scope,
+                 flops=op_flops("reduce_max", [shape], [()], eqn.params) or 0.0, bytes_in=0, bytes_out=0,
+                 layer=op.layer, phase="backward", params=params_digest(eqn.params), eqn=eqn)
+        _, dtype, nbytes = dtype_info(out.aval)
+        scalar = Tensor(id=-1, name="", shape=(), dtype=dtype, nbytes=nbytes, role=Role.ACTIVATION, producer=None,
+                        consumers=(), live=(0, 0))
+        (made,) = self._op(red, [tid], [scalar], copy=True)
+        return made, out.aval
+
     def _replay(self, op: Op, replay: list[int], produced: set[int]) -> None:
-        """Before ``op`` (its block's first backward op): the barrier and the block's replayed forward ops."""
+        """Before ``op`` (its block's first backward op): the barriers and the block's replayed forward ops.
+        Each value the replay reads from outside it passes through a barrier of its own beside the anchor
+        (``_anchor``), so that each keeps its own layout."""
         g = self.graph
         anchor = next((t for t, a in zip(op.inputs, op.eqn.invars, strict=True)
                        if not isinstance(a, Literal) and g.tensors[t].producer is not None
@@ -279,16 +302,17 @@ class _Rewrite:
         stay = sorted({t for o in replay for t, a in zip(g.ops[o].inputs, g.ops[o].eqn.invars, strict=True)
                        if t not in produced and not isinstance(a, Literal)})
         local: dict[int, int] = {}
-        tied = [*stay, *([anchor] if anchor is not None else [])]
-        if tied:
+        if stay:
             scope = op.layer or op.scope
-            eqn = jc.barrier_eqn([self._aval(t) for t in tied], "backward", scope)
-            barrier = Op(id=-1, primitive="optimization_barrier", inputs=(), outputs=(), flops=0.0, bytes_in=0,
-                         bytes_out=0, source=op.source, scope=scope, layer=op.layer, phase="backward",
-                         params=params_digest(eqn.params), eqn=eqn)
-            ins = [self.new[t] if t in stay else self.again.get(t, self.new[t]) for t in tied]
-            outs = self._op(barrier, ins, [g.tensors[t] for t in tied], copy=True)
-            local = dict(zip(stay, outs, strict=False))
+            tie = None if anchor is None else self._anchor(op, self.again.get(anchor, self.new[anchor]), anchor)
+            for t in stay:
+                tied = [self.new[t], *([tie[0]] if tie else [])]
+                eqn = jc.barrier_eqn([self._aval(t), *([tie[1]] if tie else [])], "backward", scope)
+                barrier = Op(id=-1, primitive="optimization_barrier", inputs=(), outputs=(), flops=0.0,
+                             bytes_in=0, bytes_out=0, source=op.source, scope=scope, layer=op.layer,
+                             phase="backward", params=params_digest(eqn.params), eqn=eqn)
+                outs = self._op(barrier, tied, [self.tensors_of(i) for i in tied], copy=True)
+                local[t] = outs[0]
         for o in replay:
             rop = g.ops[o]
             ins = [self._tensor(g.tensors[t], None, copy=True) if isinstance(a, Literal)

@@ -91,7 +91,7 @@ def _clean_scope(stack: str) -> tuple[list[str], str]:
     return [p for p in stack.split("/") if p], phase
 
 
-def _dtype_info(aval: Any) -> tuple[tuple[int, ...], str, int]:
+def dtype_info(aval: Any) -> tuple[tuple[int, ...], str, int]:
     shape = tuple(int(d) for d in getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", None)
     if dtype is None:  # tokens and other non-array values
@@ -145,7 +145,7 @@ class _Builder:
     # ---- tensors ---------------------------------------------------------------------------------------
 
     def tensor(self, aval: Any, role: Role, name: str, producer: int | None) -> int:
-        shape, dtype, nbytes = _dtype_info(aval)
+        shape, dtype, nbytes = dtype_info(aval)
         tid = len(self.t_name)
         self.t_name.append(name or f"t{tid}")
         self.t_shape.append(shape)
