@@ -39,6 +39,7 @@ from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
 from autoshard.planner.utilization import model_flops
 from autoshard.target import (
+    RUNTIMES,
     BudgetLike,
     HardwareLike,
     MeshLike,
@@ -47,6 +48,7 @@ from autoshard.target import (
     Target,
     check_time_budget,
     parse_mesh,
+    uniform_stages,
 )
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
@@ -54,7 +56,6 @@ from autoshard.trace.roles import with_batch_argnums
 
 log = logging.getLogger("autoshard")
 
-RUNTIMES = ("auto", "spmd", "mpmd")  # how a pipelined plan runs (``parallelize``'s docstring)
 # an intra-operator plan whose peak is above this share of the budget was shaped by memory (``_cramped``)
 CRAMPED = 0.9
 # with no time budget given, an interleaved pipeline is also priced when the chosen one idles at least this
@@ -106,7 +107,10 @@ def plan(
     layout for GPT-1T), and the faster kept.
 
     ``runtime="spmd"`` plans only pipelines the SPMD program runs (``parallelize``'s ``runtime``): equal
-    submeshes, the same number of blocks a stage, priced as that program's lockstep ticks run.
+    submeshes, the same number of blocks a stage, priced as that program's lockstep ticks run; ``"mpmd"``
+    any stages, priced as the single-process runtime runs them; ``"auto"`` (the default) SPMD when the mesh
+    spans more than one host of the hardware (``target.uniform_stages``: a cluster runs one process per
+    host, and the MPMD runtime drives every stage from one), else MPMD.
 
     Input roles (parameter, optimizer state, carried state, batch) are read off what the step does with
     each leaf (``trace.roles``); ``roles`` overrides them by path prefix or argument position, and
@@ -119,12 +123,10 @@ def plan(
     block's replay in its stage's backward program); ``"auto"`` only when no cut into stages fits without.
     """
     check_recompute(recompute)
-    if runtime not in RUNTIMES:
-        raise PlanningError(f"runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
                               max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks,
-                              uniform=runtime == "spmd")
+                              uniform=uniform_stages(runtime, target))
     return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
                     roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
 
@@ -641,7 +643,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh), fn)
         assert micro is not None
         devices = list(device_mesh.devices.flat)
-        if spmd:
+        if spmd or (the_plan.spmd and self.runtime == "auto"):  # a plan made for the SPMD program runs as priced
             return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices), fn)
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)
 

@@ -184,6 +184,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default="auto", choices=["auto", "none", "selective", "full"],
                    help="rematerialise the repeated blocks' activations in the backward pass: 'auto' (default) "
                         "only when the step does not fit without it")
+    p.add_argument("--runtime", default="auto", choices=["auto", "spmd", "mpmd"],
+                   help="how a pipeline runs: 'spmd' one program over a stage axis (uniform stages, any number of "
+                        "processes), 'mpmd' a program per stage from one process (any stages), 'auto' (default) "
+                        "SPMD when the mesh spans more than one host of the hardware")
 
 
 def _plan_run(args: argparse.Namespace) -> int:
@@ -194,12 +198,13 @@ def _plan_run(args: argparse.Namespace) -> int:
     from autoshard.pipeline import format_pipeline_plan
     from autoshard.planner.plan import Plan
     from autoshard.planner.summary import format_plan
-    from autoshard.target import PipelineOptions
+    from autoshard.target import PipelineOptions, uniform_stages
 
     target = _target(args)
     options = PipelineOptions(microbatches=args.microbatches, pipeline={"auto": None, "yes": True, "no": False}[args.pipeline],
                               schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages,
-                              num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape))
+                              num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape),
+                              uniform=uniform_stages(args.runtime, target))
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
     the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget,

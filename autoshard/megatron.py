@@ -36,7 +36,7 @@ from autoshard.api import plan_for
 from autoshard.errors import AutoshardError
 from autoshard.pipeline import PipelinePlan
 from autoshard.planner.plan import Plan
-from autoshard.target import PipelineOptions, Target
+from autoshard.target import PipelineOptions, Target, uniform_stages
 from autoshard.trace.graph import Graph
 
 __all__ = ["GridPoint", "automatic_plan", "default_stage_shapes", "grid_table", "megatron_grid", "sequence_parallel"]
@@ -106,7 +106,8 @@ def automatic_plan(step_fn: Callable[..., Any], args: tuple[Any, ...], target: T
     """The plan ``autoshard plan`` makes with only the target given, the seconds it took and its
     ``sequence_parallel`` share."""
     t0 = time.perf_counter()
-    plan, planned, micro = plan_for(step_fn, args, target, PipelineOptions(), time_budget_s=None)
+    options = PipelineOptions(uniform=uniform_stages("auto", target))
+    plan, planned, micro = plan_for(step_fn, args, target, options, time_budget_s=None)
     seconds = time.perf_counter() - t0
     return plan, seconds, sequence_parallel(micro if micro is not None else planned, plan)
 

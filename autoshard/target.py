@@ -190,6 +190,28 @@ class Target:
     def mesh(self) -> dict[str, int]:
         return dict(zip(self.axis_names, self.shape, strict=True))
 
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the mesh holds more devices than one host of the hardware: then it runs from one process
+        per host (``jax.distributed``), and a pipeline only as the SPMD program (``pipeline_runtime``)."""
+        return math.prod(self.shape) > self.cost.cluster.devices_per_host
+
+
+RUNTIMES = ("auto", "spmd", "mpmd")  # how a pipelined plan runs (``parallelize``'s docstring)
+
+
+def uniform_stages(runtime: str, target: Target, processes: int = 1) -> bool:
+    """Whether a pipeline is planned for the SPMD program (uniform stages, priced as its lockstep ticks run)
+    rather than the single-process MPMD runtime (any stages): ``runtime`` ``"spmd"`` or ``"mpmd"`` as asked;
+    ``"auto"``: SPMD when several processes run the step, or when the mesh spans hosts (planning ahead for
+    a cluster, where one process per host runs it: the MPMD runtime dispatches every stage's programs
+    from one process, which drives only its own host's devices)."""
+    if runtime not in RUNTIMES:
+        raise PlanningError(f"runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if runtime != "auto":
+        return runtime == "spmd"
+    return processes > 1 or target.spans_hosts
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineOptions:

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from flax.training.train_state import TrainState
 
 import autoshard
@@ -109,18 +110,22 @@ def test_a_three_times_heavier_layer_gets_a_stage_or_more_devices_of_its_own() -
     assert any(favoured(s) for s in holding), (blocks, [st.submesh for st in plan.stages])
 
 
-def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d() -> None:
+@pytest.mark.parametrize("runtime", ["auto", "mpmd"])
+def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d(runtime: str) -> None:
     # 2 nodes of 4 devices, the node axis on the slow inter-node link; 12 blocks of 4096 (~3.2 GB of
     # weights, ~13 GB with gradients and Adam moments) on 4096 examples. Across the nodes, data parallel
     # all-reduces the gradients and tensor parallel all-reduces big activations at every block; a
     # pipeline sends one activation per microbatch over the slow link and shards inside each node.
+    # ``auto``: the mesh spans two hosts, so the pipeline is planned for the SPMD program (what runs there:
+    # one process a host), uniform stages priced as its lockstep ticks; ``mpmd``: the stage DP's pipeline.
     step, args, g = _traced([4096] * 12, 4096, 4096, 8)
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("node", "gpu"), num_hosts=2,
                           devices_per_host=4)
     assert cost.mesh.links[0].bandwidth < cost.mesh.links[1].bandwidth
     plan = autoshard.plan(step, *args, mesh={"node": 2, "gpu": 4}, hardware=cost, memory_budget=8e9,
-                          microbatches=8, time_budget_s=20)
+                          microbatches=8, time_budget_s=20, runtime=runtime)
     assert isinstance(plan, PipelinePlan), "expected a pipelined plan, got an intra-operator one"
+    assert plan.spmd == (runtime == "auto")
     assert plan.predicted_step_time < plan.solver.intra_op_step_time
     # no stage spans the two nodes, and both nodes hold stages
     assert all(st.submesh[0] == 1 for st in plan.stages), [st.submesh for st in plan.stages]
@@ -135,6 +140,10 @@ def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d() -> None:
     assert any(r > 0 for r in reductions), "expected data parallel inside some stage"
     for st, r in zip(plan.stages, reductions, strict=True):
         assert st.update_time >= r, (st.update_time, r)
+    if plan.spmd:  # one program: equal submeshes, as many blocks each
+        assert len({st.submesh for st in plan.stages}) == 1
+        assert len({st.layers[1] - st.layers[0] for st in plan.stages[:-1]}) <= 1
+        return
     # the step: the microbatches' passes under the schedule the planner picked, then the slowest update
     # once; 1F1B's passes take Σ t + (B − 1)·max t, and ZB-H1's (its own timeline) no longer
     times = [st.micro_time for st in plan.stages]

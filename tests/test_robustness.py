@@ -272,3 +272,17 @@ def test_does_not_fit_says_which_recompute_setting_would() -> None:
     assert "microbatches" in message and "does not fit" in message.split("pipeline:")[1], message
     assert "stage_time" not in message, message  # the user's terms, not the stage DP's
     assert caught.value.needed is not None and caught.value.needed > 2e5
+
+
+def test_a_pipeline_for_a_mesh_across_hosts_is_planned_for_the_program_that_runs_there() -> None:
+    """One process drives one host's devices, so the MPMD runtime (every stage's programs dispatched from
+    one process) runs only inside a host: ``runtime="auto"`` plans a pipeline for the SPMD program when the
+    mesh spans hosts (8x8 H100: eight hosts) or several processes run; ``spmd``/``mpmd`` are kept as asked."""
+    from autoshard.target import uniform_stages
+
+    one_host, hosts = Target.of((2, 4), "h100"), Target.of((8, 8), "h100")
+    assert not one_host.spans_hosts and hosts.spans_hosts
+    assert not uniform_stages("auto", one_host) and uniform_stages("auto", one_host, processes=2)
+    assert uniform_stages("auto", hosts) and not uniform_stages("mpmd", hosts) and uniform_stages("spmd", one_host)
+    with pytest.raises(PlanningError, match="runtime='threads'.*auto, spmd, mpmd"):
+        uniform_stages("threads", hosts)

@@ -106,6 +106,9 @@ class PipelinePlan:
     # planned for the SPMD program's fused 1F1B ticks (a forward and a backward a tick, ``ticks.fused_1f1b``):
     # its stages' memory holds that schedule's microbatches in flight
     fused_ticks: bool = False
+    # planned for the SPMD program (``pipeline.spmd_program``: uniform stages, priced as its lockstep ticks
+    # run), which runs on any number of processes; else for the single-process MPMD runtime
+    spmd: bool = False
 
     @property
     def mfu(self) -> float | None:
@@ -190,6 +193,7 @@ class PipelinePlan:
             "recompute": dict(self.recompute),
             "inputs": [{"name": n, "shape": list(shape), "dtype": dtype} for n, shape, dtype in self.inputs],
             **({"fused_ticks": True} if self.fused_ticks else {}),
+            **({"spmd": True} if self.spmd else {}),
         }
 
     @classmethod
@@ -213,7 +217,7 @@ class PipelinePlan:
                    model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
                    recompute=dict(d.get("recompute", {})),
                    inputs=tuple((x["name"], tuple(x["shape"]), x["dtype"]) for x in d.get("inputs", ())),
-                   fused_ticks=bool(d.get("fused_ticks", False)))
+                   fused_ticks=bool(d.get("fused_ticks", False)), spmd=bool(d.get("spmd", False)))
         plan.verify()
         return plan
 

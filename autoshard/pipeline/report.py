@@ -20,6 +20,8 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
         f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
         f"{plan.schedule}{chosen}, {plan.num_layers} layers",
+        "runs as one SPMD program over a stage axis (any number of processes; lockstep ticks priced)" if plan.spmd
+        else "runs a program per stage from one process (the MPMD runtime; one host)",
         f"predicted step time {human_time(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),

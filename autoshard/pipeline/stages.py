@@ -347,7 +347,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
-        inputs=input_signature(graph), fused_ticks=fused,
+        inputs=input_signature(graph), fused_ticks=fused, spmd=uniform,
     )
 
 
