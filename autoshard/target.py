@@ -193,7 +193,7 @@ class Target:
     @property
     def spans_hosts(self) -> bool:
         """Whether the mesh holds more devices than one host of the hardware: then it runs from one process
-        per host (``jax.distributed``), and a pipeline only as the SPMD program (``pipeline_runtime``)."""
+        per host (``jax.distributed``), and a pipeline only as the SPMD program (``uniform_stages``)."""
         return math.prod(self.shape) > self.cost.cluster.devices_per_host
 
 

@@ -284,5 +284,5 @@ def test_a_pipeline_for_a_mesh_across_hosts_is_planned_for_the_program_that_runs
     assert not one_host.spans_hosts and hosts.spans_hosts
     assert not uniform_stages("auto", one_host) and uniform_stages("auto", one_host, processes=2)
     assert uniform_stages("auto", hosts) and not uniform_stages("mpmd", hosts) and uniform_stages("spmd", one_host)
-    with pytest.raises(PlanningError, match="runtime='threads'.*auto, spmd, mpmd"):
+    with pytest.raises(PlanningError, match=r"runtime='threads'.*auto, spmd, mpmd"):
         uniform_stages("threads", hosts)

@@ -262,20 +262,20 @@ class _Rewrite:
             params=op.params, bodies=op.bodies, trip_count=op.trip_count, eqn=op.eqn if eqn is None else eqn))
         return outs
 
-    def tensors_of(self, tid: int) -> Tensor:
+    def _template(self, tid: int) -> Tensor:
         """A template for a copy of the rewritten step's tensor ``tid`` (``_tensor`` reads its fields)."""
         t = self.tensors[tid]
         return Tensor(id=-1, name="", shape=t["shape"], dtype=t["dtype"], nbytes=t["nbytes"], role=t["role"],
                       producer=t["producer"], consumers=(), live=(0, 0))
 
-    def _anchor(self, op: Op, tid: int, original: int) -> tuple[int, Any] | None:
+    def _anchor(self, op: Op, tid: int, original: int) -> tuple[int, Any]:
         """The value the barriers before ``op`` hold beside what they pass: the incoming cotangent ``tid``
-        (the rewritten step's id of ``original``) reduced to a scalar (``jaxpr_compat.anchor``), made in
-        ``op``'s scope. A scalar asks nothing of a layout: one barrier holding a ``[b, s, h]`` cotangent
-        beside ``[h, 4h]`` weights replicated whichever operand was not the largest's rank
-        (``strategies.elementwise.barrier``), gathering GPT-1T's cotangent or weights every block and
-        microbatch. Returns its id and abstract value; the cotangent itself where it is a scalar already
-        or not a number."""
+        (the rewritten step's id of ``original``) reduced to a scalar (``jaxpr_compat.anchor``) in ``op``'s
+        scope; the cotangent itself where it is a scalar already or not a number. Returns its id and
+        abstract value. A scalar asks nothing of a layout: a barrier holding the ``[b, s, h]`` cotangent
+        beside ``[h, 4h]`` weights replicated whichever was not of the largest operand's rank
+        (``strategies.elementwise.barrier``), so GPT-1T's cotangent or weights were gathered every block
+        and microbatch."""
         aval = self._aval(original)
         if not aval.shape or not jax.numpy.issubdtype(aval.dtype, jax.numpy.number):
             return tid, aval
@@ -311,7 +311,7 @@ class _Rewrite:
                 barrier = Op(id=-1, primitive="optimization_barrier", inputs=(), outputs=(), flops=0.0,
                              bytes_in=0, bytes_out=0, source=op.source, scope=scope, layer=op.layer,
                              phase="backward", params=params_digest(eqn.params), eqn=eqn)
-                outs = self._op(barrier, tied, [self.tensors_of(i) for i in tied], copy=True)
+                outs = self._op(barrier, tied, [self._template(i) for i in tied], copy=True)
                 local[t] = outs[0]
         for o in replay:
             rop = g.ops[o]
