@@ -169,6 +169,10 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
+    if uniform and not interleaved:  # price only the shapes a uniform cut can use
+        limit = min(max_stages or layers, layers)
+        usable = tuple(o for o in options if _uniform_count(o[0], cluster, len(starts), limit))
+        options = usable or options  # none: ``_uniform`` says why, from the prices
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     micro_ops: list[list[int]] = [[] for _ in range(layers)]
@@ -383,15 +387,14 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
                 span[tag] = [layer_of_op[i], layer_of_op[i]]
             span[tag][0] = min(span[tag][0], layer_of_op[i])
             span[tag][1] = max(span[tag][1], layer_of_op[i])
-    K, layers, n_devices = len(tags), stage_time.shape[0], cluster[0] * cluster[1]
+    K, layers = len(tags), stage_time.shape[0]
     static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
     best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...], str] | None = None
     tried: list[str] = []
     for m, shape in enumerate(submeshes):
         size = shape[0] * shape[1]
-        S = n_devices // size
-        if (n_devices % size or S < 2 or limit < S or not K or K % S or cluster[0] % shape[0]
-                or cluster[1] % shape[1]):
+        S = _uniform_count(shape, cluster, K, limit)
+        if not S:
             continue
         n = K // S
         ends = [span[tags[(s + 1) * n - 1]][1] for s in range(S - 1)] + [layers - 1]
@@ -433,6 +436,17 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s, %s%s", len(best[1]),
              K // len(best[1]), costs[best[1][0][2]].mesh, best[5], ", fused ticks" if best[3] else "")
     return best[1], best[2], best[0], best[3], best[4], best[5]
+
+
+def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int, limit: int) -> int:
+    """The number of equal stages of ``shape`` that tile ``cluster`` when it divides ``blocks`` numbered
+    blocks and is between 2 and ``limit``; else 0 (no uniform cut on that shape)."""
+    size, n_devices = shape[0] * shape[1], cluster[0] * cluster[1]
+    S = n_devices // size
+    if (n_devices % size or S < 2 or limit < S or not blocks or blocks % S or cluster[0] % shape[0]
+            or cluster[1] % shape[1]):
+        return 0
+    return S
 
 
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
