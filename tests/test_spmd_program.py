@@ -335,6 +335,23 @@ def test_the_price_is_the_lockstep_of_the_schedule() -> None:
     assert got.loop < 0.8 * lock_1f1b.loop
 
 
+def test_a_plan_made_for_the_program_runs_as_the_program() -> None:
+    """A pipeline planned for the SPMD program (``runtime="spmd"``, or a mesh across hosts planned ahead) and
+    given to ``parallelize`` runs as that program, as priced, even from one process (``runtime="auto"``),
+    and computes what ``jax.jit`` does."""
+    fn, args, batch = make("optax")
+    want = jax.tree.map(lambda x: np.asarray(x).copy(), args)
+    plan = autoshard.plan(fn, *args, batch, mesh=(2, 4), microbatches=4, pipeline=True, stage_shape=(1, 2),
+                          time_budget_s=8, runtime="spmd")
+    assert plan.spmd
+    step = autoshard.parallelize(fn, mesh=(2, 4), plan=plan)
+    *got, m1 = step(*args, batch)
+    *want, m2 = jax.jit(fn)(*want, batch)
+    assert type(step._last.step).__name__ == "SpmdPipelineStep"
+    assert global_rel_error(np.asarray(m2["loss"]), np.asarray(m1["loss"])) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+
+
 def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_program() -> None:
     # 4 wide blocks (hidden 2048, bf16) on 2 hosts of 4 H100s, 3 GB a device: the weights and Adam state
     # (~2.6 GB a replica) fit no device whole; NVLink inside a host, InfiniBand between hosts
@@ -344,6 +361,7 @@ def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_pro
     plan = autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), hardware="h100", memory_budget=3e9,
                           microbatches=8, pipeline=True, time_budget_s=20, runtime="spmd", recompute="none")
     S = plan.num_physical_stages
+    assert plan.spmd  # and it says so in the plan it saves
     # uniform: equal submeshes, none across the slow link, every host used, the same number of blocks a stage
     assert len({st.submesh for st in plan.stages}) == 1 and all(st.submesh[0] == 1 for st in plan.stages)
     assert {st.origin[0] for st in plan.stages} == {0, 1} and 4 % S == 0
