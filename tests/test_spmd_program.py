@@ -5,6 +5,7 @@ from the traced step, schedules as tick tables, the same numbers as ``jax.jit`` 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -381,3 +382,15 @@ def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_pro
     assert step.ticks.res_slots == min(2 * S - 1 if plan.fused_ticks else S, 8)  # the plan's in-flight rule
     text = step.lower(*ex.args).as_text()
     assert text.count("stablehlo.while") >= 1 and text.count("collective_permute") >= 2
+
+
+def test_blocks_no_uniform_cut_divides_are_refused_by_name_before_any_layer_is_priced(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """3 blocks on 8 devices: no stage count that tiles the mesh (2, 4, 8) divides them, so the SPMD
+    pipeline is refused, saying what to change, without pricing a layer on any submesh."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=3"], abstract=True)
+    with caplog.at_level(logging.INFO, logger="autoshard"), pytest.raises(
+            PipelineError, match=r"no uniform cut of the step's 3 numbered blocks .*stage_shape"):
+        autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
+                       time_budget_s=10)
+    assert "autoshard: priced" not in caplog.text

@@ -169,10 +169,11 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
+    limit = min(max_stages or layers, layers)  # stages at most (interleaved: the stage shape's count, below)
     if uniform and not interleaved:  # price only the shapes a uniform cut can use
-        limit = min(max_stages or layers, layers)
-        usable = tuple(o for o in options if _uniform_count(o[0], cluster, len(starts), limit))
-        options = usable or options  # none: ``_uniform`` says why, from the prices
+        options = tuple(o for o in options if _uniform_count(o[0], cluster, len(starts), limit))
+        if not options:
+            raise _no_uniform_cut(len(starts), [])
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     micro_ops: list[list[int]] = [[] for _ in range(layers)]
@@ -183,7 +184,8 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     slow = min(link.bandwidth for link in cost.mesh.links)
     n_devices = cluster[0] * cluster[1]
     chunks = num_chunks if interleaved else 1
-    limit = n_devices // (submeshes[0][0] * submeshes[0][1]) if interleaved else min(max_stages or layers, layers)
+    if interleaved:
+        limit = n_devices // (submeshes[0][0] * submeshes[0][1])
     if interleaved and layers < chunks * limit:
         raise PipelineError(f"{limit} stages of {chunks} chunks need at least {chunks * limit} layers; the step "
                             f"has {layers}: pass num_layers >= {chunks * limit} or fewer chunks")
@@ -428,14 +430,19 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
                 best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S], fused, inflight,
                         name)
     if best is None:
-        why = "; ".join(tried) or "no submesh shape gives a stage count dividing them"
-        raise PipelineDoesNotFit(
-            f"no uniform cut of the step's {K} numbered blocks into equal stages ({why}): the SPMD pipeline "
-            "needs a stage count dividing the block count; pass stage_shape=(hosts, devices) whose stage count "
-            "divides it, more microbatches, or recompute")
+        raise _no_uniform_cut(K, tried)
     log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s, %s%s", len(best[1]),
              K // len(best[1]), costs[best[1][0][2]].mesh, best[5], ", fused ticks" if best[3] else "")
     return best[1], best[2], best[0], best[3], best[4], best[5]
+
+
+def _no_uniform_cut(blocks: int, tried: Sequence[str]) -> PipelineDoesNotFit:
+    """The error for ``blocks`` numbered blocks no uniform cut fits, ``tried`` saying why for each shape tried."""
+    why = "; ".join(tried) or "no submesh shape gives a stage count dividing them"
+    return PipelineDoesNotFit(
+        f"no uniform cut of the step's {blocks} numbered blocks into equal stages ({why}): the SPMD pipeline "
+        "needs a stage count dividing the block count; pass stage_shape=(hosts, devices) whose stage count "
+        "divides it, more microbatches, or recompute")
 
 
 def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int, limit: int) -> int:
