@@ -345,3 +345,27 @@ def test_dropping_or_moving_any_action_breaks_verify(sched: Schedule, data: st.D
             replace(sched, slots=tuple(map(tuple, moved))).verify()
     else:
         replace(sched, slots=tuple(map(tuple, moved))).verify()
+
+
+@pytest.mark.parametrize("name,S,B,v", [("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("zb-h1", 4, 8, 1), ("zb-h1", 2, 1, 1),
+                                        ("gpipe", 3, 5, 1), ("gpipe", 2, 1, 1), ("interleaved-1f1b", 2, 4, 2)])
+def test_a_tail_gap_leaves_a_slot_between_the_last_forward_and_backward_at_the_same_length(
+        name: str, S: int, B: int, v: int) -> None:
+    # a tail spread over other stages runs in the slot after the last virtual stage's forward; one more
+    # warm-up forward per stage fills it, so the schedule is no longer (for B > 1) and holds one more
+    # microbatch in flight
+    plain, gapped = schedule(name, S, B, v), schedule(name, S, B, v, tail_gap=1)
+    gapped.verify()
+    slot = _slot_of(gapped)
+    V = S * v
+    assert all(slot[(V - 1, m, "backward")] >= slot[(V - 1, m, "forward")] + 2 for m in range(B))
+    if B > 1:
+        assert len(gapped.slots) == len(plain.slots)
+    if name in ("1f1b", "zb-h1"):
+        assert gapped.peak_inflight_all() == tuple(min(S - s + 1, B) for s in range(S))
+    # the gap is part of the schedule: verify refuses a backward right after its forward, and JSON keeps it
+    assert Schedule.from_dict(json.loads(json.dumps(gapped.to_dict()))) == gapped
+    tight = _slot_of(plain)
+    if any(tight[(V - 1, m, "backward")] == tight[(V - 1, m, "forward")] + 1 for m in range(B)):
+        with pytest.raises(ValueError, match=r"1 slot\(s\) for the tail"):
+            replace(plain, tail_gap=1).verify()

@@ -77,36 +77,47 @@ def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None
                                                         ("gpipe", 3, 5, 1), ("interleaved-1f1b", 2, 4, 2),
                                                         ("interleaved-1f1b", 4, 8, 2), ("fused", 4, 8, 1),
                                                         ("fused", 3, 2, 1), ("zb-h1", 4, 8, 1), ("zb-h1", 3, 5, 1)])
-def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int, chunks: int) -> None:
+@pytest.mark.parametrize("split", [1, 2])
+def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages: int, micro: int, chunks: int,
+                                                              split: int) -> None:
+    gap = int(split > 1)  # a spread tail: a tick between the last stage's forward and backward
     if name == "fused":
-        t = fused_1f1b(stages, micro)
-        assert t.num_ticks == micro + 2 * stages - 2
+        t = fused_1f1b(stages, micro, split)
+        assert t.num_ticks == micro + 2 * stages - 2 + 2 * gap
         # stage s holds 2(S-1-s)+1 microbatches in flight: the rule the planner checks memory with
-        assert [t.res_slots_at(s) for s in range(stages)] == list(fused_inflight(stages, micro))[::-1]
+        assert [t.res_slots_at(s) for s in range(stages)] == list(fused_inflight(stages, micro, split))[::-1]
     else:
-        sched = schedule(name, stages, micro, chunks)
-        t = ticks(sched)
+        sched = schedule(name, stages, micro, chunks, tail_gap=gap)
+        t = ticks(sched, split)
         assert t.num_ticks == len(sched.slots)
         # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
         assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
         if name in ("1f1b", "zb-h1"):  # ZB-H1 holds residuals until W, as many microbatches as 1F1B
-            assert t.res_slots == min(stages, micro)
+            assert t.res_slots == min(stages + gap, micro)
         assert t.weight_pass == (name == "zb-h1")
+    assert t.spread == (split > 1)
     # replay the tables: every read finds the value written for the same (virtual stage, microbatch), never
     # overwritten in between; within a tick a stage runs its forward, then its backward, then its weight
-    # pass; the stream goes round the ring between chunks
+    # pass; the stream goes round the ring between chunks; a spread tail runs the tick after the last
+    # forward and its cotangent reaches the last stage at the end of that tick
     V = stages * chunks
     act, cot, res, kept = {}, {}, {}, {}
     done = set()
+    tail_due: dict[int, int] = {}
     for k in range(t.num_ticks):
         sent_act, sent_cot = {}, {}
+        if t.spread:
+            assert int(t.tail_micro[k]) == tail_due.pop(k, -1)
         for s in range(stages):
             if t.f_micro[k, s] >= 0:
                 m, u = int(t.f_micro[k, s]), int(t.f_chunk[k, s]) * stages + s
                 if u > 0:
                     assert act[(s, int(t.act_read[k, s]))] == (u, m)
                 res[(s, int(t.res_write[k, s]))] = (u, m)
-                if u == V - 1:
+                if u == V - 1 and t.spread:
+                    assert t.cot_self[k, s] < 0
+                    tail_due[k + 1] = m
+                elif u == V - 1:
                     cot[(s, int(t.cot_self[k, s]))] = (u, m)
                 else:
                     sent_act[(s + 1) % stages] = (u + 1, m)
@@ -132,8 +143,11 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
                 act[(s, int(t.act_recv[k, s]))] = sent_act[s]
             if s in sent_cot:
                 cot[(s, int(t.cot_recv[k, s]))] = sent_cot[s]
+        if t.spread and t.tail_micro[k] >= 0:
+            cot[((V - 1) % stages, int(t.tail_cot[k]))] = (V - 1, int(t.tail_micro[k]))
     assert done == {(kind, u, m) for kind in ("FBW" if t.weight_pass else "FB") for u in range(V)
                     for m in range(micro)}
+    assert not tail_due
 
 
 @pytest.mark.parametrize("form,name,shape,recompute", [("optax", "1f1b", (1, 2), "auto"),
@@ -394,3 +408,42 @@ def test_blocks_no_uniform_cut_divides_are_refused_by_name_before_any_layer_is_p
         autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
                        time_budget_s=10)
     assert "autoshard: priced" not in caplog.text
+
+
+@pytest.mark.parametrize("name,stages,split", [
+    ("zb-h1", 4, 4), ("1f1b", 4, 2),
+    pytest.param("fused", 4, 4, marks=pytest.mark.slow), pytest.param("gpipe", 2, 2, marks=pytest.mark.slow),
+    pytest.param("interleaved-1f1b", 2, 2, marks=pytest.mark.slow)])
+def test_a_tail_spread_over_stages_gives_jits_numbers(name: str, stages: int, split: int) -> None:
+    # the layers after the blocks (final norm, LM head, loss and their backward) run on the last `split`
+    # stages, a slice of each microbatch's 4 rows each (at split 4, one row: JAX traces that tail with
+    # other ops, so XLA lays it out), in the tick after the last block's forward; the losses and the
+    # parameters of 3 steps are jax.jit's
+    from autoshard.pipeline.spmd_program import SpmdPipelineStep
+
+    M, rows = 4, 4
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", f"batch={M * rows}"], abstract=False)
+    state, batch = ex.args
+    full = trace(ex.train_step, state, batch)
+    micro = trace_microbatch(ex.train_step, ex.args, full, M)
+    small = trace_microbatch(ex.train_step, ex.args, full, M * split)
+    step = SpmdPipelineStep(micro, full, stage_mesh(jax.devices(), stages), M, "1f1b" if name == "fused" else name,
+                            num_chunks=2 if name == "interleaved-1f1b" else 1, fused=name == "fused", tail=small)
+    assert step.spread is not None and step.spread.split == split and step.ticks.spread
+    assert int((step.ticks.tail_micro >= 0).sum()) == M  # each microbatch's tail once
+    want, got = jax.tree.map(lambda x: np.array(x), state), state
+    for _ in range(3):
+        got, m1 = step(got, batch)
+        want, m2 = jax.jit(ex.train_step)(want, batch)
+        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+
+
+def test_a_tail_that_cannot_be_split_by_rows_is_refused_by_name() -> None:
+    from autoshard.pipeline.spmd_program import SpmdPipelineStep
+
+    micro, full = _micro(batch=32)  # 8 rows a microbatch
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "batch=32"], abstract=True)
+    small = trace_microbatch(ex.train_step, ex.args, full, 4 * 8)
+    with pytest.raises(PipelineError, match=r"tail spread over 8 stages needs between 2 and the 4 stages"):
+        SpmdPipelineStep(micro, full, stage_mesh(jax.devices()[:4], 4), 4, "1f1b", tail=small)

@@ -19,7 +19,10 @@ one ``B`` at every virtual stage, no stage runs two actions at once, and
     B(u+1, m) ≺  B(u, m)          gradients flow backward
     F(u, m)   ≺  B(u, m)          a backward needs its own forward (at u = V-1 this turns the microbatch round)
 
-where ``≺`` is "ends before the other starts". ``Schedule.verify`` checks exactly these rules. A
+where ``≺`` is "ends before the other starts". A schedule with a *tail gap* ``g`` (``tail_gap``) spreads the
+layers after the last block over several stages (``spmd_program``): the stream leaves the last stage after
+``F(V-1, m)``, the tail runs elsewhere during the next ``g`` slots, and its cotangent returns, so
+``B(V-1, m)`` comes at least ``g + 1`` slots after ``F(V-1, m)``. ``Schedule.verify`` checks exactly these rules. A
 schedule with a *weight pass* (``weight_pass``, ZB-H1) splits each backward into ``B(u, m)``, the input
 gradient the rules above speak of, and ``W(u, m)``, the weight gradient, with ``B(u, m) ≺ W(u, m)`` and
 nothing waiting on a ``W``.
@@ -132,6 +135,7 @@ class Schedule:
     num_chunks: int = 1
     weight_pass: bool = False  # backwards split into input-gradient "backward" and weight-gradient "weight"
     slots: tuple[tuple[Action, ...], ...]
+    tail_gap: int = 0  # slots between F(V-1, m) and B(V-1, m) where the tail runs on other stages
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -198,9 +202,11 @@ class Schedule:
             )
         for key, t in slot_of.items():
             for dep in _deps(key, S * v):
-                if dep in slot_of and slot_of[dep] >= t:
+                gap = _gap(key, dep, S * v, self.tail_gap)
+                if dep in slot_of and slot_of[dep] + gap >= t:
+                    after = f" and {gap} slot(s) for the tail" if gap else ""
                     problems.append(
-                        f"{_describe(key)} in slot {t} must come after {_describe(dep)}, which is in slot "
+                        f"{_describe(key)} in slot {t} must come after {_describe(dep)}{after}, which is in slot "
                         f"{slot_of[dep]}"
                     )
         if problems:
@@ -310,6 +316,7 @@ class Schedule:
             "num_microbatches": self.num_microbatches,
             "num_chunks": self.num_chunks,
             "weight_pass": self.weight_pass,
+            "tail_gap": self.tail_gap,
             "slots": [
                 [
                     {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind, "chunk": a.chunk}
@@ -328,6 +335,7 @@ class Schedule:
             num_microbatches=int(data["num_microbatches"]),
             num_chunks=int(data.get("num_chunks", 1)),
             weight_pass=bool(data.get("weight_pass", False)),
+            tail_gap=int(data.get("tail_gap", 0)),
             slots=tuple(
                 tuple(
                     Action(int(a["stage"]), int(a["microbatch"]), a["kind"], int(a.get("chunk", 0)))
@@ -376,6 +384,14 @@ def _deps(key: _Key, num_virtual: int) -> tuple[_Key, ...]:
     return ((u + 1, m, "backward"), (u, m, "forward"))
 
 
+def _gap(key: _Key, dep: _Key, num_virtual: int, tail_gap: int) -> int:
+    """Slots that must pass between ``dep`` and ``key`` besides ``≺``: ``tail_gap`` between the last virtual
+    stage's forward and its backward (the tail runs on other stages meanwhile), else none."""
+    if tail_gap and key[2] == "backward" and dep[2] == "forward" and key[0] == num_virtual - 1:
+        return tail_gap
+    return 0
+
+
 def _describe(key: _Key) -> str:
     u, m, kind = key
     return f"{kind} of microbatch {m} at virtual stage {u}"
@@ -404,26 +420,31 @@ def _warmup_steady_cooldown(forwards: list[Action], backwards: list[Action], war
 
 def _list_schedule(
     name: str, num_stages: int, num_microbatches: int, num_chunks: int, orders: Sequence[Sequence[Action]],
-    weight_pass: bool = False,
+    weight_pass: bool = False, tail_gap: int = 0,
 ) -> Schedule:
     """Unit-time slots for the given per-stage orders: at each slot, every stage starts its next action if
-    its dependencies ran in earlier slots."""
+    its dependencies ran in earlier slots (and, with ``tail_gap``, the last virtual stage's backward
+    ``tail_gap`` slots after its forward; the stage idles meanwhile when its order has nothing else)."""
     V = num_stages * num_chunks
-    done: set[_Key] = set()
+    done: dict[_Key, int] = {}  # key -> its slot
     nxt = [0] * num_stages
     slots: list[tuple[Action, ...]] = []
     remaining = sum(len(o) for o in orders)
+    idle = 0  # slots in a row where no stage could start
     while remaining:
         started = []
+        now = len(slots)
         for s, order in enumerate(orders):
             if nxt[s] < len(order):
                 a = order[nxt[s]]
-                if all(d in done for d in _deps((a.virtual_stage(num_stages), a.microbatch, a.kind), V)):
+                key = (a.virtual_stage(num_stages), a.microbatch, a.kind)
+                if all(d in done and done[d] + _gap(key, d, V, tail_gap) < now for d in _deps(key, V)):
                     started.append(a)
-        if not started:  # a builder bug, not a user error
+        idle = 0 if started else idle + 1
+        if idle > tail_gap:  # a builder bug, not a user error (waiting out a tail gap is not one)
             raise AssertionError(f"{name}: per-stage orders deadlock at slot {len(slots)}")
         for a in started:
-            done.add((a.virtual_stage(num_stages), a.microbatch, a.kind))
+            done[(a.virtual_stage(num_stages), a.microbatch, a.kind)] = now
             nxt[a.stage] += 1
         remaining -= len(started)
         slots.append(tuple(started))
@@ -434,10 +455,11 @@ def _list_schedule(
         num_chunks=num_chunks,
         weight_pass=weight_pass,
         slots=tuple(slots),
+        tail_gap=tail_gap,
     )
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> Schedule:
     """GPipe: every stage runs all forwards, then all backwards (peak in flight ``B`` on every stage)."""
     _check_sizes("gpipe", num_stages, num_microbatches)
     orders = [
@@ -445,22 +467,23 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
         + [Action(s, m, "backward") for m in range(num_microbatches)]
         for s in range(num_stages)
     ]
-    return _list_schedule("gpipe", num_stages, num_microbatches, 1, orders)
+    return _list_schedule("gpipe", num_stages, num_microbatches, 1, orders, tail_gap=tail_gap)
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> Schedule:
     """1F1B (PipeDream-Flush): ``min(S-1-s, B)`` warm-up forwards, then one forward one backward, then the
-    cool-down backwards; stage ``s`` holds at most ``min(S-s, B)`` microbatches."""
+    cool-down backwards; stage ``s`` holds at most ``min(S-s, B)`` microbatches. A tail gap ``g`` delays
+    every backward by ``g`` slots: ``g`` more warm-up forwards (and microbatches in flight) fill them."""
     _check_sizes("1f1b", num_stages, num_microbatches)
     orders = []
     for s in range(num_stages):
         fwd = [Action(s, m, "forward") for m in range(num_microbatches)]
         bwd = [Action(s, m, "backward") for m in range(num_microbatches)]
-        orders.append(_warmup_steady_cooldown(fwd, bwd, min(num_stages - 1 - s, num_microbatches)))
-    return _list_schedule("1f1b", num_stages, num_microbatches, 1, orders)
+        orders.append(_warmup_steady_cooldown(fwd, bwd, min(num_stages - 1 - s + tail_gap, num_microbatches)))
+    return _list_schedule("1f1b", num_stages, num_microbatches, 1, orders, tail_gap=tail_gap)
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) -> Schedule:
+def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int, tail_gap: int = 0) -> Schedule:
     """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021 §2.2): each stage holds ``num_chunks`` model
     chunks and runs microbatches in groups of ``S``, chunk after chunk; see the module doc for the order."""
     name = "interleaved-1f1b"
@@ -486,11 +509,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, num_chunks: int) ->
     for s in range(S):
         fwd = [unit(s, k, "forward") for k in range(units)]
         bwd = [unit(s, k, "backward") for k in range(units)]
-        orders.append(_warmup_steady_cooldown(fwd, bwd, min(2 * (S - 1 - s) + (v - 1) * S, units)))
-    return _list_schedule(name, S, B, v, orders)
+        orders.append(_warmup_steady_cooldown(fwd, bwd, min(2 * (S - 1 - s) + (v - 1) * S + tail_gap, units)))
+    return _list_schedule(name, S, B, v, orders, tail_gap=tail_gap)
 
 
-def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+def zb_h1(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> Schedule:
     """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3): 1F1B with every backward split
     into its input-gradient part ``B`` (what the stage before waits for) and its weight-gradient part
     ``W`` (needed by no other stage): the warm-up of 1F1B, then ``F B W`` per microbatch, then the
@@ -499,29 +522,30 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     _check_sizes("zb-h1", num_stages, num_microbatches)
     orders = []
     for s in range(num_stages):
-        warm = min(num_stages - 1 - s, num_microbatches)
+        warm = min(num_stages - 1 - s + tail_gap, num_microbatches)
         order = [Action(s, m, "forward") for m in range(warm)]
         for i in range(num_microbatches - warm):
             order += [Action(s, warm + i, "forward"), Action(s, i, "backward"), Action(s, i, "weight")]
         for m in range(num_microbatches - warm, num_microbatches):
             order += [Action(s, m, "backward"), Action(s, m, "weight")]
         orders.append(order)
-    return _list_schedule("zb-h1", num_stages, num_microbatches, 1, orders, weight_pass=True)
+    return _list_schedule("zb-h1", num_stages, num_microbatches, 1, orders, weight_pass=True, tail_gap=tail_gap)
 
 
-_BUILDERS: Mapping[str, Callable[[int, int, int], Schedule]] = {
-    "gpipe": lambda S, B, v: gpipe(S, B),
-    "1f1b": lambda S, B, v: one_f_one_b(S, B),
+_BUILDERS: Mapping[str, Callable[[int, int, int, int], Schedule]] = {
+    "gpipe": lambda S, B, v, g: gpipe(S, B, g),
+    "1f1b": lambda S, B, v, g: one_f_one_b(S, B, g),
     "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": lambda S, B, v: zb_h1(S, B),
+    "zb-h1": lambda S, B, v, g: zb_h1(S, B, g),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
 @functools.lru_cache(maxsize=16)
-def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> Schedule:
+def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1, tail_gap: int = 0) -> Schedule:
     """Build the schedule called ``name`` (one of ``SCHEDULE_NAMES``); built once for the same arguments (a
-    frozen value: the planner asks for GPT-1T's 128 stages x 1024 microbatches several times, 1.6 s each)."""
+    frozen value: the planner asks for GPT-1T's 128 stages x 1024 microbatches several times, 1.6 s each).
+    ``tail_gap``: slots between the last virtual stage's forward and backward (module doc)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULE_NAMES)}")
     if name != "interleaved-1f1b" and chunks != 1:
@@ -529,7 +553,7 @@ def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1)
             f"schedule {name!r} runs one model chunk per stage, got chunks={chunks}; "
             "use 'interleaved-1f1b' for several"
         )
-    return _BUILDERS[name](num_stages, num_microbatches, chunks)
+    return _BUILDERS[name](num_stages, num_microbatches, chunks, tail_gap)
 
 
 def inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[int, ...]:

@@ -66,6 +66,7 @@ from the batch).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -136,6 +137,121 @@ def on_stages(graph: Graph, cut: UniformStages, specs: dict[int, ShardingSpec], 
     return specs
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spread:
+    """The tail (the layers after the blocks, forward and backward) run on ``split`` stages, each on a slice of
+    the microbatch's rows, from ``graph``: the step traced at ``1/split`` of the rows, cut as the step is
+    (``cut``). Pairs ``(t1, t2)`` name a tensor of the microbatch's trace and its counterpart in ``graph``:
+    ``send`` what the tail reads from the last block (its rows sliced and sent), ``batch`` its batch inputs
+    (sliced where it runs), ``outside`` the weights and other values the loop holds whole, ``once`` what the
+    tail adds to the step's sums (scaled by ``1/split``); ``cot``: per cotangent channel, the slice's
+    tensor the last block's backward reads (joined in row order); ``specs``: the plan's layouts of the tail,
+    carried over op by op where the smaller rows still divide."""
+
+    split: int
+    graph: Graph
+    cut: UniformStages
+    send: tuple[tuple[int, int], ...]
+    batch: tuple[tuple[int, int], ...]
+    outside: tuple[tuple[int, int], ...]
+    pre: tuple[int, ...]  # values of ``graph`` made before the loop (``cut.pre``) at the slice's shapes
+    once: tuple[tuple[int, int], ...]
+    cot: tuple[int, ...]
+    specs: dict[Scope, dict[int, ShardingSpec]]
+
+
+def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[int],
+            top: Mapping[int, ShardingSpec], mesh: jax.sharding.Mesh) -> Spread:
+    """``Spread`` of ``cut``'s tail over ``G`` stages, ``small`` being the step traced at ``1/G`` of the
+    microbatch's rows. The two traces come from one function, so what the tail exchanges with the rest pairs
+    up by position: the last block's outputs and stream inputs, the step's inputs, the values made before
+    the loop, the step's outputs and what the update reads. The tail's own ops may differ (JAX traces a
+    dimension of size 1 differently): when they pair up in order the plan's layouts carry over to them,
+    else XLA lays the slice out. Anything else (a value whose shape is not the rows over ``G``) is refused
+    with why."""
+    rows = {micro.tensors[micro.inputs[i]].shape[0] for i in batch_pos}
+    small_rows = {small.tensors[small.inputs[i]].shape[0] for i in batch_pos}
+    if len(rows) != 1 or len(small_rows) != 1 or next(iter(rows)) % next(iter(small_rows)):
+        raise cannot_run(f"a tail spread over stages needs the step traced at a divisor of the microbatch's rows "
+                         f"{sorted(rows)}; got {sorted(small_rows)}")
+    R, r = next(iter(rows)), next(iter(small_rows))
+    G = R // r
+    S = mesh.shape[STAGE_AXIS]
+    if not 1 < G <= S:
+        raise cannot_run(f"a tail spread over {G} stages needs between 2 and the {S} stages")
+    scut = uniform_stages(small, cut.num_stages, split_step(small))
+    last, slast = cut.chunk_f[-1], scut.chunk_f[-1]
+    pairs: dict[int, int] = {}  # the tail's boundary, by position
+    for xs, ys in ((last.outputs, slast.outputs), (last.inputs, slast.inputs), (micro.inputs, small.inputs),
+                   (cut.pre.outputs, scut.pre.outputs), (micro.outputs, small.outputs),
+                   (cut.update.inputs, scut.update.inputs), (cut.post.inputs, scut.post.inputs),
+                   (cut.tail_cot, scut.tail_cot)):
+        if len(xs) != len(ys):
+            raise cannot_run(f"the step traces differently at {r} rows than at {R}: the tail cannot be spread")
+        for x, y in zip(xs, ys, strict=True):
+            pairs.setdefault(x, y)
+    last_f = set(last.outputs) | {last.inputs[j] for j, k in enumerate(cut.f_kinds) if k.startswith("act")}
+    batch_of = {micro.inputs[i]: small.inputs[i] for i in batch_pos}
+
+    def reads(c: UniformStages) -> list[int]:
+        return list(dict.fromkeys([*c.tail_f.inputs, *(t for t in c.tail_b.inputs if t not in c.tail_f.outputs)]))
+
+    send, batch, outside, pre = [], [], [], []
+    for t1 in reads(cut):
+        t2 = pairs.get(t1)
+        if t2 is None:
+            raise cannot_run(f"the tail reads {micro.tensors[t1].name!r}, which has no counterpart at {r} rows")
+        big, sm = micro.tensors[t1].shape, small.tensors[t2].shape
+        if t1 in last_f or t1 in batch_of:
+            if not big or big[0] != R or sm != (r, *big[1:]):
+                raise cannot_run(f"the tail reads {micro.tensors[t1].name!r} {big}, whose first dimension is not the "
+                                 f"microbatch's {R} rows: it cannot be split over stages")
+            (batch if t1 in batch_of else send).append((t1, t2))
+        elif big != sm and t2 in scut.pre.outputs:  # made outside the loop from the weights (a broadcast)
+            pre.append(t2)
+        elif big != sm:
+            raise cannot_run(f"the tail reads {micro.tensors[t1].name!r}, shaped {big} at {R} rows and {sm} at {r}, "
+                             "from outside the blocks: it cannot be split over stages")
+        else:
+            outside.append((t1, t2))
+    if {t2 for _, t2 in (*send, *batch, *outside)} | set(pre) != set(reads(scut)):
+        raise cannot_run(f"the layers after the blocks read other values at {r} rows than at {R}")
+    made = {t for grp in (scut.tail_f, scut.tail_b) for t in grp.outputs}
+    once = tuple((t1, pairs.get(t1, -1)) for grp in (cut.tail_f, cut.tail_b) for t1 in grp.outputs
+                 if t1 in cut.accumulated)
+    if any(t2 not in made for _, t2 in once) or any(t not in made for t in scut.tail_cot):
+        raise cannot_run(f"the layers after the blocks return other values at {r} rows than at {R}")
+    sizes = {a: mesh.shape[a] for a in mesh.axis_names}
+    specs: dict[int, ShardingSpec] = {}
+    ops1 = [micro.ops[i] for grp in (cut.tail_f, cut.tail_b) for i in grp.ops]
+    ops2 = [small.ops[i] for grp in (scut.tail_f, scut.tail_b) for i in grp.ops]
+    if [o.primitive for o in ops1] == [o.primitive for o in ops2]:  # the plan's layouts, op by op
+        for o1, o2 in zip(ops1, ops2, strict=True):
+            for x, y in zip((*o1.inputs, *o1.outputs), (*o2.inputs, *o2.outputs), strict=False):
+                spec = top.get(x)
+                if spec is not None and len(spec.dims) == len(small.tensors[y].shape):
+                    specs[y] = _fitted(spec, small.tensors[y].shape, sizes)
+    else:
+        log.info("autoshard: the tail traces to %d ops at %d rows and %d at %d: XLA lays out its slices",
+                 len(ops1), R, len(ops2), r)
+    return Spread(split=G, graph=small, cut=scut, send=tuple(send), batch=tuple(batch), outside=tuple(outside),
+                  pre=tuple(pre), once=once, cot=tuple(scut.tail_cot), specs={(): specs})
+
+
+def _fitted(spec: ShardingSpec, shape: Sequence[int], sizes: Mapping[str, int]) -> ShardingSpec:
+    """``spec`` on a tensor of ``shape``: each dimension keeps the longest prefix of its mesh axes whose
+    product divides it (the tail's layouts on fewer rows)."""
+    dims = []
+    for axes, n in zip(spec.dims, shape, strict=True):
+        keep: list[str] = []
+        for a in axes:
+            if n % (int(np.prod([sizes[b] for b in keep])) * sizes[a]):
+                break
+            keep.append(a)
+        dims.append(tuple(keep))
+    return ShardingSpec(dims=tuple(dims), partial=spec.partial)
+
+
 def stage_mesh(devices: Sequence[Any], num_stages: int) -> jax.sharding.Mesh:
     """The devices as ``(stage, inner)``: stage ``s`` holds the ``s``-th contiguous block of devices."""
     devs = np.asarray(list(devices), dtype=object)
@@ -151,7 +267,7 @@ class SpmdPipelineStep:
 
     def __init__(self, micro: Graph, full: Graph, mesh: jax.sharding.Mesh, num_microbatches: int,
                  schedule_name: str = "1f1b", specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None = None,
-                 num_chunks: int = 1, fused: bool = False) -> None:
+                 num_chunks: int = 1, fused: bool = False, tail: Graph | None = None) -> None:
         if schedule_name not in SCHEDULES:
             raise cannot_run(f"the {schedule_name!r} schedule is not supported by the SPMD pipeline yet; use "
                         f"{' or '.join(SCHEDULES)}")
@@ -167,8 +283,14 @@ class SpmdPipelineStep:
         self.parts = split_step(micro)
         self.cut = uniform_stages(micro, S * chunks, self.parts)  # one template chunk per virtual stage
         self.num_microbatches = M = num_microbatches
-        self.schedule = schedule(schedule_name, S, M, chunks)
-        self.ticks = fused_1f1b(S, M) if fused and schedule_name == "1f1b" else ticks(self.schedule)
+        self.batch_pos = self.parts.batch_inputs
+        # a spread tail: ``tail`` is the step traced at 1/G of the microbatch's rows (``trace_microbatch`` at
+        # ``M·G`` microbatches); its layers after the blocks run on the last G stages, a slice each
+        self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh) \
+            if tail is not None else None
+        G = self.spread.split if self.spread is not None else 1
+        self.schedule = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1))
+        self.ticks = fused_1f1b(S, M, G) if fused and schedule_name == "1f1b" else ticks(self.schedule, G)
         self.split = weight_pass(micro, self.cut, self.parts) if self.ticks.weight_pass else None
         self.unreduced_once: dict[str, tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]] = {}
         # the chunk's weight gradients, partial sums over the stage's data-parallel axes, left unreduced
@@ -178,10 +300,11 @@ class SpmdPipelineStep:
         top = self.specs.get((), {})
         self.unreduced = plan_stacked(micro, [micro.ops[i] for i in grads.ops], top, keep)
         # and the head's and tail's (the embedding's and the LM head's gradients, the loss)
+        # (a spread tail's are reduced in each slice's run: its small trace has no plan of its own)
         for name, groups in (("head", (self.cut.head_b,)), ("tail", (self.cut.tail_f, self.cut.tail_b))):
             ops = [micro.ops[i] for grp in groups for i in grp.ops]
-            self.unreduced_once[name] = plan_stacked(micro, ops, top, self.cut.accumulated)
-        self.batch_pos = self.parts.batch_inputs
+            self.unreduced_once[name] = ({}, {}) if name == "tail" and G > 1 else \
+                plan_stacked(micro, ops, top, self.cut.accumulated)
         rows = {full.tensors[full.inputs[i]].shape[0] for i in self.batch_pos}
         if len(rows) != 1 or next(iter(rows)) % M:
             raise cannot_run(f"the batch inputs' rows {sorted(rows)} do not split into {M} equal microbatches")
@@ -199,9 +322,10 @@ class SpmdPipelineStep:
         self.in_shardings = tuple(laid(i, t) for i, t in enumerate(full.inputs))
         aliased = sorted(set(full.output_aliases.values()))
         self._jitted = jax.jit(self._program, in_shardings=self.in_shardings, donate_argnums=tuple(aliased))
-        log.info("autoshard: SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks "
+        log.info("autoshard: SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks%s "
                  "(built in %.2f s)", S, len(self.cut.blocks) // S, dict(mesh.shape), M, schedule_name,
-                 self.ticks.num_ticks, time.perf_counter() - t0)
+                 self.ticks.num_ticks, f", the tail spread over {G} stages" if G > 1 else "",
+                 time.perf_counter() - t0)
 
     # -- calling ------------------------------------------------------------------------------------------
 
@@ -270,11 +394,20 @@ class SpmdPipelineStep:
                            | {cut.chunk_b[0].inputs[j] for j, k in enumerate(cut.b_kinds) if k == "shared"})
         whole_ids = [t for t in whole_ids if t not in set(batch_t)]
         whole = [value(t) for t in whole_ids]
+        sp = self.spread
+        if sp is not None and sp.pre:  # the values before the loop that the spread tail reads at its shapes
+            small_env = {sp.graph.inputs[i]: x for i, x in enumerate(leaves) if i not in batch_pos}
+            got = interp.run_ops(sp.graph, [sp.graph.ops[i] for i in sp.cut.pre.ops], sp.cut.pre.inputs,
+                                 [small_env[t] for t in sp.cut.pre.inputs], sp.cut.pre.outputs)
+            whole += [dict(zip(sp.cut.pre.outputs, got, strict=True))[t] for t in sp.pre]
         batch = [env[t] for t in batch_t]
         tables = {name: jnp.asarray(getattr(self.ticks, name)) for name in
                   ("f_micro", "f_chunk", "b_micro", "b_chunk", "act_read", "act_recv", "cot_read", "cot_recv",
                    "cot_self", "res_write", "res_read")
-                  + (("w_micro", "w_chunk", "w_res", "w_cot", "g_write", "g_read") if self.ticks.weight_pass else ())}
+                  + (("w_micro", "w_chunk", "w_res", "w_cot", "g_write", "g_read") if self.ticks.weight_pass else ())
+                  + (("tail_micro", "tail_cot") if self.ticks.spread else ())}
+        if self.ticks.spread:  # whether the stream leaves for the tail's stages at the end of the tick
+            tables["tail_send"] = jnp.asarray(np.append(self.ticks.tail_micro[1:], -1))
         stage_spec = PartitionSpec(STAGE_AXIS)
         run = jax.shard_map(
             self._loop, mesh=self.mesh,
@@ -356,7 +489,9 @@ class SpmdPipelineStep:
 
         def chunk_of(w: Any, ch: Any) -> Any:
             return jax.lax.dynamic_index_in_dim(w, ch, 0, keepdims=False)
-        outer = dict(zip(self._whole_ids, whole, strict=True))
+        n_whole = len(self._whole_ids)
+        outer = dict(zip(self._whole_ids, whole[:n_whole], strict=True))
+        small_pre = dict(zip(self.spread.pre, whole[n_whole:], strict=True)) if self.spread is not None else {}
         f0, b0 = cut.chunk_f[0], cut.chunk_b[0]
 
         def aval(t: int) -> jax.ShapeDtypeStruct:
@@ -385,6 +520,12 @@ class SpmdPipelineStep:
             once={t: zeros(aval(t), stacked_size(self.mesh, held_once[t]) if t in held_once else None)
                   for t in once_ids},
             g=[] if wp is None else [zeros(aval(wp.input_b[0].outputs[k]), T.g_slots) for k in wp.g_out])
+        sp = self.spread
+        if sp is not None:  # the stream to spread (on the last stage), its slice here, the slice's cotangents
+            small = lambda t: jax.ShapeDtypeStruct(sp.graph.tensors[t].shape,  # noqa: E731
+                                                   jnp.dtype(sp.graph.tensors[t].dtype))
+            carry0.update(tsend=[zeros(aval(t1)) for t1, _ in sp.send], tin=[zeros(small(t2)) for _, t2 in sp.send],
+                          tout=[zeros(small(t2)) for t2 in sp.cot])
 
         def micro_env(m: Any) -> dict[int, Any]:
             e = dict(outer)
@@ -443,6 +584,8 @@ class SpmdPipelineStep:
                 for j, x in enumerate(f0.inputs):
                     if cut.f_kinds[j].startswith("act:"):
                         te[last.inputs[j]] = fe[x]
+                if sp is not None:  # the tail runs next tick on the last G stages: keep what it reads
+                    return dict(c, tsend=[te[t1] for t1, _ in sp.send])
                 run(cut.tail_f, te, tail_interp)
                 run(cut.tail_b, te, tail_interp)
                 once = dict(c["once"])
@@ -536,7 +679,61 @@ class SpmdPipelineStep:
         up = [(i, (i + 1) % S) for i in range(S)] if v > 1 else [(i, i + 1) for i in range(S - 1)]
         down = [((i + 1) % S, i) for i in range(S)] if v > 1 else [(i + 1, i) for i in range(S - 1)]
 
+        if sp is not None:
+            G = sp.split
+            small_interp = Interpreter(abstract, sp.specs)
+            inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+            over_g = lambda x: (x / jnp.asarray(G, x.dtype)).astype(x.dtype) if inexact(x) else x  # noqa: E731
+
+            def tail_slice(c: dict, t: Any) -> dict:
+                """On the last G stages: the tail (forward and backward) of slice ``s − (S − G)`` of the
+                microbatch's rows; its sums count 1/G of the microbatch's (the step is a mean over rows)."""
+                m, gi = tables["tail_micro"][t], s - (S - G)
+                se: dict[int, Any] = {t2: outer[t1] for t1, t2 in sp.outside} | small_pre
+                for t1, t2 in sp.batch:
+                    x = jax.lax.dynamic_index_in_dim(batch[self._batch_t.index(t1)], m, 0, keepdims=False)
+                    r = sp.graph.tensors[t2].shape[0]
+                    se[t2] = jax.lax.dynamic_slice_in_dim(x, gi * r, r, 0)
+                for (_, t2), x in zip(sp.send, c["tin"], strict=True):
+                    se[t2] = x
+                for grp in (sp.cut.tail_f, sp.cut.tail_b):
+                    outs = small_interp.run_ops(sp.graph, [sp.graph.ops[i] for i in grp.ops], grp.inputs,
+                                                [se[x] for x in grp.inputs], grp.outputs)
+                    se.update(zip(grp.outputs, outs, strict=True))
+                once = dict(c["once"])
+                for t1, t2 in sp.once:
+                    once[t1] = once[t1] + over_g(se[t2]).astype(once[t1].dtype)
+                return dict(c, once=once, tout=[over_g(se[t2]) for t2 in sp.cot])
+
+            def send_tail(c: dict) -> dict:
+                """The stream's row slices from the last stage to the last G stages (slice g to S − G + g)."""
+                tin = []
+                for x in c["tsend"]:
+                    r = x.shape[0] // G
+                    got = jnp.zeros((r, *x.shape[1:]), x.dtype)
+                    for gi in range(G):
+                        piece = jax.lax.slice_in_dim(x, gi * r, (gi + 1) * r, axis=0)
+                        dst = S - G + gi
+                        got = got + (jnp.where(s == S - 1, piece, 0) if dst == S - 1
+                                     else jax.lax.ppermute(piece, STAGE_AXIS, [(S - 1, dst)]))
+                    tin.append(got)
+                return dict(c, tin=tin)
+
+            def return_tail(c: dict, t: Any) -> dict:
+                """The slices' cotangents back to the last stage, joined in row order, into its slot."""
+                k = tables["tail_cot"][t]
+                cot = list(c["cot"])
+                for ch, x in enumerate(c["tout"]):
+                    pieces = [x if S - G + gi == S - 1 else jax.lax.ppermute(x, STAGE_AXIS, [(S - G + gi, S - 1)])
+                              for gi in range(G)]
+                    whole_cot = jnp.concatenate(pieces, axis=0)
+                    cot[ch] = jnp.where(s == S - 1, put(cot[ch], k, whole_cot), cot[ch])
+                return dict(c, cot=cot)
+
         def tick(c: dict, t: Any) -> tuple[dict, None]:
+            if sp is not None:  # first the tail of the microbatch whose stream arrived last tick
+                c = jax.lax.cond((tables["tail_micro"][t] >= 0) & (s >= S - sp.split), tail_slice,
+                                 lambda c, t: c, c, t)
             # a forward, then a backward (fused 1F1B runs both in one tick; other schedules one of them)
             c, send_act = jax.lax.cond(tables["f_micro"][t, s] >= 0, forward, no_forward, c, t)
             c, send_cot = jax.lax.cond(tables["b_micro"][t, s] >= 0, backward, no_backward, c, t)
@@ -547,7 +744,11 @@ class SpmdPipelineStep:
             ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]
             act = [jnp.where(ka >= 0, put(b, ka, x), b) for b, x in zip(c["act"], got_act, strict=True)]
             cot = [jnp.where(kc >= 0, put(b, kc, x), b) for b, x in zip(c["cot"], got_cot, strict=True)]
-            return dict(c, act=act, cot=cot), None
+            c = dict(c, act=act, cot=cot)
+            if sp is not None:  # the spread tail's exchanges, on every stage or none (the tables are per tick)
+                c = jax.lax.cond(tables["tail_micro"][t] >= 0, return_tail, lambda c, t: c, c, t)
+                c = jax.lax.cond(tables["tail_send"][t] >= 0, send_tail, lambda c: c, c)
+            return c, None
 
         c, _ = jax.lax.scan(tick, carry0, jnp.arange(T.num_ticks))
         chunk_acc = [a[None] for a in c["acc"]]

@@ -62,10 +62,22 @@ class Ticks:
     g_write: np.ndarray | None = None
     g_read: np.ndarray | None = None
     g_slots: int = 1
+    # a spread tail (``tail_split`` stages run the layers after the blocks, a slice of the microbatch's rows
+    # each): ``tail_micro[t]`` the microbatch whose tail runs at tick ``t`` (the tick after the last virtual
+    # stage's forward, whose stream leaves at the end of it), ``tail_cot[t]`` the cotangent slot of the last
+    # stage where the slices' cotangents, back at the end of tick ``t``, are stored; indexed by tick alone
+    # (the same on every stage, so the exchanges around it run on every stage or none)
+    tail_micro: np.ndarray | None = None
+    tail_cot: np.ndarray | None = None
+    tail_split: int = 1
 
     @property
     def weight_pass(self) -> bool:
         return self.w_micro is not None
+
+    @property
+    def spread(self) -> bool:
+        return self.tail_micro is not None
 
     @property
     def num_ticks(self) -> int:
@@ -97,9 +109,11 @@ def _colour(intervals: list[tuple[int, int, Any]], strict: bool) -> tuple[dict[A
 
 def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int, int]],
             bwd: dict[tuple[int, int], tuple[int, int]], fused: bool,
-            wgt: dict[tuple[int, int], tuple[int, int]] | None = None) -> Ticks:
+            wgt: dict[tuple[int, int], tuple[int, int]] | None = None, tail_split: int = 1) -> Ticks:
     """Tables from when each action runs: ``fwd[(u, m)] = (tick, stage)``, ``bwd`` and ``wgt`` (a weight
-    pass) likewise. With a weight pass the residuals and the received cotangent live until ``W``."""
+    pass) likewise. With a weight pass the residuals and the received cotangent live until ``W``. With
+    ``tail_split > 1`` the tail of microbatch ``m`` runs at tick ``fwd[(V-1, m)] + 1`` on other stages and
+    its cotangent reaches the last stage at the end of that tick (the schedule leaves the gap)."""
     last = wgt if wgt else bwd  # the action that reads a microbatch's residuals and cotangent last
     f_micro, f_chunk, b_micro, b_chunk = (np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32),
                                           np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32))
@@ -109,7 +123,8 @@ def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int
         b_micro[t, s], b_chunk[t, s] = m, u // S
     act_iv = [(fwd[(u - 1, m)][0], fwd[(u, m)][0], (u % S, u, m)) for u in range(1, V) for m in range(M)]
     cot_iv = [(bwd[(u + 1, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V - 1) for m in range(M)]
-    self_iv = [(fwd[(V - 1, m)][0], last[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
+    spread = tail_split > 1
+    self_iv = [(fwd[(V - 1, m)][0] + spread, last[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
     res_iv = [(fwd[(u, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V) for m in range(M)]
     act_slot, n_act = _colour_per_stage(act_iv, strict=False)
     cot_slot, n_cot = _colour_per_stage(cot_iv + self_iv, strict=fused)  # the last stage's: made and read in F, B
@@ -119,9 +134,16 @@ def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int
     for (s, u, m), k in act_slot.items():
         act_read[fwd[(u, m)][0], s] = k
         act_recv[fwd[(u - 1, m)][0], s] = k
+    tail_micro, tail_cot = (np.full(T, -1, np.int32), np.full(T, -1, np.int32)) if spread else (None, None)
     for (s, u, m), k in cot_slot.items():
         cot_read[bwd[(u, m)][0], s] = k
-        if u == V - 1:
+        if u == V - 1 and spread:
+            t_tail = fwd[(u, m)][0] + 1
+            if not t_tail < bwd[(u, m)][0]:
+                raise ValueError(f"a spread tail needs a tick between the last stage's forward and backward of "
+                                 f"microbatch {m}; build the schedule with tail_gap=1")
+            tail_micro[t_tail], tail_cot[t_tail] = m, k
+        elif u == V - 1:
             cot_self[fwd[(u, m)][0], s] = k
         else:
             cot_recv[bwd[(u + 1, m)][0], s] = k
@@ -142,43 +164,50 @@ def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int
                       g_slots=n_g)
     return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=act_read,
                  act_recv=act_recv, cot_read=cot_read, cot_recv=cot_recv, cot_self=cot_self, res_write=res_w,
-                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused, **weight)
+                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused,
+                 tail_micro=tail_micro, tail_cot=tail_cot, tail_split=tail_split, **weight)
 
 
-def ticks(sched: Schedule) -> Ticks:
+def ticks(sched: Schedule, tail_split: int = 1) -> Ticks:
     """The tables of ``sched`` (any chunk count, with or without a weight pass), one action per stage per
     tick (its unit slots). Values are keyed by virtual stage ``u = chunk·S + s`` (``schedules``): the stream
     of ``F(u−1, m)`` arrives at stage ``u mod S`` (from the stage before it, round the ring from ``S−1`` to 0
     between chunks) and waits there for ``F(u, m)``; the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``;
     the last virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to
     ``B(u, m)``, or to ``W(u, m)`` with a weight pass (ZB-H1), which also keeps the cotangent and what ``B``
-    computed for ``W`` (the gradients of the block's inner values) until then."""
+    computed for ``W`` (the gradients of the block's inner values) until then. ``tail_split > 1``: the tail
+    is spread over that many stages (``_tables``; ``sched`` needs ``tail_gap >= 1``)."""
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
+    if tail_split > 1 and sched.tail_gap < 1:
+        raise ValueError(f"a tail spread over {tail_split} stages needs a schedule built with tail_gap=1")
     acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
     for t, slot in enumerate(sched.slots):
         for a in slot:
             acts[a.kind][(a.virtual_stage(S), a.microbatch)] = (t, a.stage)
     return _tables(S, len(sched.slots), V, M, acts["forward"], acts["backward"], fused=False,
-                   wgt=acts["weight"] or None)
+                   wgt=acts["weight"] or None, tail_split=tail_split)
 
 
-def fused_1f1b(num_stages: int, num_microbatches: int) -> Ticks:
+def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1) -> Ticks:
     """1F1B with a forward and a backward in every tick: stage ``s`` runs ``F(m)`` at tick ``m + s`` and
     ``B(m)`` at tick ``m + 2(S − 1) − s`` (the last stage both in one tick, the forward first), so
     ``T = M + 2S − 2`` ticks and in the steady state every stage is busy with ``f + b`` each tick. Stage ``s``
     then holds ``min(2(S − 1 − s) + 1, M)`` microbatches in flight (``fused_inflight``): the price of not
     waiting, in lockstep, for a slower backward elsewhere (the unit-slot 1F1B of ``ticks`` holds
-    ``S − s`` but runs about ``2(M + S − 1)`` ticks of ``b``)."""
+    ``S − s`` but runs about ``2(M + S − 1)`` ticks of ``b``). With a spread tail (``tail_split > 1``) every
+    backward comes two ticks later (the tail runs in the tick between): ``T = M + 2S``, two more in flight."""
     S, M = num_stages, num_microbatches
+    d = 2 if tail_split > 1 else 0
     fwd = {(s, m): (m + s, s) for s in range(S) for m in range(M)}
-    bwd = {(s, m): (m + 2 * (S - 1) - s, s) for s in range(S) for m in range(M)}
-    return _tables(S, M + 2 * S - 2, S, M, fwd, bwd, fused=True)
+    bwd = {(s, m): (m + 2 * (S - 1) - s + d, s) for s in range(S) for m in range(M)}
+    return _tables(S, M + 2 * S - 2 + d, S, M, fwd, bwd, fused=True, tail_split=tail_split)
 
 
-def fused_inflight(num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+def fused_inflight(num_stages: int, num_microbatches: int, tail_split: int = 1) -> tuple[int, ...]:
     """``fused_1f1b``'s microbatches in flight per stage, indexed from the end (entry ``r``: the stage with
     ``r`` stages after it), as ``schedules.inflight_rule`` gives them for the other schedules."""
-    return tuple(min(2 * r + 1, num_microbatches) for r in range(num_stages))
+    d = 2 if tail_split > 1 else 0
+    return tuple(min(2 * r + 1 + d, num_microbatches) for r in range(num_stages))
 
 
 def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]], strict: bool
@@ -216,7 +245,7 @@ class SpmdTime:
 
 
 def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
-          link: Any, inner: int, dispatch: float = DISPATCH_S) -> SpmdTime:
+          link: Any, inner: int, dispatch: float = DISPATCH_S, tail: float = 0.0) -> SpmdTime:
     """The program as it runs: ticks in lockstep, each as long as its slowest stage's action.
 
     With ``f_u = micro_time_u / 3`` and ``b_u = 2·micro_time_u / 3`` (per virtual stage ``u``) (a backward costs two forwards, the
@@ -231,7 +260,14 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
     ``X`` = ``stream_bytes`` of one microbatch, split over the stage's ``n = inner`` devices, on ``link``
     (α latency, β bandwidth). Against the MPMD runtime's asynchronous 1F1B, where each stage runs at its
     own pace, a stage doing a forward while another does a backward waits for it: the lockstep costs up to
-    ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange."""
+    ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange.
+
+    A spread tail (``t.spread``: ``G = t.tail_split`` stages, ``tail`` the seconds of its forward and
+    backward for a whole microbatch, left out of the last virtual stage's ``micro_time``): at a tick whose
+    ``tail_micro >= 0`` the last ``G`` stages each add ``tail / G`` to their action, and the stream's slices
+    go out and their cotangents come back through ``G − 1`` exchanges each way:
+
+        + Σ_{tail ticks} 2·(G − 1)·(α + X / (G·n·β))"""
     T, S = t.f_micro.shape
     f = np.asarray(micro_times, np.float64) / 3.0  # per virtual stage u = chunk·S + s
     b = f if t.weight_pass else 2.0 * f  # with a weight pass, B and W are one forward each
@@ -241,6 +277,12 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
     if t.weight_pass:
         per = per + np.where(t.w_micro >= 0, f[t.w_chunk * S + stage], 0.0)
     exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
+    if t.spread:
+        G = t.tail_split
+        on = (t.tail_micro >= 0)[:, None] & (np.arange(S) >= S - G)[None, :]
+        per = per + np.where(on, tail / G, 0.0)
+        exchange += int((t.tail_micro >= 0).sum()) * 2.0 * (G - 1) * (
+            link.latency + stream_bytes / G / max(inner, 1) / link.bandwidth)
     loop = float(per.max(axis=1).sum()) + exchange
     return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),
                     dispatch=dispatch)
