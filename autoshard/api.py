@@ -31,7 +31,7 @@ from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import plan_pipeline_recomputing
-from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step
+from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
@@ -644,7 +644,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         assert micro is not None
         devices = list(device_mesh.devices.flat)
         if spmd or (the_plan.spmd and self.runtime == "auto"):  # a plan made for the SPMD program runs as priced
-            return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices), fn)
+            tail = tail_graph(fn, args, graph, the_plan, roles=self.roles)
+            return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices, tail), fn)
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)
 
     def _given(self, fn: Callable[..., Any], args: tuple[Any, ...],

@@ -40,7 +40,7 @@ from autoshard.emit import EmittedStep, emit
 from autoshard.errors import AutoshardError
 from autoshard.pipeline.partition import trace_microbatch
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step
+from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.plan import Plan
 from autoshard.planner.recompute import recomputed
 from autoshard.target import PipelineOptions
@@ -287,5 +287,6 @@ def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Map
     micro = trace_microbatch(fn, shapes, graph, plan.num_microbatches, roles=roles)
     micro = recomputed(micro, plan.recompute)
     plan.verify(micro)
-    step = spmd_pipeline_step(micro, graph, plan, list(mesh.devices.flat))
+    tail = tail_graph(fn, shapes, graph, plan, roles=roles)
+    step = spmd_pipeline_step(micro, graph, plan, list(mesh.devices.flat), tail)
     return graph, plan, GlobalStep(step)

@@ -350,6 +350,41 @@ def test_the_price_is_the_lockstep_of_the_schedule() -> None:
     assert got.loop < 0.8 * lock_1f1b.loop
 
 
+def test_a_spread_tail_is_priced_as_its_ticks_run_and_from_the_light_tables_alike() -> None:
+    from types import SimpleNamespace
+
+    from autoshard.pipeline.ticks import action_tables
+
+    link = SimpleNamespace(latency=1e-6, bandwidth=1e9)
+    S, M, G, tail = 4, 8, 2, 0.6
+    sched = schedule("zb-h1", S, M, tail_gap=1)
+    t = ticks(sched, G)
+    got = price([3.0, 3.0, 3.0, 3.0 - tail], [0.0] * S, t, stream_bytes=4e3, link=link, inner=2, dispatch=0.0,
+                tail=tail)
+    # by hand: each action a forward (1.0, the last stage's 0.8 without its tail); at a tail tick the last G
+    # stages each add tail / G; G - 1 slices go out and come back on each tail tick
+    f = [1.0, 1.0, 1.0, (3.0 - tail) / 3]
+    work = sum(max([f[a.stage] + (tail / G if (t.tail_micro[k] >= 0 and a.stage >= S - G) else 0.0) for a in slot]
+                   + ([tail / G] if t.tail_micro[k] >= 0 else []))
+               for k, slot in enumerate(sched.slots))
+    tail_x = M * 2 * (G - 1) * (1e-6 + 4e3 / G / 2 / 1e9)
+    assert got.loop == pytest.approx(work + len(sched.slots) * 2 * (1e-6 + 2e3 / 1e9) + tail_x)
+    # the planner prices from the actions alone (no buffer slots): the same numbers, for every form
+    forms = [(schedule(n, S, M, c, tail_gap=1), c) for n, c in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1),
+                                                                ("interleaved-1f1b", 2))]
+    for sc, c in forms:
+        times = list(np.linspace(1.0, 2.0, S * c))
+        for g in (1, G):
+            want = price(times, [0.0] * S, ticks(sc, g), stream_bytes=4e3, link=link, inner=2, tail=tail)
+            assert price(times, [0.0] * S, action_tables(sc, g), stream_bytes=4e3, link=link, inner=2,
+                         tail=tail) == want
+    for g in (1, G):
+        times = [1.0, 2.0, 3.0, 4.0]
+        assert price(times, [0.0] * S, fused_1f1b(S, M, g, actions_only=True), stream_bytes=4e3, link=link, inner=2,
+                     tail=tail) == price(times, [0.0] * S, fused_1f1b(S, M, g), stream_bytes=4e3, link=link, inner=2,
+                                         tail=tail)
+
+
 def test_a_plan_made_for_the_program_runs_as_the_program() -> None:
     """A pipeline planned for the SPMD program (``runtime="spmd"``, or a mesh across hosts planned ahead) and
     given to ``parallelize`` runs as that program, as priced, even from one process (``runtime="auto"``),
@@ -447,3 +482,29 @@ def test_a_tail_that_cannot_be_split_by_rows_is_refused_by_name() -> None:
     small = trace_microbatch(ex.train_step, ex.args, full, 4 * 8)
     with pytest.raises(PipelineError, match=r"tail spread over 8 stages needs between 2 and the 4 stages"):
         SpmdPipelineStep(micro, full, stage_mesh(jax.devices()[:4], 4), 4, "1f1b", tail=small)
+
+
+def test_golden_a_heavy_tail_is_spread_over_the_last_stages_and_the_step_is_jits() -> None:
+    # a vocabulary of 32768 beside a hidden size of 64: the LM head and loss cost several blocks, and the
+    # lockstep ticks wait for the stage that runs them; the planner spreads them over the last stages (a
+    # slice of each microbatch's 8 rows each), prices the program as it runs, and the numbers are jax.jit's
+    from autoshard.pipeline.report import format_pipeline_plan
+
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "batch=32", "vocab=32768"], abstract=False)
+    state, batch = ex.args
+    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), microbatches=4, pipeline=True, stage_shape=(1, 2),
+                                 time_budget_s=8, runtime="spmd", hardware="a100")
+    want, got = jax.tree.map(lambda x: np.array(x), state), state
+    for _ in range(2):
+        got, m1 = step(got, batch)
+        want, m2 = jax.jit(ex.train_step)(want, batch)
+        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    plan = step.plan
+    assert plan.spmd and plan.tail_split > 1 and 0 < plan.tail_time < plan.stages[-1].micro_time
+    prog = step._last.step
+    assert prog.spread is not None and prog.spread.split == plan.tail_split
+    assert plan.predicted_step_time == pytest.approx(prog.predicted.step - prog.predicted.dispatch, rel=1e-3)
+    assert f"run on the last {plan.tail_split} stages" in format_pipeline_plan(plan)
+    again = type(plan).from_dict(json.loads(json.dumps(plan.to_dict())))  # a saved plan keeps the spread
+    assert (again.tail_split, again.tail_time) == (plan.tail_split, plan.tail_time)

@@ -109,6 +109,12 @@ class PipelinePlan:
     # planned for the SPMD program (``pipeline.spmd_program``: uniform stages, priced as its lockstep ticks
     # run), which runs on any number of processes; else for the single-process MPMD runtime
     spmd: bool = False
+    # the SPMD program's tail (the layers after the blocks) spread over the last ``tail_split`` stages, a
+    # slice of each microbatch's rows each (``spmd_program.Spread``); ``tail_time``: its seconds (forward
+    # and backward of one microbatch, on the last stage's submesh), which the last stage's ``micro_time``
+    # includes and its ticks do not
+    tail_split: int = 1
+    tail_time: float = 0.0
 
     @property
     def mfu(self) -> float | None:
@@ -194,6 +200,7 @@ class PipelinePlan:
             "inputs": [{"name": n, "shape": list(shape), "dtype": dtype} for n, shape, dtype in self.inputs],
             **({"fused_ticks": True} if self.fused_ticks else {}),
             **({"spmd": True} if self.spmd else {}),
+            **({"tail_split": self.tail_split, "tail_time": self.tail_time} if self.tail_split > 1 else {}),
         }
 
     @classmethod
@@ -217,7 +224,8 @@ class PipelinePlan:
                    model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
                    recompute=dict(d.get("recompute", {})),
                    inputs=tuple((x["name"], tuple(x["shape"]), x["dtype"]) for x in d.get("inputs", ())),
-                   fused_ticks=bool(d.get("fused_ticks", False)), spmd=bool(d.get("spmd", False)))
+                   fused_ticks=bool(d.get("fused_ticks", False)), spmd=bool(d.get("spmd", False)),
+                   tail_split=int(d.get("tail_split", 1)), tail_time=float(d.get("tail_time", 0.0)))
         plan.verify()
         return plan
 

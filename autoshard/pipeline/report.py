@@ -22,6 +22,9 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"{plan.schedule}{chosen}, {plan.num_layers} layers",
         "runs as one SPMD program over a stage axis (any number of processes; lockstep ticks priced)" if plan.spmd
         else "runs a program per stage from one process (the MPMD runtime; one host)",
+        *([f"the layers after the last block ({human_time(plan.tail_time)} a microbatch on the last stage) run on "
+           f"the last {plan.tail_split} stages, 1/{plan.tail_split} of each microbatch's rows each, in the tick "
+           "after its last forward"] if plan.tail_split > 1 else []),
         f"predicted step time {human_time(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),

@@ -556,11 +556,12 @@ def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
     return _BUILDERS[name](num_stages, num_microbatches, chunks, tail_gap)
 
 
-def inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+def inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
+                  tail_gap: int = 0) -> tuple[int, ...]:
     """Peak in-flight microbatches per stage, indexed from the end: entry ``r`` is the stage with ``r``
     stages after it. Read off the built schedule, so it matches it by construction (1F1B: ``min(r+1, B)``;
     GPipe: ``B``; interleaved: chunk-microbatches, each ``1/chunks`` of the stage's activations)."""
-    return schedule(name, num_stages, num_microbatches, chunks).peak_inflight_all()[::-1]
+    return schedule(name, num_stages, num_microbatches, chunks, tail_gap).peak_inflight_all()[::-1]
 
 
 def chunk_inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,

@@ -756,10 +756,15 @@ class SpmdPipelineStep:
         return chunk_acc, once
 
 
-def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: Sequence[Any]) -> SpmdPipelineStep:
+def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: Sequence[Any],
+                       tail: Graph | None = None) -> SpmdPipelineStep:
     """``plan`` (a pipelined plan of ``micro``, the step traced at microbatch size; ``full`` at full size)
     as one SPMD program on ``devices`` (row-major over the plan's cluster): its physical stages' devices
-    become the rows of the stage axis."""
+    become the rows of the stage axis. A plan whose tail is spread over stages (``plan.tail_split``) needs
+    ``tail``: the step traced at that fraction of the microbatch (``tail_graph``)."""
+    if plan.tail_split > 1 and tail is None:
+        raise cannot_run(f"the plan spreads the tail over {plan.tail_split} stages: pass tail=, the step traced at "
+                         f"{plan.num_microbatches * plan.tail_split} microbatches (pipeline.spmd_program.tail_graph)")
     S = plan.num_physical_stages
     cluster = plan.cluster
     rows = [[devices[i] for i in st.devices(cluster)] for st in plan.stages[:S]]
@@ -780,7 +785,11 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
             for key, by_tensor in table.items():
                 specs.setdefault(normalize_key(key), {}).update(by_tensor)
     step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs, plan.num_chunks,
-                            fused=plan.fused_ticks)
+                            fused=plan.fused_ticks, tail=tail if plan.tail_split > 1 else None)
+    got = step.spread.split if step.spread is not None else 1
+    if got != plan.tail_split:
+        raise cannot_run(f"the plan spreads the tail over {plan.tail_split} stages; the step given as tail= splits "
+                         f"it over {got}")
     step.predicted = _priced(plan, step)
     if step.predicted is not None:
         log.info("autoshard: the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "
@@ -805,5 +814,21 @@ def _priced(plan: PipelinePlan, step: SpmdPipelineStep) -> SpmdTime | None:
     stream = sum(step.micro.tensors[t].nbytes for t in step.cut.head_act)
     dispatch = getattr(cost.profile, "overhead", 0.0) or DISPATCH_S
     per_stage_update = [sum(st.update_time for st in plan.stages[u::S]) for u in range(S)]  # its chunks
-    return price([st.micro_time for st in plan.stages], per_stage_update,
-                 step.ticks, stream_bytes=stream, link=link, inner=step.mesh.size // S, dispatch=dispatch)
+    times = [st.micro_time for st in plan.stages]
+    if plan.tail_split > 1:  # the tail's seconds leave the last stage for the G stages' tail ticks
+        times[-1] = max(times[-1] - plan.tail_time, 0.0)
+    return price(times, per_stage_update, step.ticks, stream_bytes=stream, link=link, inner=step.mesh.size // S,
+                 dispatch=dispatch, tail=plan.tail_time)
+
+
+def tail_graph(fn: Any, args: Sequence[Any], full: Graph, plan: PipelinePlan, *,
+               roles: Mapping[str | int, Any] | None = None) -> Graph | None:
+    """The step traced at ``1 / plan.tail_split`` of the microbatch (what a spread tail runs), with the plan's
+    recompute, or None when the plan keeps the tail on the last stage."""
+    if plan.tail_split <= 1:
+        return None
+    from autoshard.pipeline.partition import trace_microbatch
+    from autoshard.planner.recompute import recomputed
+
+    small = trace_microbatch(fn, args, full, plan.num_microbatches * plan.tail_split, roles=roles)
+    return recomputed(small, plan.recompute)  # its blocks as the plan's trace has them

@@ -97,7 +97,8 @@ from autoshard.pipeline.partition import (
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
-from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
+from autoshard.pipeline.ticks import action_tables, fused_1f1b, fused_inflight, price
+from autoshard.pipeline.uniform import tail_spreadable
 from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
 from autoshard.planner.readback import peak_memory_of
@@ -115,7 +116,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                   num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
                   time_budget_s: float | None = None, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None,
-                  num_chunks: int = 2, uniform: bool = False) -> PipelinePlan:
+                  num_chunks: int = 2, uniform: bool = False, spread_tail: bool = True) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
@@ -124,7 +125,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
-    replaces the stage DP, and the step is priced as that program runs (``ticks.price``).
+    replaces the stage DP, and the step is priced as that program runs (``ticks.price``); ``spread_tail``
+    lets it spread the layers after the blocks over several stages where that is faster (``_uniform``).
 
     The layers' and stages' sub-graphs are cut once each (``partition.subgraph``) and live with ``graph``
     while it is planned here; they are dropped when this returns (the step's graph lives on to be
@@ -133,7 +135,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
         return _plan_pipeline(graph, cost, hardware=hardware, memory_budget=memory_budget,
                               num_microbatches=num_microbatches, schedule_name=schedule_name, num_layers=num_layers,
                               time_budget_s=time_budget_s, max_stages=max_stages, forced_boundaries=forced_boundaries,
-                              stage_shape=stage_shape, num_chunks=num_chunks, uniform=uniform)
+                              stage_shape=stage_shape, num_chunks=num_chunks, uniform=uniform,
+                              spread_tail=spread_tail)
     finally:
         graph.memo("pipeline.partition.subgraph").clear()
 
@@ -141,7 +144,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
 def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budget: float | None,
                    num_microbatches: int, schedule_name: str, num_layers: int | None, time_budget_s: float | None,
                    max_stages: int | None, forced_boundaries: Sequence[int], stage_shape: tuple[int, int] | None,
-                   num_chunks: int, uniform: bool) -> PipelinePlan:
+                   num_chunks: int, uniform: bool, spread_tail: bool) -> PipelinePlan:
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
@@ -158,14 +161,20 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
     cluster = cluster_of(cost.mesh)
     parts = split_step(graph)
-    if uniform:  # a layer ends where each numbered block starts: the uniform cut falls between blocks
+    if uniform:  # a layer ends where each numbered block starts, and after the last one: the uniform cut falls
+        # between blocks, and the tail (what follows the last block) is a layer of its own, which the SPMD
+        # program may spread over stages (``_uniform``)
         fwd, _, _ = forward_sequence(graph, parts)
         starts: dict[str, int] = {}
+        end = -1
         for k, i in enumerate(fwd):
             tag = graph.ops[i].layer
             if tag and tag not in starts:
                 starts[tag] = k
-        forced_boundaries = sorted({*forced_boundaries, *(k - 1 for k in list(starts.values())[1:] if k > 0)})
+            if tag:
+                end = k
+        forced_boundaries = sorted({*forced_boundaries, *(k - 1 for k in list(starts.values())[1:] if k > 0),
+                                    *((end,) if 0 <= end < len(fwd) - 1 else ())})
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
@@ -206,11 +215,13 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
-    fused = False
+    fused, split, tail_time = False, 1, 0.0
     if uniform and not interleaved:
-        chosen, placement, dp_cost, fused, inflight, pricing = _uniform(
+        chosen, placement, dp_cost, fused, inflight, pricing, split = _uniform(
             graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
-            pricing, limit, costs, into, cost, zero_bubble=schedule_name == "auto")
+            pricing, limit, costs, into, cost, zero_bubble=schedule_name == "auto",
+            spread_rows=tail_spreadable(graph, parts) if spread_tail else 0)
+        tail_first = _last_block_layer(graph, parts, layer_of_op) + 1  # the layers after the last block
         dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
     elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
@@ -320,7 +331,10 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
     if uniform:  # the SPMD program's lockstep ticks, interleaved or not
-        priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks)}
+        if split > 1:  # the layers after the last block: the part of the last stage's time spread
+            tail_time = float(prices.micro_time[tail_first:, chosen[-1][2]].sum())
+        priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks, split,
+                                          tail_time)}
     else:
         priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
     chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
@@ -353,15 +367,15 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
-        inputs=input_signature(graph), fused_ticks=fused, spmd=uniform,
+        inputs=input_signature(graph), fused_ticks=fused, spmd=uniform, tail_split=split, tail_time=tail_time,
     )
 
 
 def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
              submeshes: Sequence[tuple[int, int]], cluster: tuple[int, int], num_microbatches: int,
              memory_budget: float | None, pricing: str, limit: int, costs: Sequence[CostModel],
-             into: np.ndarray, cost: CostModel, zero_bubble: bool = False,
-             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...], str]:
+             into: np.ndarray, cost: CostModel, zero_bubble: bool = False, spread_rows: int = 0,
+             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...], str, int]:
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
     stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
@@ -377,8 +391,16 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     ``2(S − 1 − s) + 1`` in flight). With ``zero_bubble`` (the schedule left to the planner) ZB-H1's unit
     ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one forward
     long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in flight
-    (held until ``W``). Returns the stages as ``(first layer, last layer, m)``, their origins (row-major
-    tiles), ``T``, whether the form is fused, its in-flight rule and its schedule's name."""
+    (held until ``W``).
+
+    With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
+    is priced a second way, the tail (the layers after the last block, ``τ_m = Σ_ell t_micro[ell, m]``)
+    spread over the last ``G`` stages (``G``: the largest divisor of the rows up to ``S``): the last stage's
+    time less ``τ_m``, ``τ_m / G`` on each of the ``G`` stages in the tick after its forward, two exchanges
+    of the stream's slices, a tick between the last forward and backward (one more microbatch in flight
+    per stage, ``tail_gap``). Returns the stages as ``(first layer, last layer, m)``, their origins
+    (row-major tiles), ``T``, whether the form is fused, its in-flight rule, its schedule's name and ``G``
+    (1: the tail on the last stage)."""
     tags: list[str] = []
     span: dict[str, list[int]] = {}
     for i in parts.ops(FORWARD):
@@ -391,7 +413,8 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             span[tag][1] = max(span[tag][1], layer_of_op[i])
     K, layers = len(tags), stage_time.shape[0]
     static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
-    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...], str] | None = None
+    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...], str, int] | None \
+        = None
     tried: list[str] = []
     for m, shape in enumerate(submeshes):
         size = shape[0] * shape[1]
@@ -409,31 +432,46 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
             continue
         link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
-        forms = [(pricing, False, inflight_rule(pricing, S, num_microbatches),
-                  ticks(schedule(pricing, S, num_microbatches)))]
-        if pricing == "1f1b":
-            forms.append(("1f1b", True, fused_inflight(S, num_microbatches), fused_1f1b(S, num_microbatches)))
-            if zero_bubble:
-                forms.append(("zb-h1", False, inflight_rule("zb-h1", S, num_microbatches),
-                              ticks(schedule("zb-h1", S, num_microbatches))))
-        for name, fused, inflight, table in forms:
+        G = max((g for g in range(2, S + 1) if spread_rows % g == 0), default=1)
+        tail = float(prices.micro_time[span[tags[-1]][1] + 1:, m].sum())
+        forms = []
+        for g in ((1, G) if G > 1 and tail > 0 else (1,)):
+            gap = int(g > 1)
+            forms.append((pricing, False, inflight_rule(pricing, S, num_microbatches, tail_gap=gap),
+                          action_tables(schedule(pricing, S, num_microbatches, tail_gap=gap), g), g))
+            if pricing == "1f1b":
+                forms.append(("1f1b", True, fused_inflight(S, num_microbatches, g),
+                              fused_1f1b(S, num_microbatches, g, actions_only=True), g))
+                if zero_bubble:
+                    forms.append(("zb-h1", False, inflight_rule("zb-h1", S, num_microbatches, tail_gap=gap),
+                                  action_tables(schedule("zb-h1", S, num_microbatches, tail_gap=gap), g), g))
+        for name, fused, inflight, table, g in forms:
             if memory_budget is not None and any(
                     static[a, b, m] + inflight[S - 1 - s] * active[a, b, m] > memory_budget * (1 + 1e-6)
                     for s, (a, b) in enumerate(zip(starts, ends, strict=True))):
                 tried.append(f"{S} stages of {shape[0]}x{shape[1]} ({name}{' fused' if fused else ''}): over the memory "
                              "budget")
                 continue
-            total = price(t, [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link, inner=size,
-                          dispatch=0.0).loop
+            times = t if g == 1 else [*t[:-1], max(t[-1] - tail, 0.0)]
+            total = price(times, [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link, inner=size,
+                          dispatch=0.0, tail=tail).loop
+            log.debug("autoshard: %d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
+                      name, " fused" if fused else "", g, total, tail)
             if best is None or total < best[0]:
                 origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
                 best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S], fused, inflight,
-                        name)
+                        name, g)
     if best is None:
         raise _no_uniform_cut(K, tried)
-    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s, %s%s", len(best[1]),
-             K // len(best[1]), costs[best[1][0][2]].mesh, best[5], ", fused ticks" if best[3] else "")
-    return best[1], best[2], best[0], best[3], best[4], best[5]
+    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s, %s%s%s", len(best[1]),
+             K // len(best[1]), costs[best[1][0][2]].mesh, best[5], ", fused ticks" if best[3] else "",
+             f", the tail spread over {best[6]} stages" if best[6] > 1 else "")
+    return best[1], best[2], best[0], best[3], best[4], best[5], best[6]
+
+
+def _last_block_layer(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> int:
+    """The last layer holding a numbered block's forward ops (the layers after it are the tail)."""
+    return max(layer_of_op[i] for i in parts.ops(FORWARD) if graph.ops[i].layer)
 
 
 def _no_uniform_cut(blocks: int, tried: Sequence[str]) -> PipelineDoesNotFit:
@@ -457,20 +495,25 @@ def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int
 
 
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
-                   num_microbatches: int, fused: bool, chunks: int = 1) -> tuple[float, float]:
+                   num_microbatches: int, fused: bool, chunks: int = 1, tail_split: int = 1,
+                   tail: float = 0.0) -> tuple[float, float]:
     """Seconds of the SPMD program's tick loop (``ticks.price``: lockstep ticks, each as long as its
     slowest stage's work, two exchanges a tick; ``fused``: 1F1B's fused ticks; ``chunks``: the interleaved
-    schedule's, ``stages`` then one per virtual stage, round the ring) and its idle fraction
+    schedule's, ``stages`` then one per virtual stage, round the ring; ``tail_split > 1``: the tail, ``tail``
+    seconds of the last stage's ``micro_time``, spread over that many stages) and its idle fraction
     ``1 − B·Σ_u t_u / (S·loop)``."""
     S = len(stages) // chunks
     hosts = {st.origin[0] for st in stages}
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
     times = [st.micro_time for st in stages]
+    if tail_split > 1:
+        times[-1] = max(times[-1] - tail, 0.0)
     stream = float(into[stages[1].layers[0]]) if len(stages) > 1 else 0.0
-    table = fused_1f1b(S, num_microbatches) if fused else ticks(schedule(name, S, num_microbatches, chunks))
+    table = fused_1f1b(S, num_microbatches, tail_split, actions_only=True) if fused else action_tables(
+        schedule(name, S, num_microbatches, chunks, tail_gap=int(tail_split > 1)), tail_split)
     got = price(times, [0.0] * S, table, stream_bytes=stream, link=link,
-                inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0)
-    return got.loop, max(0.0, 1.0 - num_microbatches * sum(times) / (S * got.loop))
+                inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0, tail=tail)
+    return got.loop, max(0.0, 1.0 - num_microbatches * (sum(times) + tail * (tail_split > 1)) / (S * got.loop))
 
 
 def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_microbatches: int,

@@ -36,6 +36,7 @@ from autoshard.pipeline.partition import (
     BACKWARD,
     FORWARD,
     UPDATE,
+    PipelineError,
     StepParts,
     boundary,
     input_gradient_ops,
@@ -512,3 +513,27 @@ def _same_as_template(graph: Graph, template: Group, other: Group, stage: int, w
             op = graph.ops[other.ops[k]]
             raise cannot_run(f"stage {stage}'s {what} differs from stage 0's at {op.where()} ({x[0]} against "
                         f"{y[0]}): every stage must run the same blocks with only their weights different")
+
+
+def tail_spreadable(graph: Graph, parts: StepParts | None = None) -> int:
+    """The microbatch's rows when the SPMD program can spread the tail (the layers after the blocks) over
+    stages by rows (``spmd_program.Spread``): the step cuts into uniform stages and every value the tail
+    reads from the last block or the batch has the rows as its first dimension; else 0."""
+    parts = parts or split_step(graph)
+    K = len(_block_order(graph, parts))
+    S = next((d for d in range(2, K + 1) if K % d == 0), 0)
+    rows = {graph.tensors[graph.inputs[i]].shape[0] for i in parts.batch_inputs if graph.tensors[graph.inputs[i]].shape}
+    if not S or len(rows) != 1:
+        return 0
+    R = next(iter(rows))
+    try:
+        cut = uniform_stages(graph, S, parts)
+    except PipelineError:
+        return 0
+    last = cut.chunk_f[-1]
+    from_blocks = set(last.outputs) | {last.inputs[j] for j, k in enumerate(cut.f_kinds) if k.startswith("act")}
+    batch = {graph.inputs[i] for i in parts.batch_inputs}
+    reads = {*cut.tail_f.inputs, *cut.tail_b.inputs}
+    if any((graph.tensors[t].shape or (0,))[0] != R for t in reads if t in from_blocks or t in batch):
+        return 0
+    return R if R > 1 else 0
