@@ -430,9 +430,10 @@ def sharded_rows(preset: str, overrides: list[str], layouts: Sequence[str], devi
         row = _base(preset, overrides, "spmd-pipeline")
         t1 = time.perf_counter()
         try:
-            from autoshard.pipeline.spmd_program import spmd_pipeline_step
+            from autoshard.pipeline.spmd_program import spmd_pipeline_step, tail_graph
 
-            step = spmd_pipeline_step(micro, graph, pplan, list(devices))
+            step = spmd_pipeline_step(micro, graph, pplan, list(devices),
+                                      tail_graph(ex.train_step, ex.args, graph, pplan))
             row["mesh"] = f"{pplan.num_physical_stages}x{pplan.stages[0].num_devices}"
             row["predicted_step_s"] = pplan.predicted_step_time
             _compiled_row(row, lambda: step.lower(*ex.args), pplan.peak_memory, None)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import autoshard  # noqa: E402
 from autoshard._examples import load_example  # noqa: E402
 from autoshard.pipeline.partition import trace_microbatch  # noqa: E402
-from autoshard.pipeline.spmd_program import spmd_pipeline_step  # noqa: E402
+from autoshard.pipeline.spmd_program import spmd_pipeline_step, tail_graph  # noqa: E402
 from autoshard.planner.recompute import recomputed  # noqa: E402
 from autoshard.trace import trace  # noqa: E402
 
@@ -60,11 +60,13 @@ def main() -> None:
     if isinstance(plan, autoshard.PipelinePlan):
         S = plan.num_physical_stages
         row.update(stages=S, submesh=list(plan.stages[0].submesh), microbatches=plan.num_microbatches,
-                   schedule=plan.schedule, chunks=plan.num_chunks, recompute=dict(plan.recompute))
+                   schedule=plan.schedule, chunks=plan.num_chunks, recompute=dict(plan.recompute),
+                   tail_split=plan.tail_split)
         t1 = time.perf_counter()
         full = trace(ex.train_step, *ex.args)
         micro = recomputed(trace_microbatch(ex.train_step, ex.args, full, plan.num_microbatches), plan.recompute)
-        step = spmd_pipeline_step(micro, full, plan, jax.devices()[: shape[0] * shape[1]])
+        step = spmd_pipeline_step(micro, full, plan, jax.devices()[: shape[0] * shape[1]],
+                                  tail_graph(ex.train_step, ex.args, full, plan))
         built = time.perf_counter() - t1
         t2 = time.perf_counter()
         text = step.lower(*ex.args).as_text()

@@ -93,7 +93,7 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
         # residual slots: the schedule's peak in flight, not the microbatch count (for 1F1B)
         assert t.res_slots == max(sched.peak_inflight(s) for s in range(stages))
         if name in ("1f1b", "zb-h1"):  # ZB-H1 holds residuals until W, as many microbatches as 1F1B
-            assert t.res_slots == min(stages + gap, micro)
+            assert t.res_slots == min(stages + (gap if name == "1f1b" else 0), micro)
         assert t.weight_pass == (name == "zb-h1")
     assert t.spread == (split > 1)
     # replay the tables: every read finds the value written for the same (virtual stage, microbatch), never

@@ -518,11 +518,21 @@ def zb_h1(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> Schedule
     into its input-gradient part ``B`` (what the stage before waits for) and its weight-gradient part
     ``W`` (needed by no other stage): the warm-up of 1F1B, then ``F B W`` per microbatch, then the
     cool-down ``B W`` pairs, where each ``W`` fills the slot 1F1B leaves idle waiting for the next
-    ``B``. Peak in flight (forward run, ``W`` not yet): ``min(S-s, B)``, as 1F1B."""
+    ``B``. Peak in flight (forward run, ``W`` not yet): ``min(S-s, B)``, as 1F1B. With a tail gap the last
+    stage runs ``F(m+1) W(m) B(m+1)``: the ``W`` fills the gap, one more slot in all, and only the last
+    stage holds one more microbatch."""
     _check_sizes("zb-h1", num_stages, num_microbatches)
     orders = []
     for s in range(num_stages):
-        warm = min(num_stages - 1 - s + tail_gap, num_microbatches)
+        if tail_gap and s == num_stages - 1:  # the tail runs elsewhere in the slot after F(m): W(m-1) fills it
+            order = [Action(s, 0, "forward")] + ([Action(s, 0, "backward")] if num_microbatches > 1 else [])
+            for m in range(1, num_microbatches):
+                order += [Action(s, m, "forward"), Action(s, m - 1, "weight"), Action(s, m, "backward")]
+            order += [Action(s, num_microbatches - 1, "backward")] if num_microbatches == 1 else []
+            order += [Action(s, num_microbatches - 1, "weight")]
+            orders.append(order)
+            continue
+        warm = min(num_stages - 1 - s, num_microbatches)
         order = [Action(s, m, "forward") for m in range(warm)]
         for i in range(num_microbatches - warm):
             order += [Action(s, warm + i, "forward"), Action(s, i, "backward"), Action(s, i, "weight")]
