@@ -288,7 +288,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"), ("optax", "interleaved-1f1b"),
-                                       ("optax:scan", "1f1b")])
+                                       ("optax:scan", "1f1b"), ("optax:heavy", "zb-h1")])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -309,6 +309,8 @@ def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path,
     assert reports[0]["losses"] == reports[1]["losses"]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["kind"] == "pipeline" and plan["schedule"] == name
+    if form.endswith(":heavy"):  # the tail spread over stages: its exchanges run on both processes
+        assert plan["tail_split"] > 1
     got = np.load(tmp_path / "result.npz")
     fn, args, batch = make(form)
     ref = jax.jit(fn)

@@ -60,6 +60,17 @@ axes (weight gradients of the chunk, the tail's and the head's, the loss, the em
 into zeros) leave each action unreduced, stacked along a leading dimension split over those axes
 (``unreduced``, as the MPMD runtime does), are added up in the loop's accumulators and summed after it.
 
+A spread tail (``Spread``, ``tail=``: the step traced at ``1/G`` of the microbatch's rows): the layers after
+the blocks (final norm, LM head, loss: on GPT-1T a sixth of a block) would make every tick in which the last
+stage runs a forward that much longer, since all stages wait for it. Instead, at the end of that tick the
+stream's rows go out in ``G`` slices to the last ``G`` stages (``G − 1`` ``ppermute``, under a ``lax.cond``
+whose predicate is the tick's, the same on every stage); in the next tick each runs the tail's forward and
+backward on its slice, before its own actions, adding ``1/G`` of its sums (the loss, the head's gradients:
+the step is a mean over rows) to the accumulators; at the end of that tick the slices' cotangents come back,
+joined in row order into the last stage's cotangent slot. The schedule leaves that tick between the last
+stage's forward and backward (``schedules``' tail gap). The slices' layouts are the plan's where the tail's
+ops pair up with the small trace's, else XLA's (JAX traces a dimension of one row differently).
+
 Not yet: blocks that read per-microbatch values other than the residual stream (an attention mask built
 from the batch).
 """

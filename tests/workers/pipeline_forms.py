@@ -21,6 +21,8 @@ def make(form: str, **overrides: Any) -> tuple[Any, tuple[Any, ...], Any]:
     form, _, how = form.partition(":")  # "state:scan": the blocks written as one nn.scan (scan_layers=true)
     if how == "scan":
         overrides["scan_layers"] = "true"
+    if how == "heavy":  # a tail (LM head and loss) that costs several blocks: 32768 words, 8 rows a microbatch
+        overrides.update(vocab=32768, batch=32)
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"{k}={v}" for k, v in
                                                             {"layers": 4, **overrides}.items()], abstract=False)
     state, batch = ex.args
