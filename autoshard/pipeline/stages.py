@@ -397,8 +397,9 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     is priced a second way, the tail (the layers after the last block, ``τ_m = Σ_ell t_micro[ell, m]``)
     spread over the last ``G`` stages (``G``: the largest divisor of the rows up to ``S``): the last stage's
     time less ``τ_m``, ``τ_m / G`` on each of the ``G`` stages in the tick after its forward, two exchanges
-    of the stream's slices, a tick between the last forward and backward (one more microbatch in flight
-    per stage, ``tail_gap``). Returns the stages as ``(first layer, last layer, m)``, their origins
+    of the stream's slices, a tick between the last forward and backward (``schedules``' tail gap, whose
+    schedule holds one more microbatch: on the last stage for ZB-H1, on every stage for 1F1B; the memory
+    check reads it off the schedule). Returns the stages as ``(first layer, last layer, m)``, their origins
     (row-major tiles), ``T``, whether the form is fused, its in-flight rule, its schedule's name and ``G``
     (1: the tail on the last stage)."""
     tags: list[str] = []
