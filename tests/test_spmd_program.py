@@ -448,7 +448,7 @@ def test_blocks_no_uniform_cut_divides_are_refused_by_name_before_any_layer_is_p
 
 
 @pytest.mark.parametrize("name,stages,split", [
-    ("zb-h1", 4, 4), ("1f1b", 4, 2),
+    ("zb-h1", 4, 4), pytest.param("1f1b", 4, 2, marks=pytest.mark.slow),
     pytest.param("fused", 4, 4, marks=pytest.mark.slow), pytest.param("gpipe", 2, 2, marks=pytest.mark.slow),
     pytest.param("interleaved-1f1b", 2, 2, marks=pytest.mark.slow)])
 def test_a_tail_spread_over_stages_gives_jits_numbers(name: str, stages: int, split: int) -> None:
