@@ -201,7 +201,7 @@ def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[
             raise cannot_run(f"the step traces differently at {r} rows than at {R}: the tail cannot be spread")
         for x, y in zip(xs, ys, strict=True):
             pairs.setdefault(x, y)
-    last_f = set(last.outputs) | {last.inputs[j] for j, k in enumerate(cut.f_kinds) if k.startswith("act")}
+    last_f = cut.from_last_block()
     batch_of = {micro.inputs[i]: small.inputs[i] for i in batch_pos}
 
     def reads(c: UniformStages) -> list[int]:

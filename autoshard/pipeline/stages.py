@@ -217,11 +217,11 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     fused, split, tail_time = False, 1, 0.0
     if uniform and not interleaved:
+        tail_first = _last_block_layer(graph, parts, layer_of_op) + 1  # the layers after the last block: the tail
         chosen, placement, dp_cost, fused, inflight, pricing, split = _uniform(
             graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
             pricing, limit, costs, into, cost, zero_bubble=schedule_name == "auto",
-            spread_rows=tail_spreadable(graph, parts) if spread_tail else 0)
-        tail_first = _last_block_layer(graph, parts, layer_of_op) + 1  # the layers after the last block
+            spread_rows=tail_spreadable(graph, parts) if spread_tail else 0, tail_first=tail_first)
         dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
     elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
@@ -375,7 +375,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
              submeshes: Sequence[tuple[int, int]], cluster: tuple[int, int], num_microbatches: int,
              memory_budget: float | None, pricing: str, limit: int, costs: Sequence[CostModel],
              into: np.ndarray, cost: CostModel, zero_bubble: bool = False, spread_rows: int = 0,
-             ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...], str, int]:
+             tail_first: int = 0) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...], str, int]:
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
     stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
@@ -394,7 +394,8 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     (held until ``W``).
 
     With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
-    is priced a second way, the tail (the layers after the last block, ``τ_m = Σ_ell t_micro[ell, m]``)
+    is priced a second way, the tail (the layers from ``tail_first`` on, after the last block,
+    ``τ_m = Σ_ell t_micro[ell, m]``)
     spread over the last ``G`` stages (``G``: the largest divisor of the rows up to ``S``): the last stage's
     time less ``τ_m``, ``τ_m / G`` on each of the ``G`` stages in the tick after its forward, two exchanges
     of the stream's slices, a tick between the last forward and backward (``schedules``' tail gap, whose
@@ -434,7 +435,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             continue
         link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
         G = max((g for g in range(2, S + 1) if spread_rows % g == 0), default=1)
-        tail = float(prices.micro_time[span[tags[-1]][1] + 1:, m].sum())
+        tail = float(prices.micro_time[tail_first:, m].sum()) if spread_rows else 0.0
         forms = []
         for g in ((1, G) if G > 1 and tail > 0 else (1,)):
             gap = int(g > 1)

@@ -178,8 +178,7 @@ def ticks(sched: Schedule, tail_split: int = 1) -> Ticks:
     computed for ``W`` (the gradients of the block's inner values) until then. ``tail_split > 1``: the tail
     is spread over that many stages (``_tables``; ``sched`` needs ``tail_gap >= 1``)."""
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
-    if tail_split > 1 and sched.tail_gap < 1:
-        raise ValueError(f"a tail spread over {tail_split} stages needs a schedule built with tail_gap=1")
+    _check_gap(sched, tail_split)
     acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
     for t, slot in enumerate(sched.slots):
         for a in slot:
@@ -188,13 +187,33 @@ def ticks(sched: Schedule, tail_split: int = 1) -> Ticks:
                    wgt=acts["weight"] or None, tail_split=tail_split)
 
 
+def _check_gap(sched: Schedule, tail_split: int) -> None:
+    if tail_split > 1 and sched.tail_gap < 1:
+        raise ValueError(f"a tail spread over {tail_split} stages needs a schedule built with tail_gap=1")
+
+
+def _actions_only(f_micro: np.ndarray, f_chunk: np.ndarray, b_micro: np.ndarray, b_chunk: np.ndarray,
+                  tail_micro: np.ndarray | None, tail_split: int, fused: bool = False,
+                  w_micro: np.ndarray | None = None, w_chunk: np.ndarray | None = None) -> Ticks:
+    """``Ticks`` of the given actions with every buffer slot left at -1 (one slot each): what ``price``
+    reads, for ``action_tables`` and ``fused_1f1b(actions_only=True)``."""
+    T = f_micro.shape[0]
+    neg = np.full(f_micro.shape, -1, np.int32)
+    weight: dict[str, Any] = {}
+    if w_micro is not None:
+        weight = dict(w_micro=w_micro, w_chunk=w_chunk, w_res=neg, w_cot=neg, g_write=neg, g_read=neg)
+    return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=neg, act_recv=neg,
+                 cot_read=neg, cot_recv=neg, cot_self=neg, res_write=neg, res_read=neg, act_slots=1, cot_slots=1,
+                 res_slots=1, fused=fused, tail_micro=tail_micro,
+                 tail_cot=None if tail_micro is None else np.full(T, -1, np.int32), tail_split=tail_split, **weight)
+
+
 def action_tables(sched: Schedule, tail_split: int = 1) -> Ticks:
     """What ``price`` reads of ``ticks(sched, tail_split)`` (each tick's actions, the spread tail's ticks),
     without the buffer slots (left at -1, one slot each): a fifth of the time for GPT-1T's 128 stages x
     1024 microbatches, which the planner prices in several forms."""
     S, T, V = sched.num_stages, len(sched.slots), sched.num_virtual_stages
-    if tail_split > 1 and sched.tail_gap < 1:
-        raise ValueError(f"a tail spread over {tail_split} stages needs a schedule built with tail_gap=1")
+    _check_gap(sched, tail_split)
     tables = {k: np.full((T, S), -1, np.int32) for k in ("forward", "backward", "weight")}
     chunk = {k: np.zeros((T, S), np.int32) for k in tables}
     tail_micro = np.full(T, -1, np.int32) if tail_split > 1 else None
@@ -205,16 +224,10 @@ def action_tables(sched: Schedule, tail_split: int = 1) -> Ticks:
             chunk[a.kind][t, a.stage] = a.chunk
             if tail_micro is not None and a.kind == "forward" and (a.chunk, a.stage) == last:
                 tail_micro[t + 1] = a.microbatch
-    neg = np.full((T, S), -1, np.int32)
-    weight: dict[str, Any] = {}
-    if sched.weight_pass:
-        weight = dict(w_micro=tables["weight"], w_chunk=chunk["weight"], w_res=neg, w_cot=neg, g_write=neg,
-                      g_read=neg)
-    return Ticks(f_micro=tables["forward"], f_chunk=chunk["forward"], b_micro=tables["backward"],
-                 b_chunk=chunk["backward"], act_read=neg, act_recv=neg, cot_read=neg, cot_recv=neg, cot_self=neg,
-                 res_write=neg, res_read=neg, act_slots=1, cot_slots=1, res_slots=1, tail_micro=tail_micro,
-                 tail_cot=None if tail_micro is None else np.full(T, -1, np.int32), tail_split=tail_split,
-                 **weight)
+    weight = sched.weight_pass
+    return _actions_only(tables["forward"], chunk["forward"], tables["backward"], chunk["backward"], tail_micro,
+                         tail_split, w_micro=tables["weight"] if weight else None,
+                         w_chunk=chunk["weight"] if weight else None)
 
 
 def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, actions_only: bool = False) -> Ticks:
@@ -234,15 +247,12 @@ def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, acti
         m, s = np.meshgrid(np.arange(M), np.arange(S), indexing="ij")
         f_micro[m + s, s] = m
         b_micro[m + 2 * (S - 1) - s + d, s] = m
-        neg, zero = np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32)
+        zero = np.zeros((T, S), np.int32)
         tail_micro = None
         if d:
             tail_micro = np.full(T, -1, np.int32)
             tail_micro[np.arange(M) + S] = np.arange(M)
-        return Ticks(f_micro=f_micro, f_chunk=zero, b_micro=b_micro, b_chunk=zero, act_read=neg, act_recv=neg,
-                     cot_read=neg, cot_recv=neg, cot_self=neg, res_write=neg, res_read=neg, act_slots=1, cot_slots=1,
-                     res_slots=1, fused=True, tail_micro=tail_micro,
-                     tail_cot=None if tail_micro is None else np.full(T, -1, np.int32), tail_split=tail_split)
+        return _actions_only(f_micro, zero, b_micro, zero, tail_micro, tail_split, fused=True)
     fwd = {(s, m): (m + s, s) for s in range(S) for m in range(M)}
     bwd = {(s, m): (m + 2 * (S - 1) - s + d, s) for s in range(S) for m in range(M)}
     return _tables(S, M + 2 * S - 2 + d, S, M, fwd, bwd, fused=True, tail_split=tail_split)

@@ -97,6 +97,14 @@ class UniformStages:
     tail_cot: tuple[int, ...]  # per cotangent channel: the tail's tensor that the last chunk reads
     head_res: tuple[int, ...]  # head forward values its backward reads
 
+    def from_last_block(self) -> set[int]:
+        """What the tail may read of the last chunk: its outputs and its stream inputs."""
+        return _last_block_values(self.chunk_f[-1], self.f_kinds)
+
+
+def _last_block_values(last: Group, f_kinds: Sequence[str]) -> set[int]:
+    return set(last.outputs) | {last.inputs[j] for j, k in enumerate(f_kinds) if k.startswith("act")}
+
 
 def _block_order(graph: Graph, parts: StepParts) -> list[str]:
     seen: list[str] = []
@@ -318,8 +326,7 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
                         "computation (not supported yet)")
     # what each group outside the blocks may read inside the loop
     batch_ok = {t for t in graph.inputs if graph.tensors[t].role is Role.BATCH}
-    last_f = set(chunk_f[S - 1].outputs) | {chunk_f[S - 1].inputs[j] for j, k in enumerate(f_kinds)
-                                            if k.startswith("act")}
+    last_f = _last_block_values(chunk_f[S - 1], f_kinds)
     allowed = {
         "the layers before the blocks (forward)": (head_f, set()),
         "the layers before the blocks (backward)": (head_b, set(head_f.outputs)
@@ -530,8 +537,7 @@ def tail_spreadable(graph: Graph, parts: StepParts | None = None) -> int:
         cut = uniform_stages(graph, S, parts)
     except PipelineError:
         return 0
-    last = cut.chunk_f[-1]
-    from_blocks = set(last.outputs) | {last.inputs[j] for j, k in enumerate(cut.f_kinds) if k.startswith("act")}
+    from_blocks = cut.from_last_block()
     batch = {graph.inputs[i] for i in parts.batch_inputs}
     reads = {*cut.tail_f.inputs, *cut.tail_b.inputs}
     if any((graph.tensors[t].shape or (0,))[0] != R for t in reads if t in from_blocks or t in batch):
