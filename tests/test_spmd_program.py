@@ -37,6 +37,18 @@ from pipeline_forms import make  # noqa: E402
 TOL = 1e-5
 
 
+def _matches_jit(step: object, fn: object, state: object, batch: object, steps: int = 3) -> object:
+    """Run ``step`` and ``jax.jit(fn)`` ``steps`` times from ``state``: equal losses every step and equal final
+    state (relative error <= TOL); returns jax.jit's final state."""
+    want, got = jax.tree.map(lambda x: np.array(x), state), state
+    for _ in range(steps):
+        got, m1 = step(got, batch)
+        want, m2 = jax.jit(fn)(want, batch)
+        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    return want
+
+
 def _micro(layers: int = 4, micro: int = 4, **overrides: object):
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"layers={layers}"] +
                       [f"{k}={v}" for k, v in overrides.items()], abstract=True)
@@ -263,12 +275,7 @@ def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_on
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, specs=dp(tuple(st.mesh.axis_names)),
                                                                       update_specs={}) for st in plan.stages))
     step = spmd_pipeline_step(micro, full, plan, jax.devices())
-    want, got = jax.tree.map(lambda x: np.array(x), state), state
-    for _ in range(3):
-        got, m1 = step(got, batch)
-        want, m2 = jax.jit(ex.train_step)(want, batch)
-        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
-    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    want = _matches_jit(step, ex.train_step, state, batch)
     comps = _computations(step.lower(want, batch).compile().as_text())
     bodies = {b for lines in comps.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
     in_loop = _reached(comps, bodies)
@@ -468,12 +475,7 @@ def test_a_tail_spread_over_stages_gives_jits_numbers(name: str, stages: int, sp
                             num_chunks=2 if name == "interleaved-1f1b" else 1, fused=name == "fused", tail=small)
     assert step.spread is not None and step.spread.split == split and step.ticks.spread
     assert int((step.ticks.tail_micro >= 0).sum()) == M  # each microbatch's tail once
-    want, got = jax.tree.map(lambda x: np.array(x), state), state
-    for _ in range(3):
-        got, m1 = step(got, batch)
-        want, m2 = jax.jit(ex.train_step)(want, batch)
-        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
-    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    _matches_jit(step, ex.train_step, state, batch)
 
 
 def test_a_tail_that_cannot_be_split_by_rows_is_refused_by_name() -> None:
@@ -496,12 +498,7 @@ def test_golden_a_heavy_tail_is_spread_over_the_last_stages_and_the_step_is_jits
     state, batch = ex.args
     step = autoshard.parallelize(ex.train_step, mesh=(2, 4), microbatches=4, pipeline=True, stage_shape=(1, 2),
                                  time_budget_s=8, runtime="spmd", hardware="a100")
-    want, got = jax.tree.map(lambda x: np.array(x), state), state
-    for _ in range(2):
-        got, m1 = step(got, batch)
-        want, m2 = jax.jit(ex.train_step)(want, batch)
-        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
-    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    _matches_jit(step, ex.train_step, state, batch, steps=2)
     plan = step.plan
     assert plan.spmd and plan.tail_split > 1 and 0 < plan.tail_time < plan.stages[-1].micro_time
     prog = step._last.step
