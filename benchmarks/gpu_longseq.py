@@ -57,30 +57,18 @@ def overrides(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> list[str
 
 
 def cudnn_module(implementation: str | None) -> Any:
-    """``examples/gpt.py`` loaded as a module whose ``Attention`` is a subclass computing
-    ``jax.nn.dot_product_attention`` (causal) on the same q, k, v (layout [batch, seq, heads, head_dim])."""
-    import flax.linen as nn
+    """``examples/gpt.py`` loaded as a module whose ``attention`` is ``jax.nn.dot_product_attention`` (causal)
+    on the same q, k, v (layout [batch, seq, heads, head_dim])."""
     import jax
-    import jax.numpy as jnp
 
     from autoshard._examples import load_module
 
     gpt = load_module(ROOT / "examples" / "gpt.py")
 
-    class FlashAttention(gpt.Attention):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            c = self.config
-            dtype = jnp.dtype(c.dtype)
-            batch, seq, hidden = x.shape
-            head_dim = hidden // c.heads
-            qkv = nn.Dense(3 * hidden, dtype=dtype, kernel_init=gpt._INIT, name="qkv")(x)
-            q, k, v = jnp.split(qkv.reshape(batch, seq, c.heads, 3 * head_dim), 3, axis=-1)
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-            out = out.reshape(batch, seq, hidden)
-            return nn.Dense(hidden, dtype=dtype, kernel_init=gpt._INIT, name="proj")(out)
+    def flash(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
-    gpt.Attention = FlashAttention  # Block looks the name up in the module when it is called
+    gpt.attention = flash  # Attention looks the name up in the module when it is called
     return gpt
 
 

@@ -94,12 +94,19 @@ class Attention(nn.Module):
         # Megatron's layout: heads outermost, then (q, k, v) per head, so that splitting the kernel's
         # columns over devices gives each device whole heads and the split below stays local.
         q, k, v = jnp.split(qkv.reshape(batch, seq, c.heads, 3 * head_dim), 3, axis=-1)
-        scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, hidden)
+        out = attention(q, k, v).reshape(batch, seq, hidden)
         return nn.Dense(hidden, dtype=dtype, kernel_init=_INIT, name="proj")(out)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of q, k, v [batch, seq, heads, head_dim], with full fp32 scores. ``Attention`` looks
+    the name up when it is called, so a script may swap it (``benchmarks/gpu_longseq.py``: cuDNN's kernel)."""
+    seq, head_dim = q.shape[1], q.shape[3]
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k).astype(jnp.float32) * head_dim**-0.5
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v)
 
 
 class MLP(nn.Module):
