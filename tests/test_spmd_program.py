@@ -14,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard._examples import load_example
@@ -24,7 +28,7 @@ from autoshard.emit import global_rel_error
 from autoshard.emit.program import ArgumentMismatch
 from autoshard.pipeline.partition import PipelineError, microbatch_args, trace_microbatch
 from autoshard.pipeline.schedules import schedule
-from autoshard.pipeline.spmd_program import stage_mesh
+from autoshard.pipeline.spmd_program import SpmdPipelineStep, stage_mesh
 from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
 from autoshard.pipeline.uniform import uniform_stages
 from autoshard.trace import trace
@@ -507,3 +511,37 @@ def test_golden_a_heavy_tail_is_spread_over_the_last_stages_and_the_step_is_jits
     assert f"run on the last {plan.tail_split} stages" in format_pipeline_plan(plan)
     again = type(plan).from_dict(json.loads(json.dumps(plan.to_dict())))  # a saved plan keeps the spread
     assert (again.tail_split, again.tail_time) == (plan.tail_split, plan.tail_time)
+
+
+def test_blocks_whose_first_matmul_reads_the_block_input_run_as_the_spmd_program() -> None:
+    # residual MLP blocks after an input projection: each block's first weight gradient reads the block's
+    # input, which the planner's min rule puts with the layer before (the projection for the first block,
+    # the previous block for the others); the uniform cut runs it with its own block, so every stage's
+    # blocks are the same computation
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x + nn.Dense(16, name="down")(jax.nn.gelu(nn.Dense(32, name="up")(x)))
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            x = nn.Dense(16, name="embed")(x)
+            for i in range(4):
+                x = Block(name=f"block_{i}")(x)
+            return jnp.mean(x**2)
+
+    model = Deep()
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x[:1])["params"],
+                              tx=optax.adam(1e-2))
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
+        with jax.numpy_dtype_promotion("standard"):  # the tests run with strict promotion; optax's count
+            return state.apply_gradients(grads=grads), {"loss": loss}
+
+    step = autoshard.parallelize(train_step, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
+                                 stage_shape=(1, 2), time_budget_s=5)
+    _matches_jit(step, train_step, jax.tree.map(lambda a: np.array(a).copy(), state), {"x": x})
+    assert isinstance(step._last.step, SpmdPipelineStep)

@@ -171,6 +171,14 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
             fwd_layer.append(K + 2)
             pre.append(i)
     layer = list(propagate_layers(graph, fwd, fwd_layer))
+    for op in graph.ops:
+        # a block's backward op that the min rule pulled to the layer before (a weight gradient of a first
+        # matmul reading the block's input: the head's output for the first block, the block before's for
+        # the others) runs with its own block, so that every stage's blocks hold the same ops: the block's
+        # input is the stage's stream, which its backward has
+        own = block_of.get(op.layer)
+        if own is not None and parts.kind[op.id] == BACKWARD and op.phase == "backward" and layer[op.id] == own:
+            layer[op.id] = own + 1
     pre_set = set(pre)
     for op in reversed(graph.ops):  # an op that reads only pre values runs with its first reader
         if layer[op.id] > K + 1 and op.id not in pre_set and parts.kind[op.id] != UPDATE:
@@ -509,8 +517,16 @@ def _exports(graph: Graph, group: Group) -> list[tuple[int, int]]:
 
 
 def _same_as_template(graph: Graph, template: Group, other: Group, stage: int, what: str) -> None:
-    if _exports(graph, template) != _exports(graph, other):
-        raise cannot_run(f"stage {stage}'s blocks hand other values to the rest of the step ({what}) than stage 0's")
+    mine, theirs = _exports(graph, template), _exports(graph, other)
+    if mine != theirs:
+        why = ""
+        if what == "backward" and len(mine) < len(theirs):
+            why = (": stage 0's blocks compute no gradient of their input, since nothing before them has "
+                   "parameters (the first block reads the batch); the program runs the same blocks on every "
+                   "stage, so it needs a layer with parameters before them (an embedding or an input "
+                   "projection), or runtime='mpmd' on one process")
+        raise cannot_run(f"stage {stage}'s blocks hand {len(theirs)} values to the rest of the step ({what}) where "
+                         f"stage 0's hand {len(mine)}{why}")
     a, b = _signature(graph, template), _signature(graph, other)
     if len(a) != len(b):
         raise cannot_run(f"stage {stage}'s blocks have {len(b)} {what} ops where stage 0's have {len(a)}: the stages "
