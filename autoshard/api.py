@@ -48,7 +48,7 @@ from autoshard.target import (
     Target,
     check_time_budget,
     parse_mesh,
-    uniform_stages,
+    runtime_options,
 )
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
@@ -126,7 +126,7 @@ def plan(
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
                               max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks,
-                              uniform=uniform_stages(runtime, target))
+                              **runtime_options(runtime, target))
     return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
                     roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
 
@@ -222,11 +222,11 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         if interleaved is not None:
             schedule, stage_shape, chunks = "interleaved-1f1b", interleaved, INTERLEAVE_CHUNKS
 
-        def stages(g: Graph, s: float | None) -> PipelinePlan:
+        def stages(g: Graph, s: float | None, uniform: bool = options.uniform) -> PipelinePlan:
             return plan_pipeline(g, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
                                  schedule_name=schedule, num_layers=options.num_layers, time_budget_s=s,
                                  max_stages=options.max_stages, stage_shape=stage_shape, num_chunks=chunks,
-                                 uniform=options.uniform)
+                                 uniform=uniform)
 
         start = "none"
         if recompute == "auto":
@@ -235,8 +235,14 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                 log.info("autoshard: as traced, a stage's share of the step's activations would fill over half a "
                          "device (the step needs %.3g GB per device unpipelined): the pipeline of %d microbatches "
                          "is planned with %s recompute first", needs["none"] / 1e9, count, start)
+        began = time.perf_counter()
         the_plan, planned_graph = plan_pipeline_recomputing(micro, stages, recompute=recompute, time_budget_s=seconds,
                                                             start=start)
+        if options.spmd_if_faster and the_plan.host_time >= HOST_SHARE * the_plan.predicted_step_time:
+            the_plan, planned_graph = _spmd_if_faster(
+                the_plan, planned_graph, lambda s: plan_pipeline_recomputing(
+                    micro, lambda g, t: stages(g, t, True), recompute=recompute, time_budget_s=s, start=start),
+                None if seconds is None else seconds - (time.perf_counter() - began))
         traced[id(the_plan)] = planned_graph
         return the_plan
 
@@ -283,6 +289,33 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     elif intra_error is not None:
         other = f"no plan: {str(intra_error).splitlines()[0]}"
     return dataclasses.replace(piped, solver=dataclasses.replace(piped.solver, intra_op_step_time=other)), graph, micro
+
+
+HOST_SHARE = 0.1  # an MPMD plan whose host work is this share of its step is also planned as the SPMD program
+
+
+def _spmd_if_faster(mpmd: PipelinePlan, graph: Graph, plan_spmd: Callable[[float | None], tuple[PipelinePlan, Graph]],
+                    seconds: float | None) -> tuple[PipelinePlan, Graph]:
+    """``mpmd`` (a plan for the single-process MPMD runtime, whose host issues ``2·S·B`` programs and
+    moves every value between stages itself: ``pipeline.host``) and the microbatch graph it plans, or the
+    plan for the SPMD program (``plan_spmd``, one call a step, uniform stages) when that prices faster.
+    ``seconds``: what is left of the count's planning time (None: each plan scales its own); under
+    ``SHARES.min_solve`` of none, the MPMD plan stands. A step with no uniform cut keeps the MPMD plan."""
+    if seconds is not None and seconds <= 0:
+        log.info("autoshard: no time left to plan the SPMD program beside the MPMD runtime's plan, whose host "
+                 "work is %s of its %s step", human_time(mpmd.host_time), human_time(mpmd.predicted_step_time))
+        return mpmd, graph
+    try:
+        spmd, spmd_graph = plan_spmd(seconds)
+    except AutoshardError as e:
+        log.info("autoshard: the MPMD runtime's plan stands (%s of host work in its %s step); the SPMD "
+                 "program's: %s", human_time(mpmd.host_time), human_time(mpmd.predicted_step_time),
+                 str(e).splitlines()[0])
+        return mpmd, graph
+    log.info("autoshard: %d microbatches: the SPMD program %s a step, the MPMD runtime %s (%s of it the host "
+             "issuing its programs)", mpmd.num_microbatches, human_time(spmd.predicted_step_time),
+             human_time(mpmd.predicted_step_time), human_time(mpmd.host_time))
+    return (spmd, spmd_graph) if spmd.predicted_step_time < mpmd.predicted_step_time else (mpmd, graph)
 
 
 def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan], batch: int,
@@ -629,7 +662,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         device_mesh = self.device_mesh
         multi = distributed.multiprocess()
         spmd = self.runtime == "spmd" or (self.runtime == "auto" and multi)
-        options = dataclasses.replace(self.options, uniform=True) if spmd else self.options
+        options = dataclasses.replace(self.options, uniform=spmd, spmd_if_faster=self.runtime == "auto" and not spmd)
         if multi:  # planned on process 0, agreed by all: autoshard.distributed
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(

@@ -198,13 +198,13 @@ def _plan_run(args: argparse.Namespace) -> int:
     from autoshard.pipeline import format_pipeline_plan
     from autoshard.planner.plan import Plan
     from autoshard.planner.summary import format_plan
-    from autoshard.target import PipelineOptions, uniform_stages
+    from autoshard.target import PipelineOptions, runtime_options
 
     target = _target(args)
     options = PipelineOptions(microbatches=args.microbatches, pipeline={"auto": None, "yes": True, "no": False}[args.pipeline],
                               schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages,
                               num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape),
-                              uniform=uniform_stages(args.runtime, target))
+                              **runtime_options(args.runtime, target))
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
     the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget,

@@ -104,6 +104,50 @@ def _median_times(
     return [reduce(t) for t in times]
 
 
+HOST_ARGS = 256  # arguments of the call that ``_host_costs`` compares with a one-argument call
+HOST_ISSUES = 64  # calls issued back to back per timed round (``_issue_times``)
+
+
+def _issue_times(thunks: Sequence[Callable[[], Any]], rounds: int, estimator: str) -> list[float]:
+    """Host seconds to issue each thunk, not waiting for its result: ``HOST_ISSUES`` calls back to back,
+    then one wait, divided by the count (as the pipeline runtime issues them, asynchronously); the median
+    (or least) over ``rounds`` interleaved rounds."""
+    import jax
+
+    times: list[list[float]] = [[] for _ in thunks]
+    for r in range(rounds + 1):  # the first round warms up
+        for i, f in enumerate(thunks):
+            t0 = time.perf_counter()
+            out = [f() for _ in range(HOST_ISSUES)]
+            jax.block_until_ready(out)
+            if r:
+                times[i].append((time.perf_counter() - t0) / HOST_ISSUES)
+    reduce = min if estimator == "min" else statistics.median
+    return [reduce(t) for t in times]
+
+
+def _host_costs(devices: Sequence[Any], rounds: int, estimator: str) -> dict[str, float]:
+    """Host seconds of what the single-process pipeline runtime does per microbatch (``pipeline.host``):
+    ``call``, a jitted call of one small argument on half the devices; ``arg``, each further argument (a
+    call with ``HOST_ARGS`` arguments against it, divided by ``HOST_ARGS - 1``); ``put``, a
+    ``jax.device_put`` of a small array onto the other half of the devices (one device: onto itself)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    half = max(len(devices) // 2, 1)
+    src = NamedSharding(Mesh(np.asarray(devices[:half]), ("d",)), P("d"))
+    dst = NamedSharding(Mesh(np.asarray(devices[-half:]), ("d",)), P("d"))
+    xs = [jax.device_put(jnp.full((half,), float(i), jnp.float32), src) for i in range(HOST_ARGS)]
+    one = jax.jit(lambda x: x + 1)
+    many = jax.jit(lambda *a: a[0] + 1)
+    call, call_many, put = _issue_times(
+        [lambda: one(xs[0]), lambda: many(*xs), lambda: jax.device_put(xs[0], dst)], rounds, estimator)
+    return {"call": call, "arg": max(call_many - call, 0.0) / (HOST_ARGS - 1), "put": put}
+
+
 def matmul_shapes(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     """``(m, n, k)`` measured for each size ``s``: the cube and three skinny shapes with one side ``s/8``
     (sharded matmuls are rarely square; CPU and GPU kernels are slower on thin operands)."""
@@ -173,6 +217,10 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
     empty = spmd(lambda x: x + 1)
     (overhead,) = _median_times([lambda: empty(tiny)], w + 2, max(r, 9), config.estimator)
     say(f"dispatch overhead {overhead * 1e6:.1f} us on {ndev} {devices[0].platform} devices")
+
+    host = _host_costs(devices[:ndev], max(r, 9), config.estimator)
+    say(f"host: a call {host['call'] * 1e6:.1f} us + {host['arg'] * 1e6:.2f} us an argument, a device_put "
+        f"{host['put'] * 1e6:.1f} us onto other devices")
 
     def net(t: float) -> float:  # keep a tenth of the raw time: a program as cheap as a dispatch is not free
         return max(t - overhead, 0.1 * t)
@@ -247,6 +295,7 @@ def run_profile(config: ProfileConfig, *, log: Callable[[str], None] | None = No
         copies=tuple(copies),
         collectives=tuple(collectives),
         overhead=overhead,
+        host=host,
         created=today.isoformat(timespec="seconds"),
         environment={
             "jax": jax.__version__,

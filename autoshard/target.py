@@ -213,6 +213,14 @@ def uniform_stages(runtime: str, target: Target, processes: int = 1) -> bool:
     return processes > 1 or target.spans_hosts
 
 
+def runtime_options(runtime: str, target: Target, processes: int = 1) -> dict[str, bool]:
+    """``PipelineOptions``' fields for ``runtime``: ``uniform`` (``uniform_stages``), and ``spmd_if_faster``
+    where ``"auto"`` leaves a single process the choice (the MPMD runtime's plan, and where its host work
+    weighs, the SPMD program's too: ``api._choose``)."""
+    uniform = uniform_stages(runtime, target, processes)
+    return {"uniform": uniform, "spmd_if_faster": runtime == "auto" and not uniform}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineOptions:
     """How a step may be pipelined.
@@ -224,7 +232,9 @@ class PipelineOptions:
     (``num_chunks`` model chunks per stage; needs ``stage_shape``); ``num_layers``: layers to cut the step into (default: one per named block, plus one);
     ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh;
     ``uniform``: only stages the SPMD pipeline program runs (equal submeshes, the same number of blocks
-    each), priced as that program runs them (``pipeline.stages._uniform``)."""
+    each), priced as that program runs them (``pipeline.stages._uniform``); ``spmd_if_faster``: a
+    non-uniform plan for the single-process MPMD runtime whose host work (``pipeline.host``) is at least
+    ``HOST_SHARE`` of its step is also planned for the SPMD program (one call a step), the faster kept."""
 
     microbatches: int | None = None
     pipeline: bool | None = None
@@ -234,6 +244,7 @@ class PipelineOptions:
     max_stages: int | None = None
     stage_shape: tuple[int, int] | None = None
     uniform: bool = False
+    spmd_if_faster: bool = False
 
     def __post_init__(self) -> None:
         for name in ("microbatches", "num_layers", "max_stages", "num_chunks"):

@@ -11,6 +11,8 @@ File format (JSON, ``"format": "autoshard-profile"``, ``"version": 1``)::
       "name": "cpu-8dev-2025-01-01", "created": "<ISO 8601>", "notes": "...",
       "environment": {"jax": "0.10.2", "platform": "cpu", ...},      # free-form strings
       "overhead": 4.1e-05,          # s: dispatch cost of an empty program, already subtracted below
+      "host": {"call": 1e-4, "arg": 5e-7, "put": 2e-4},   # s to issue (optional): a call, each further
+                                    # argument, a device_put onto other devices (the MPMD pipeline's host loop)
       "cluster": {<Cluster.to_dict()>: name, device{...}, num_hosts, devices_per_host,
                   intra_link{name, bandwidth, latency}, inter_link{...}, source},
       "mesh": {<LogicalMesh.to_dict()>} | null,     # the mesh the collectives were measured on
@@ -113,6 +115,10 @@ class Profile:
     copies: tuple[CopySample, ...] = ()
     collectives: tuple[CollectiveSample, ...] = ()
     overhead: float = 0.0
+    # host seconds to issue, not waiting for results: "call" a program call, "arg" each further argument of
+    # it, "put" a device_put of a small array onto other devices; what the single-process pipeline runtime
+    # pays per microbatch (empty: not measured)
+    host: Mapping[str, float] = field(default_factory=dict)
     environment: Mapping[str, str] = field(default_factory=dict)
     created: str = ""
     notes: str = ""
@@ -130,6 +136,7 @@ class Profile:
             "notes": self.notes,
             "environment": dict(self.environment),
             "overhead": self.overhead,
+            **({"host": dict(self.host)} if self.host else {}),
             "cluster": self.cluster.to_dict(),
             "mesh": None if self.mesh is None else self.mesh.to_dict(),
             "matmuls": [
@@ -168,6 +175,7 @@ class Profile:
                 notes=str(d.get("notes", "")),
                 environment={str(k): str(v) for k, v in d.get("environment", {}).items()},
                 overhead=float(d.get("overhead", 0.0)),
+                host={str(k): float(v) for k, v in d.get("host", {}).items()},
                 cluster=Cluster.from_dict(d["cluster"]),
                 mesh=None if d.get("mesh") is None else LogicalMesh.from_dict(d["mesh"]),
                 matmuls=tuple(

@@ -21,6 +21,7 @@ from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard.pipeline import PipelinePlan, microbatch_args, plan_pipeline
+from autoshard.pipeline.host import HostCosts, host_work
 from autoshard.pipeline.partition import UPDATE, split_step
 from cost_models import CostModel, ShardingSpec
 
@@ -37,16 +38,20 @@ class _Block(nn.Module):
 class _Deep(nn.Module):
     widths: Sequence[int]  # hidden width of each residual block
     features: int
+    head: bool = False  # a projection before the blocks (the SPMD program needs one: the first block's input
+    # cotangent then exists, so that every stage's blocks hand the same values on)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.head:
+            x = nn.Dense(self.features, name="embed")(x)
         for i, w in enumerate(self.widths):
             x = _Block(w, self.features, name=f"block_{i}")(x)
         return jnp.mean(x**2)
 
 
-def _traced(widths: Sequence[int], features: int, batch: int, microbatches: int):
-    model = _Deep(tuple(widths), features)
+def _traced(widths: Sequence[int], features: int, batch: int, microbatches: int, head: bool = False):
+    model = _Deep(tuple(widths), features, head)
 
     def build():
         x = jnp.zeros((batch, features))
@@ -117,16 +122,22 @@ def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d(runtime: str) -> 
     # all-reduces the gradients and tensor parallel all-reduces big activations at every block; a
     # pipeline sends one activation per microbatch over the slow link and shards inside each node.
     # ``auto``: the mesh spans two hosts, so the pipeline is planned for the SPMD program (what runs there:
-    # one process a host), uniform stages priced as its lockstep ticks; ``mpmd``: the stage DP's pipeline.
-    step, args, g = _traced([4096] * 12, 4096, 4096, 8)
+    # one process a host), uniform stages priced as its lockstep ticks; ``mpmd``: the stage DP's pipeline,
+    # for one process issuing every stage's programs, which here takes the host longer than the stages
+    # take to run them (``pipeline.host``), so it is asked for (pipeline=True): it loses to the
+    # intra-operator plan.
+    step, args, g = _traced([4096] * 12, 4096, 4096, 8, head=True)
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("node", "gpu"), num_hosts=2,
                           devices_per_host=4)
     assert cost.mesh.links[0].bandwidth < cost.mesh.links[1].bandwidth
     plan = autoshard.plan(step, *args, mesh={"node": 2, "gpu": 4}, hardware=cost, memory_budget=8e9,
-                          microbatches=8, time_budget_s=20, runtime=runtime)
+                          microbatches=8, time_budget_s=20, runtime=runtime,
+                          pipeline=None if runtime == "auto" else True)
     assert isinstance(plan, PipelinePlan), "expected a pipelined plan, got an intra-operator one"
     assert plan.spmd == (runtime == "auto")
-    assert plan.predicted_step_time < plan.solver.intra_op_step_time
+    if plan.spmd:
+        assert plan.predicted_step_time < plan.solver.intra_op_step_time
+        assert plan.host_time == 0.0  # one call a step
     # no stage spans the two nodes, and both nodes hold stages
     assert all(st.submesh[0] == 1 for st in plan.stages), [st.submesh for st in plan.stages]
     assert {st.origin[0] for st in plan.stages} == {0, 1}
@@ -144,14 +155,19 @@ def test_slow_inter_node_axis_and_a_big_model_give_megatron_3d(runtime: str) -> 
         assert len({st.submesh for st in plan.stages}) == 1
         assert len({st.layers[1] - st.layers[0] for st in plan.stages[:-1]}) <= 1
         return
-    # the step: the microbatches' passes under the schedule the planner picked, then the slowest update
-    # once; 1F1B's passes take Σ t + (B − 1)·max t, and ZB-H1's (its own timeline) no longer
+    # the step: the microbatches' passes under the schedule the planner picked, or the host issuing them
+    # where that takes longer, then the slowest update once; 1F1B's passes take Σ t + (B − 1)·max t
     times = [st.micro_time for st in plan.stages]
     once = max(st.update_time for st in plan.stages)
     priced = plan.solver.schedules
     assert priced is not None and set(priced) == {"1f1b", "zb-h1"}
-    assert math.isclose(priced["1f1b"], sum(times) + (plan.num_microbatches - 1) * max(times), rel_tol=1e-9)
-    assert priced["zb-h1"] <= priced["1f1b"] and plan.schedule == min(priced, key=priced.get)
+    host = {name: host_work(g, split_step(g), plan.stage_of_op(), len(plan.stages), plan.num_microbatches,
+                            weight_pass=name == "zb-h1", costs=HostCosts.of(cost.profile)).seconds
+            for name in priced}
+    assert host["1f1b"] > sum(times) + (plan.num_microbatches - 1) * max(times), "expected a host-bound plan"
+    assert math.isclose(priced["1f1b"], max(sum(times) + (plan.num_microbatches - 1) * max(times), host["1f1b"]),
+                        rel_tol=1e-9)
+    assert plan.schedule == min(priced, key=priced.get) and plan.host_time == host[plan.schedule]
     assert math.isclose(plan.predicted_step_time, priced[plan.schedule] + once, rel_tol=1e-9)
 
 

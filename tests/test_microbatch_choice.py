@@ -22,6 +22,7 @@ from autoshard.pipeline.partition import PipelineError
 from autoshard.planner.plan import DoesNotFit, Plan
 from autoshard.target import cost_model_for
 from autoshard.trace.recompute import estimate
+from cost_models import CostModel
 
 
 def test_the_pipeline_starts_recomputing_where_a_stage_share_of_the_activations_fills_a_device() -> None:
@@ -137,24 +138,33 @@ def _step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, d
         return state.apply_gradients(grads=grads), {"loss": loss}
 
 
+def _h100_issuing_instantly() -> CostModel:
+    """The h100 preset on 8 devices with a host that issues programs in no time: the tests below are about
+    the microbatch-count search, and their tiny MLP's stages take microseconds, against milliseconds of
+    the MPMD runtime's host work a step (``pipeline.host``), which would otherwise decide alone."""
+    cost = CostModel.load("h100", mesh_shape=(8,), axis_names=("x",))
+    host = {"call": 1e-12, "arg": 1e-12, "put": 1e-12}
+    return dataclasses.replace(cost, profile=dataclasses.replace(cost.profile, host=host))
+
+
 def test_a_step_cramped_unpipelined_is_pipelined_with_a_count_the_planner_picks() -> None:
     """2048 rows of a 4-layer MLP on 8 devices: with room, the intra-operator plan is kept and no pipeline
     planned; under a budget that only ZeRO-style layouts meet unpipelined (peak within 10% of it), the
     planner also plans pipelines of the candidate counts and returns the faster plan, which fits."""
-    model = _MLP()
+    model, cost = _MLP(), _h100_issuing_instantly()
     x = jax.ShapeDtypeStruct((2048, 16), jnp.float32)
     params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
     state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2)), params)
-    roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=None, time_budget_s=10)
+    roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=None, time_budget_s=10)
     assert isinstance(roomy, Plan) and roomy.solver.pipeline_step_time is None
     budget = 0.15 * roomy.peak_memory
-    tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, time_budget_s=10)
+    tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, time_budget_s=10)
     assert isinstance(tight, PipelinePlan)
     assert tight.num_microbatches in candidates(2048, 1)
     assert max(st.memory for st in tight.stages) <= budget
     assert isinstance(tight.solver.intra_op_step_time, float)  # the intra-operator plan it beat
     assert tight.predicted_step_time < tight.solver.intra_op_step_time
-    given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, microbatches=8, pipeline=True,
+    given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, microbatches=8, pipeline=True,
                            time_budget_s=10)
     assert given.num_microbatches == 8
 
@@ -167,11 +177,11 @@ def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatc
 
     import autoshard.api as api
 
-    model = _MLP()
+    model, cost = _MLP(), _h100_issuing_instantly()
     x = jax.ShapeDtypeStruct((2048, 16), jnp.float32)
     params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
     state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2)), params)
-    roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=None, time_budget_s=10)
+    roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=None, time_budget_s=10)
     budget = 0.15 * roomy.peak_memory
     real_clock, real_plan = time_module.perf_counter, api.plan_recomputing
     skipped = [0.0]
@@ -184,11 +194,11 @@ def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatc
     monkeypatch.setattr(time_module, "perf_counter", lambda: real_clock() + skipped[0])
     monkeypatch.setattr(api, "plan_recomputing", plan_recomputing)
     with caplog.at_level("INFO", logger="autoshard"):
-        tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, time_budget_s=10)
+        tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, time_budget_s=10)
     assert isinstance(tight, Plan) and tight.solver.pipeline_step_time is None
     assert "too little to search for a pipeline" in caplog.text
     skipped[0] = 0.0
-    given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), memory_budget=budget, microbatches=8, time_budget_s=10)
+    given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, microbatches=8, time_budget_s=10)
     assert isinstance(given, PipelinePlan)
 
 

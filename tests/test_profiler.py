@@ -37,6 +37,8 @@ def test_profile_has_every_measurement(tiny_profile: Profile) -> None:
     assert all(s.seconds > 0 for s in (*p.matmuls, *p.copies, *p.collectives))
     assert p.mesh is not None and p.mesh.shape == (2, 4) and p.mesh.axis_names == ("x", "y")
     assert p.environment["platform"] == "cpu"
+    # the host costs of the single-process pipeline runtime (``pipeline.host``)
+    assert set(p.host) == {"call", "arg", "put"} and p.host["call"] > 0 and p.host["put"] > 0
 
 
 def test_profile_round_trips_and_drives_a_cost_model(tiny_profile: Profile, tmp_path) -> None:
@@ -46,6 +48,7 @@ def test_profile_round_trips_and_drives_a_cost_model(tiny_profile: Profile, tmp_
     assert data["format"] == "autoshard-profile" and data["version"] == 1
     model = CostModel.load(path)
     assert model.mesh.shape == (2, 4)
+    assert model.profile.host == tiny_profile.host
     s = next(s for s in tiny_profile.collectives if s.kind == "all_gather" and s.axes == ("y",))
     # a measured size is reproduced (made monotone: the least time measured at this size or above)
     assert model.collective_time("all_gather", s.nbytes, "y") == pytest.approx(

@@ -115,6 +115,10 @@ class PipelinePlan:
     # includes and its ticks do not
     tail_split: int = 1
     tail_time: float = 0.0
+    # the MPMD runtime's host seconds a step, issuing its programs and moving values between stages
+    # (``pipeline.host``), which ``predicted_step_time`` includes where it bounds the step; 0: the SPMD
+    # program (one call a step), or a plan saved before it was priced
+    host_time: float = 0.0
 
     @property
     def mfu(self) -> float | None:
@@ -201,6 +205,7 @@ class PipelinePlan:
             **({"fused_ticks": True} if self.fused_ticks else {}),
             **({"spmd": True} if self.spmd else {}),
             **({"tail_split": self.tail_split, "tail_time": self.tail_time} if self.tail_split > 1 else {}),
+            **({"host_time": self.host_time} if self.host_time else {}),
         }
 
     @classmethod
@@ -225,7 +230,8 @@ class PipelinePlan:
                    recompute=dict(d.get("recompute", {})),
                    inputs=tuple((x["name"], tuple(x["shape"]), x["dtype"]) for x in d.get("inputs", ())),
                    fused_ticks=bool(d.get("fused_ticks", False)), spmd=bool(d.get("spmd", False)),
-                   tail_split=int(d.get("tail_split", 1)), tail_time=float(d.get("tail_time", 0.0)))
+                   tail_split=int(d.get("tail_split", 1)), tail_time=float(d.get("tail_time", 0.0)),
+                   host_time=float(d.get("host_time", 0.0)))
         plan.verify()
         return plan
 

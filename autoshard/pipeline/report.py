@@ -21,7 +21,8 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
         f"{plan.schedule}{chosen}, {plan.num_layers} layers",
         "runs as one SPMD program over a stage axis (any number of processes; lockstep ticks priced)" if plan.spmd
-        else "runs a program per stage from one process (the MPMD runtime; one host)",
+        else "runs a program per stage from one process (the MPMD runtime; one host)"
+        + (f": {human_time(plan.host_time)} of host work a step issuing them" if plan.host_time else ""),
         *([f"the layers after the last block ({human_time(plan.tail_time)} a microbatch on the last stage) run on "
            f"the last {plan.tail_split} stages, 1/{plan.tail_split} of each microbatch's rows each, in the tick "
            "after its last forward"] if plan.tail_split > 1 else []),
@@ -58,8 +59,12 @@ def explain_pipeline(plan: PipelinePlan) -> str:
     update = max((sum(plan.stages[u].update_time for u in range(s, V, S)) for s in range(S)), default=0.0)
     pipe = plan.predicted_step_time - update
     total = plan.predicted_step_time or 1.0
-    rows = [("stage work (mean per stage)", work), ("pipeline bubble", pipe - work),
-            ("update (slowest stage)", update)]
+    # the stages' own timeline (its idle fraction is the bubble); what the step adds to it, the host issuing
+    # the MPMD runtime's programs where that bounds the step (``pipeline.host``)
+    timeline = work / (1.0 - plan.bubble_fraction) if plan.host_time and plan.bubble_fraction < 1 else pipe
+    host = max(pipe - timeline, 0.0)
+    rows = [("stage work (mean per stage)", work), ("pipeline bubble", pipe - host - work),
+            *([("host issuing the programs", host)] if host > 0 else []), ("update (slowest stage)", update)]
     lines = [format_pipeline_plan(plan), "", "time by category (adds up to the step time)"]
     for k, v in rows:
         lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%")

@@ -230,7 +230,7 @@ class PipelinedStep:
             elif tid in self._step_inputs:
                 key = (tid, sharding)
                 if key not in placed:
-                    placed[key] = jax.device_put(step[tid], sharding)
+                    placed[key] = _put(step[tid], sharding)
                 return placed[key]
             else:
                 x = values[(tid, m)]
@@ -240,7 +240,7 @@ class PipelinedStep:
                 else:
                     del pending[(tid, m)]
                     del values[(tid, m)]
-            return jax.device_put(x, sharding)
+            return _put(x, sharding)
 
         for slot in self.schedule.slots:
             for action in slot:
@@ -272,13 +272,20 @@ class PipelinedStep:
             step[tid] = _mean(x, B)
         for prog in self.update_order:
             seg = prog.segment
-            ins = [jax.device_put(step[t], s) for t, s in zip(seg.inputs, prog.in_shardings, strict=True)]
+            ins = [_put(step[t], s) for t, s in zip(seg.inputs, prog.in_shardings, strict=True)]
             for tid, x in zip(seg.outputs, prog.jitted(*ins), strict=True):
                 step[tid] = x
         missing = [graph.output_names[o] for o, t in enumerate(graph.outputs) if t not in step]
         if missing:
             raise PipelineError(f"the pipeline produced no value for the step results {missing[:5]}")
         return jax.tree_util.tree_unflatten(graph.out_tree, [step[t] for t in graph.outputs])
+
+
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` laid out as ``sharding``: as it is when it already is (a stage's own residuals, parameters an
+    update left in the layout the forward reads), else by ``jax.device_put``, which costs the host about as
+    much as a program call (``pipeline.host``)."""
+    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
 
 
 def _stacked_rows(sharding: NamedSharding) -> int:

@@ -549,6 +549,7 @@ _BUILDERS: Mapping[str, Callable[[int, int, int, int], Schedule]] = {
     "zb-h1": lambda S, B, v, g: zb_h1(S, B, g),
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+WEIGHT_PASS_SCHEDULES = ("zb-h1",)  # the schedules whose backwards split into input- and weight-gradient passes
 
 
 @functools.lru_cache(maxsize=16)

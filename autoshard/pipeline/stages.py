@@ -73,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from autoshard.pipeline.host import HostCosts, HostWork, host_work
 from autoshard.pipeline.layer_prices import (
     Part,
     assignment_of_layers,
@@ -96,9 +97,15 @@ from autoshard.pipeline.partition import (
     subgraph,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
-from autoshard.pipeline.schedules import SCHEDULE_NAMES, chunk_inflight_rule, inflight_rule, schedule
+from autoshard.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    WEIGHT_PASS_SCHEDULES,
+    chunk_inflight_rule,
+    inflight_rule,
+    schedule,
+)
 from autoshard.pipeline.ticks import action_tables, fused_1f1b, fused_inflight, price
-from autoshard.pipeline.uniform import tail_spreadable
+from autoshard.pipeline.uniform import tail_spreadable, uniform_stages
 from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
 from autoshard.planner.readback import peak_memory_of
@@ -282,7 +289,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     seconds = max(SHARES.min_stage_seconds, SHARES.stage_plans * time_budget_s / (2 * len(set(keys))))
     shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget)
     done: dict[Any, Part] = {}
-    parts: dict[int, Part] = {}
+    planned: dict[int, Part] = {}
     for s in sorted(range(len(chosen)), key=lambda u: (-held[u], u)):
         first, last, m = chosen[s]
         mops, uops = stage_ops[s]
@@ -310,11 +317,11 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 # flight or more) stands when the stage's own short solve did worse or found nothing
                 part = layer
             done[keys[s]] = part
-        parts[s] = part
+        planned[s] = part
     stages: list[StagePlan] = []
     for s, (first, last, m) in enumerate(chosen):
         shape = submeshes[m]
-        mops, part = stage_ops[s][0], parts[s]
+        mops, part = stage_ops[s][0], planned[s]
         log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
                  "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / link[m]),
                  human_time(float(stage_time[first, last, m] - prices.update_time[first:last + 1, m].sum()
@@ -335,10 +342,13 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             tail_time = float(prices.micro_time[tail_first:, chosen[-1][2]].sum())
         priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks, split,
                                           tail_time)}
-    else:
+    else:  # the single-process runtime: the stages' passes, and the host issuing them (``pipeline.host``)
+        host = _host_work(graph, parts, layer_of_op, chosen, num_stages, num_microbatches, names, cost)
         priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
+        priced = {name: (host[name].step(t), b) for name, (t, b) in priced.items()}
     chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
     pipe, bubble = priced[chosen_schedule]
+    host_time = 0.0 if uniform else host[chosen_schedule].seconds
     if len(names) > 1:
         log.info("autoshard: schedule %s chosen (%s)", chosen_schedule,
                  ", ".join(f"{name}: {human_time(t)} of pipeline" for name, (t, _) in priced.items()))
@@ -358,6 +368,9 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             f"stage {worst} does not fit: {what} {held_bytes[worst] / 1e9:.4g} GB per device with "
             f"{inflight[num_stages - 1 - worst]} microbatch(es) in flight, over the budget of {memory_budget / 1e9:.4g} GB; use "
             "more microbatches (smaller ones), recompute, more devices per stage, or another schedule")
+    if uniform:  # the cut the SPMD program makes of these stages must be one it runs (``uniform_stages``):
+        # the same blocks a stage, differing only in their weights (a ResNet's downsampling first blocks fail)
+        uniform_stages(graph, len(chosen), parts)
     report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
                             dp_seconds=dp_seconds, dp_candidates=dp_candidates,
                             stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start,
@@ -368,6 +381,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
         inputs=input_signature(graph), fused_ticks=fused, spmd=uniform, tail_split=split, tail_time=tail_time,
+        host_time=host_time,
     )
 
 
@@ -516,6 +530,24 @@ def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cos
     got = price(times, [0.0] * S, table, stream_bytes=stream, link=link,
                 inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0, tail=tail)
     return got.loop, max(0.0, 1.0 - num_microbatches * (sum(times) + tail * (tail_split > 1)) / (S * got.loop))
+
+
+def _host_work(graph: Graph, parts: Any, layer_of_op: Sequence[int], chosen: Sequence[tuple[int, int, int]],
+               num_stages: int, num_microbatches: int, names: Sequence[str], cost: CostModel) -> dict[str, HostWork]:
+    """Per schedule of ``names``, what the MPMD runtime's host does in a step of the ``chosen`` stages
+    (``pipeline.host``), priced with what ``cost``'s profile measured of the host."""
+    stage_of_layer = {ell: u for u, (a, b, _) in enumerate(chosen) for ell in range(a, b + 1)}
+    stage_of_op = [stage_of_layer[ell] for ell in layer_of_op]
+    costs = HostCosts.of(cost.profile)
+    work: dict[bool, HostWork] = {}
+    out = {}
+    for name in names:
+        split = name in WEIGHT_PASS_SCHEDULES
+        if split not in work:
+            work[split] = host_work(graph, parts, stage_of_op, num_stages, num_microbatches, weight_pass=split,
+                                    costs=costs)
+        out[name] = work[split]
+    return out
 
 
 def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_microbatches: int,

@@ -44,6 +44,7 @@ def _profile() -> Profile:
         copies=tuple(CopySample(nbytes=n, seconds=2 * n / 5e9) for n in (1 << 16, 1 << 20)),
         collectives=tuple(coll),
         overhead=1e-5,
+        host={"call": 1e-4, "arg": 5e-7, "put": 2e-4},
         environment={"platform": "cpu"},
     )
 
