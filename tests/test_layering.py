@@ -75,6 +75,7 @@ PASSES = (
     "autoshard.pipeline.partition",
     "autoshard.pipeline.schedules",
     "autoshard.pipeline.ticks",
+    "autoshard.pipeline.host",
     "autoshard.pipeline.uniform",
     "autoshard.pipeline.pipeline_plan",
     "autoshard.pipeline.layer_prices",
