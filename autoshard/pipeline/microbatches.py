@@ -29,10 +29,11 @@ last stage, a block and the head, 1.17x a block) to 64 stages of 6x8 over 512 (M
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autoshard.errors import AutoshardError
+from autoshard.trace.remat import REMAT_MODES
 
 BUBBLE = 0.1  # the bubble fraction the first candidate keeps under
 HEADROOM = 0.5  # of the budget, for a stage's share of the step's activations (the first candidate)
@@ -75,6 +76,22 @@ def first_recompute(need: Callable[[str], float | None], hosts: int, count: int,
         if bytes_ is None or stages / count * bytes_ <= HEADROOM * budget:
             return mode
     return "full"
+
+
+def derived_recompute(modes: Mapping[str, str]) -> str:
+    """The recompute mode the pipeline that ``interleaving`` derives from a plan is planned with
+    (``api._try_interleaving``), ``modes`` being that plan's per block (``PipelinePlan.recompute``; empty:
+    as traced): the least of ``REMAT_MODES`` any of its blocks uses.
+
+    Per device the derived pipeline holds what its base does and more: a stage ``c`` times as large over
+    microbatches ``c`` times as large keeps the base stage's parameters and a chunk-microbatch of the
+    base's activations per device, and interleaved 1F1B keeps about ``3S/2`` of those in flight where 1F1B
+    keeps ``S`` (``S`` the base's stages, ``c = 2``), so a lesser mode than the base's cannot fit where the
+    base needed its own. The rule ``first_recompute`` applies to a count (``S/B`` of the step's
+    activations, ``B`` halved) starts GPT-1T's 64 stages of 6x8 over 512 microbatches at full recompute
+    (119.7 s a step), where selective fits an 80 GB budget (80.4 s)."""
+    used = set(modes.values())
+    return next((m for m in REMAT_MODES if m in used), "none")
 
 
 def interleaving(stages: Sequence[tuple[int, int]], count: int, batch: int, cluster: tuple[int, int],
