@@ -29,6 +29,7 @@ from autoshard.pipeline.microbatches import (
     INTERLEAVE_CHUNKS,
     derived_recompute,
     first_recompute,
+    interleaved_lockstep,
     interleaving,
 )
 from autoshard.pipeline.microbatches import candidates as microbatch_candidates
@@ -318,7 +319,9 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     cannot fit where the base needed its own, and a greater one costs more compute than interleaving can
     buy back, at most the bubble it halves (GPT-1T under the default 72 GB budget: 64 stages of 6x8 over
     512 microbatches do not fit with selective recompute and price 117.1 s with full, against the base's
-    84.4 s; planning that too took 26 s more)."""
+    84.4 s; planning that too took 26 s more). An SPMD plan's derived pipeline is first priced beside it
+    from its own stage times (``interleaved_lockstep``), and not traced or planned when its ticks are no
+    shorter (GPT-1T at an 80 GB budget: planned, 100.9 s a step against 84.4 s, for 55 s more)."""
     if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
@@ -328,6 +331,13 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     if found is None:
         return piped
     count, shape = found
+    if piped.spmd:  # the SPMD program's lockstep ticks: priced from the base's stage times first
+        ours, derived = interleaved_lockstep(piped, count, batch)
+        if derived >= ours:
+            log.info("autoshard: no interleaved pipeline of %d microbatches on %dx%d stages: priced from the %s "
+                     "plan's stage times, its lockstep ticks take %s to its %s (exchanges left out)", count,
+                     *shape, piped.schedule, human_time(derived), human_time(ours))
+            return piped
     try:
         other = plan_one(count, left, shape, derived_recompute(piped.recompute))
     except AutoshardError as e:

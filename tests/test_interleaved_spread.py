@@ -13,7 +13,7 @@ import pytest
 import autoshard
 from autoshard._examples import load_example
 from autoshard.api import _try_interleaving
-from autoshard.pipeline.microbatches import derived_recompute
+from autoshard.pipeline.microbatches import derived_recompute, interleaved_lockstep
 from autoshard.pipeline.partition import trace_microbatch
 from autoshard.target import PipelineOptions
 from autoshard.trace import trace
@@ -98,3 +98,20 @@ def test_the_derived_interleaved_pipeline_starts_at_the_recompute_of_the_plan_it
                                          ({"b0": "full", "b1": "none"}, "none")])
 def test_a_derived_pipeline_starts_at_the_least_recompute_its_base_uses(modes: dict[str, str], start: str) -> None:
     assert derived_recompute(modes) == start
+
+
+def test_a_derived_interleaved_pipeline_whose_lockstep_ticks_cannot_pay_is_not_planned() -> None:
+    # 32 microbatches on 4 stages (fused 1F1B ticks): the base idles little, and the interleaved pipeline's
+    # lockstep unit ticks (a forward waiting for a backward on the stage beside it) cost more than its
+    # smaller bubble saves, as priced from the base's own stage times: it is neither traced nor planned
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "batch=64"], abstract=True)
+    base = autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=32, pipeline=True, stage_shape=(1, 2),
+                          time_budget_s=8, runtime="spmd", hardware="a100")
+    assert base.spmd and base.num_physical_stages == 4
+    ours, derived = interleaved_lockstep(base, 16, 64)
+    assert derived >= ours
+
+    def plan_one(*args: object) -> object:
+        raise AssertionError("the derived pipeline was planned")
+
+    assert _try_interleaving(base, plan_one, 64, PipelineOptions(uniform=True), left=60.0, took=1.0) is base
