@@ -25,7 +25,13 @@ from autoshard.pipeline import (
     plan_pipeline,
     trace_microbatch,
 )
-from autoshard.pipeline.microbatches import INTERLEAVE_CHUNKS, first_recompute, interleaving
+from autoshard.pipeline.microbatches import (
+    INTERLEAVE_CHUNKS,
+    derived_recompute,
+    first_recompute,
+    interleaved_lockstep,
+    interleaving,
+)
 from autoshard.pipeline.microbatches import candidates as microbatch_candidates
 from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
@@ -34,7 +40,13 @@ from autoshard.pipeline.recompute import plan_pipeline_recomputing
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
-from autoshard.planner.recompute import check_recompute, plan_recomputing, recomputed
+from autoshard.planner.recompute import (
+    RECOMPUTE_CHOICES,
+    check_recompute,
+    describe,
+    plan_recomputing,
+    recomputed,
+)
 from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
 from autoshard.planner.utilization import model_flops
@@ -212,9 +224,12 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             return intra, graph, None
     traced: dict[int, Graph] = {}  # id of a plan -> the microbatch graph it is a plan of
 
-    def plan_one(count: int, seconds: float | None, interleaved: tuple[int, int] | None = None) -> PipelinePlan:
+    def plan_one(count: int, seconds: float | None, interleaved: tuple[int, int] | None = None,
+                 mode: str | None = None) -> PipelinePlan:
         """A pipeline of ``count`` microbatches as the options say, or, with ``interleaved`` (a stage shape),
-        the interleaved one on that shape (``pipeline.microbatches.interleaving``)."""
+        the interleaved one on that shape (``pipeline.microbatches.interleaving``). ``mode``: the recompute
+        mode it is planned with alone (``derived_recompute``; ``invariant``, which no user can fix, starts
+        ``"auto"`` there instead); None: ``recompute``, ``"auto"`` starting where ``first_recompute`` says."""
         micro = trace_microbatch(step_fn, args, graph, count, roles=roles)
         log.info("autoshard: planning a pipeline of %d microbatches%s", count,
                  "" if interleaved is None else f", interleaved on stages of {interleaved[0]}x{interleaved[1]}")
@@ -228,20 +243,24 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                                  max_stages=options.max_stages, stage_shape=stage_shape, num_chunks=chunks,
                                  uniform=uniform)
 
-        start = "none"
-        if recompute == "auto":
+        rec, start = recompute, "none"
+        if mode is not None:
+            rec, start = (mode, "none") if mode in RECOMPUTE_CHOICES else ("auto", mode)
+            log.info("autoshard: the pipeline of %d microbatches is planned %s, as the plan it is derived from",
+                     count, describe(mode))
+        elif recompute == "auto":
             start = first_recompute(need, cluster_of(cost.mesh)[0], count, budget)
             if start != "none":
                 log.info("autoshard: as traced, a stage's share of the step's activations would fill over half a "
                          "device (the step needs %.3g GB per device unpipelined): the pipeline of %d microbatches "
                          "is planned with %s recompute first", needs["none"] / 1e9, count, start)
         began = time.perf_counter()
-        the_plan, planned_graph = plan_pipeline_recomputing(micro, stages, recompute=recompute, time_budget_s=seconds,
+        the_plan, planned_graph = plan_pipeline_recomputing(micro, stages, recompute=rec, time_budget_s=seconds,
                                                             start=start)
         if options.spmd_if_faster and the_plan.host_time >= HOST_SHARE * the_plan.predicted_step_time:
             the_plan, planned_graph = _spmd_if_faster(
                 the_plan, planned_graph, lambda s: plan_pipeline_recomputing(
-                    micro, lambda g, t: stages(g, t, True), recompute=recompute, time_budget_s=s, start=start),
+                    micro, lambda g, t: stages(g, t, True), recompute=rec, time_budget_s=s, start=start),
                 None if seconds is None else seconds - (time.perf_counter() - began))
         traced[id(the_plan)] = planned_graph
         return the_plan
@@ -325,13 +344,19 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     schedule and the stages are the planner's to choose, and where it may pay for its own trace and
     pricing: with the user's time budget, when what is left of it is at least half of what the count
     search took; without one, when ``piped`` idles at least ``INTERLEAVE_BUBBLE`` of its step (GPT-1T,
-    128 stages of 3x8 over 1024 microbatches: 19.7%, its last stage, a block and the head, 1.17x a block)."""
-    if (options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS
-            or options.uniform):
-        # not for the SPMD program's uniform stages yet (it runs interleaved chunks, but): GPT-1T's 128 x 3x8
-        # gave 64 x 6x8 over 512 microbatches, which recompute="auto" starts at full recompute, 119.7 s
-        # against 84.4 s, for 24 s more planning (2026-11-27); the same layout with selective recompute
-        # prices 80.4 s only under an 80 GB budget (``compare --megatron``)
+    128 stages of 3x8 over 1024 microbatches: 19.0% under the SPMD program's ZB-H1 ticks). Uniform stages
+    (the SPMD program's) are interleaved as the program runs them (``stages._uniform``, chunks of equal
+    blocks, the tail spread where that pays).
+
+    The derived pipeline is planned with its base's recompute alone (``derived_recompute``): a lesser mode
+    cannot fit where the base needed its own, and a greater one costs more compute than interleaving can
+    buy back, at most the bubble it halves (GPT-1T under the default 72 GB budget: 64 stages of 6x8 over
+    512 microbatches do not fit with selective recompute and price 117.1 s with full, against the base's
+    84.4 s; planning that too took 26 s more). An SPMD plan's derived pipeline is first priced beside it
+    from its own stage times (``interleaved_lockstep``), and not traced or planned when its ticks are no
+    shorter (GPT-1T: 95.6 s of ticks against the base's 79.8 s; planned at an 80 GB budget, 100.9 s a step
+    against 84.4 s, for 57 s more)."""
+    if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
         return piped
@@ -340,8 +365,15 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     if found is None:
         return piped
     count, shape = found
+    if piped.spmd:  # the SPMD program's lockstep ticks: priced from the base's stage times first
+        ours, derived = interleaved_lockstep(piped, count, batch)
+        if derived >= ours:
+            log.info("autoshard: no interleaved pipeline of %d microbatches on %dx%d stages: priced from the %s "
+                     "plan's stage times, its lockstep ticks take %s to its %s (exchanges left out)", count,
+                     *shape, piped.schedule, human_time(derived), human_time(ours))
+            return piped
     try:
-        other = plan_one(count, left, shape)
+        other = plan_one(count, left, shape, derived_recompute(piped.recompute))
     except AutoshardError as e:
         log.info("autoshard: no interleaved pipeline of %d microbatches on %dx%d stages (%s)", count, *shape,
                  str(e).splitlines()[0])

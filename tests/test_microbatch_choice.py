@@ -247,17 +247,18 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
 
     def pipe(t: float, bubble: float = 0.2):
         return SimpleNamespace(stages=[SimpleNamespace(submesh=(1, 2))] * 4, num_microbatches=8, cluster=(1, 8),
-                               num_layers=8, predicted_step_time=t, bubble_fraction=bubble, schedule="1f1b")
+                               num_layers=8, predicted_step_time=t, bubble_fraction=bubble, schedule="1f1b",
+                               recompute={}, spmd=False)
 
     asked = []
 
-    def plan_one(count, seconds, shape):
-        asked.append((count, shape))
+    def plan_one(count, seconds, shape, mode):
+        asked.append((count, shape, mode))
         return pipe(0.9)
 
     auto = PipelineOptions()
     faster = _try_interleaving(pipe(1.0), plan_one, 64, auto, None, 5.0)
-    assert faster.predicted_step_time == 0.9 and asked == [(4, (1, 4))]
+    assert faster.predicted_step_time == 0.9 and asked == [(4, (1, 4), "none")]
     slower = pipe(0.5)
     assert _try_interleaving(slower, plan_one, 64, auto, None, 5.0) is slower
     for options, left, bubble in ((PipelineOptions(schedule="1f1b"), None, 0.2),
@@ -267,7 +268,7 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
         assert _try_interleaving(chosen, plan_one, 64, options, left, 5.0) is chosen
     assert len(asked) == 2
 
-    def fails(count, seconds, shape):
+    def fails(count, seconds, shape, mode):
         raise PipelineError("no cut fits")
 
     chosen = pipe(1.0)

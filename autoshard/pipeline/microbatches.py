@@ -29,10 +29,14 @@ last stage, a block and the head, 1.17x a block) to 64 stages of 6x8 over 512 (M
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autoshard.errors import AutoshardError
+from autoshard.pipeline.schedules import schedule
+from autoshard.pipeline.ticks import action_tables, fused_1f1b, price
+from autoshard.trace.remat import REMAT_MODES
 
 BUBBLE = 0.1  # the bubble fraction the first candidate keeps under
 HEADROOM = 0.5  # of the budget, for a stage's share of the step's activations (the first candidate)
@@ -75,6 +79,62 @@ def first_recompute(need: Callable[[str], float | None], hosts: int, count: int,
         if bytes_ is None or stages / count * bytes_ <= HEADROOM * budget:
             return mode
     return "full"
+
+
+_NO_LINK = types.SimpleNamespace(latency=0.0, bandwidth=math.inf)  # ``ticks.price``'s exchanges left out
+
+
+def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERLEAVE_CHUNKS) -> tuple[float, float]:
+    """The tick loops, in seconds, of ``plan`` (an SPMD plan of ``S`` stages, ``plan.spmd``) and of the
+    interleaved SPMD pipeline ``interleaving`` derives from it (``count`` microbatches of a ``batch``-row
+    batch on ``S / chunks`` stages of ``chunks`` chunks), both priced from ``plan``'s own stage times before
+    the derived one is traced or planned:
+
+        T = ticks.price(t, ticks of the schedule).loop            (exchanges left out of both)
+
+    with ``t_u`` (virtual stage ``u`` of the derived pipeline) the time of ``plan``'s stage ``u``, which
+    holds the same blocks (on ``chunks`` times the devices, microbatches ``chunks`` times as large: about the
+    same time, GPT-1T's block 66.4 ms on 3x8, 67.9 ms on 6x8), and the tail, when ``plan`` spreads it,
+    spread over the largest divisor of the larger microbatch's rows up to ``S / chunks``. Each stage's
+    update is its base's (the same parameters a device) and each tick's exchange costs what the base's
+    does (the stream's bytes a device are the same). Lockstep unit ticks make a forward wait for a backward
+    on another stage, which interleaved 1F1B's steady state does on every tick (``ticks.price``: up to
+    ``4/3`` of the work), where ZB-H1's ``F``, ``B`` and ``W`` are each about a forward long."""
+    S = len(plan.stages)
+    times = [st.micro_time for st in plan.stages]
+    G = plan.tail_split
+    base = fused_1f1b(S, plan.num_microbatches, G, actions_only=True) if plan.fused_ticks else action_tables(
+        schedule(plan.schedule, S, plan.num_microbatches, tail_gap=int(G > 1)), G)
+    S2, rows = S // chunks, batch // count
+    G2 = max((g for g in range(2, S2 + 1) if rows % g == 0), default=1) if G > 1 else 1
+    derived = action_tables(schedule("interleaved-1f1b", S2, count, chunks, tail_gap=int(G2 > 1)), G2)
+    tail = plan.tail_time
+    return _loop(times, base, tail if G > 1 else 0.0, G), _loop(times, derived, tail if G2 > 1 else 0.0, G2)
+
+
+def _loop(times: Sequence[float], table: Any, tail: float, tail_split: int) -> float:
+    """``ticks.price``'s tick loop of ``table`` on ``times`` (the last one holding the tail's ``tail`` seconds,
+    which ``tail_split > 1`` spreads), without its exchanges."""
+    if tail_split > 1:
+        times = [*times[:-1], max(times[-1] - tail, 0.0)]
+    S = table.f_micro.shape[1]
+    return price(times, [0.0] * S, table, stream_bytes=0.0, link=_NO_LINK, inner=1, dispatch=0.0, tail=tail).loop
+
+
+def derived_recompute(modes: Mapping[str, str]) -> str:
+    """The recompute mode the pipeline that ``interleaving`` derives from a plan is planned with
+    (``api._try_interleaving``), ``modes`` being that plan's per block (``PipelinePlan.recompute``; empty:
+    as traced): the least of ``REMAT_MODES`` any of its blocks uses.
+
+    Per device the derived pipeline holds what its base does and more: a stage ``c`` times as large over
+    microbatches ``c`` times as large keeps the base stage's parameters and a chunk-microbatch of the
+    base's activations per device, and interleaved 1F1B keeps about ``3S/2`` of those in flight where 1F1B
+    keeps ``S`` (``S`` the base's stages, ``c = 2``), so a lesser mode than the base's cannot fit where the
+    base needed its own. The rule ``first_recompute`` applies to a count (``S/B`` of the step's
+    activations, ``B`` halved) starts GPT-1T's 64 stages of 6x8 over 512 microbatches at full recompute
+    (119.7 s a step), where selective fits an 80 GB budget (80.4 s)."""
+    used = set(modes.values())
+    return next((m for m in REMAT_MODES if m in used), "none")
 
 
 def interleaving(stages: Sequence[tuple[int, int]], count: int, batch: int, cluster: tuple[int, int],

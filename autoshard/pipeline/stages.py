@@ -50,7 +50,11 @@ Interleaved 1F1B (``v`` model chunks per stage, Narayanan et al. 2021 §2.2) run
 ``u mod S``; each virtual stage is planned whole as in step 4, its activations counted as many times as
 the schedule keeps its own chunk's microbatches in flight (``Schedule.peak_inflight_by_chunk``), under its
 share of the physical stage's budget (``_chunk_budgets``), and the step time is the schedule's simulated
-makespan (backward = 2 × forward) plus the largest per-stage sum of its chunks' once-per-step times.
+makespan (backward = 2 × forward) plus the largest per-stage sum of its chunks' once-per-step times. For the
+SPMD program (``uniform``) the cut is the program's own instead, ``K / V`` of the ``K`` blocks a virtual
+stage, priced as its lockstep ticks run, the tail spread over the last stages where that is faster
+(``_uniform``, as for one chunk a stage): a min-max cut can give a heavy tail a virtual stage of its own
+and two blocks to another, which the program does not run.
 
 The schedule as a planner decision (``schedule_name="auto"``, the default of ``autoshard.plan``): the
 stages are cut and planned for 1F1B, then 1F1B and ZB-H1 are both priced on them (``_pipeline_time``) and
@@ -65,6 +69,7 @@ layers unrolled to pipeline them).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -185,11 +190,15 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
     layers = max(layer_of_op) + 1
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
-    limit = min(max_stages or layers, layers)  # stages at most (interleaved: the stage shape's count, below)
-    if uniform and not interleaved:  # price only the shapes a uniform cut can use
-        options = tuple(o for o in options if _uniform_count(o[0], cluster, len(starts), limit))
+    n_devices = cluster[0] * cluster[1]
+    chunks = num_chunks if interleaved else 1
+    limit = min(max_stages or layers, layers)  # stages at most (interleaved: the stage shape's count)
+    if interleaved:
+        limit = n_devices // (options[0][0][0] * options[0][0][1])
+    if uniform:  # price only the shapes a uniform cut can use
+        options = tuple(o for o in options if _uniform_count(o[0], cluster, len(starts), limit, chunks))
         if not options:
-            raise _no_uniform_cut(len(starts), [])
+            raise _no_uniform_cut(len(starts), [], chunks)
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     micro_ops: list[list[int]] = [[] for _ in range(layers)]
@@ -198,10 +207,6 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         (update_ops if parts.kind[op.id] == UPDATE else micro_ops)[layer_of_op[op.id]].append(op.id)
     into = _bytes_into_layers(graph, parts, layer_of_op, layers)
     slow = min(link.bandwidth for link in cost.mesh.links)
-    n_devices = cluster[0] * cluster[1]
-    chunks = num_chunks if interleaved else 1
-    if interleaved:
-        limit = n_devices // (submeshes[0][0] * submeshes[0][1])
     if interleaved and layers < chunks * limit:
         raise PipelineError(f"{limit} stages of {chunks} chunks need at least {chunks * limit} layers; the step "
                             f"has {layers}: pass num_layers >= {chunks * limit} or fewer chunks")
@@ -223,12 +228,15 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     fused, split, tail_time = False, 1, 0.0
-    if uniform and not interleaved:
-        tail_first = _last_block_layer(graph, parts, layer_of_op) + 1  # the layers after the last block: the tail
-        chosen, placement, dp_cost, fused, inflight, pricing, split = _uniform(
+    if uniform:  # interleaved or not: the SPMD program's cut, its tail spread over stages where that is faster
+        cut = _uniform(
             graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
             pricing, limit, costs, into, cost, zero_bubble=schedule_name == "auto",
-            spread_rows=tail_spreadable(graph, parts) if spread_tail else 0, tail_first=tail_first)
+            spread_rows=tail_spreadable(graph, parts) if spread_tail else 0,
+            tail_first=_last_block_layer(graph, parts, layer_of_op) + 1, chunks=chunks)
+        chosen, placement, dp_cost, fused, inflight, pricing = (cut.stages, cut.origins, cut.time, cut.fused,
+                                                                cut.inflight, cut.schedule)
+        by_chunk, split, tail_time = cut.by_chunk, cut.tail_split, cut.tail_time
         dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
     elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
@@ -338,8 +346,6 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
     if uniform:  # the SPMD program's lockstep ticks, interleaved or not
-        if split > 1:  # the layers after the last block: the part of the last stage's time spread
-            tail_time = float(prices.micro_time[tail_first:, chosen[-1][2]].sum())
         priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks, split,
                                           tail_time)}
     else:  # the single-process runtime: the stages' passes, and the host issuing them (``pipeline.host``)
@@ -385,38 +391,117 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _UniformCut:
+    """What ``_uniform`` chose: the (virtual) stages as ``(first layer, last layer, m)``, their origins, the
+    tick loop's seconds, whether its ticks are fused, the in-flight rule per stage (indexed from the end;
+    chunk-microbatches when interleaved) and per chunk (``Schedule.peak_inflight_by_chunk``; None without
+    chunks), the schedule's name, and the tail's spread ``G`` (1: on the last stage) and seconds."""
+
+    stages: list[tuple[int, int, int]]
+    origins: list[tuple[int, int]]
+    time: float
+    fused: bool
+    inflight: tuple[int, ...]
+    by_chunk: tuple[tuple[int, ...], ...] | None
+    schedule: str
+    tail_split: int
+    tail_time: float
+
+
 def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
              submeshes: Sequence[tuple[int, int]], cluster: tuple[int, int], num_microbatches: int,
              memory_budget: float | None, pricing: str, limit: int, costs: Sequence[CostModel],
              into: np.ndarray, cost: CostModel, zero_bubble: bool = False, spread_rows: int = 0,
-             tail_first: int = 0) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float, bool, tuple[int, ...], str, int]:
+             tail_first: int = 0, chunks: int = 1) -> _UniformCut:
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
-    cluster, ``K / S`` of the step's ``K`` numbered blocks each, the layers before the first block with
-    stage 0 and those after the last with stage ``S-1``. Over every submesh option ``m`` whose stage count
-    ``S = N / n_m`` divides ``K`` (and is at most ``limit``), with the stage DP's tables ``t'[a_s, b_s, m]``
-    (``a_s, b_s``: stage s's layers) as the stages' times:
+    cluster, ``V = v·S`` virtual stages (``v = chunks`` model chunks a stage, 1 but for the interleaved
+    schedule) of ``K / V`` of the step's ``K`` numbered blocks each, the layers before the first block with
+    virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S``. Over
+    every submesh option ``m`` whose stage count ``S = N / n_m`` makes ``V`` divide ``K`` (and is at most
+    ``limit``), with the stage DP's tables ``t'[a_u, b_u, m]`` (``a_u, b_u``: virtual stage u's layers) as
+    their times:
 
         T(m, form) = ticks.price(t', form's tick tables).loop      (lockstep ticks, two exchanges a tick,
                                                                    on InfiniBand when stages span hosts)
 
-    under ``σ + inflight_form(r)·α <= budget`` per stage; the fastest ``(m, form)`` wins. For 1F1B both tick
-    forms are priced: one action a tick (``ticks.ticks``: ``S − s`` microbatches in flight, a forward waits
-    for the slowest backward) and fused (``ticks.fused_1f1b``: a forward and a backward a tick,
-    ``2(S − 1 − s) + 1`` in flight). With ``zero_bubble`` (the schedule left to the planner) ZB-H1's unit
-    ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one forward
-    long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in flight
-    (held until ``W``).
+    under ``Σ_{u ≡ s} σ[a_u, b_u, m] + inflight_form(u)·α[a_u, b_u, m] <= budget`` per stage (``inflight(u)``:
+    what the schedule holds of virtual stage ``u``'s microbatches); the fastest ``(m, form)`` wins. For 1F1B
+    both tick forms are priced: one action a tick (``ticks.ticks``: ``S − s`` microbatches in flight, a
+    forward waits for the slowest backward) and fused (``ticks.fused_1f1b``: a forward and a backward a
+    tick, ``2(S − 1 − s) + 1`` in flight). With ``zero_bubble`` (the schedule left to the planner) ZB-H1's
+    unit ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one
+    forward long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in
+    flight (held until ``W``). The interleaved schedule has the one form, its unit ticks.
 
     With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
     is priced a second way, the tail (the layers from ``tail_first`` on, after the last block,
-    ``τ_m = Σ_ell t_micro[ell, m]``)
-    spread over the last ``G`` stages (``G``: the largest divisor of the rows up to ``S``): the last stage's
-    time less ``τ_m``, ``τ_m / G`` on each of the ``G`` stages in the tick after its forward, two exchanges
-    of the stream's slices, a tick between the last forward and backward (``schedules``' tail gap, whose
-    schedule holds one more microbatch: on the last stage for ZB-H1, on every stage for 1F1B; the memory
-    check reads it off the schedule). Returns the stages as ``(first layer, last layer, m)``, their origins
-    (row-major tiles), ``T``, whether the form is fused, its in-flight rule, its schedule's name and ``G``
-    (1: the tail on the last stage)."""
+    ``τ_m = Σ_ell t_micro[ell, m]``, ``_tail_seconds``) spread over the last ``G`` stages (``_tail_split``:
+    the largest divisor of the rows up to ``S``): the last virtual stage's time less ``τ_m``, ``τ_m / G`` on
+    each of the ``G`` stages in the tick after its forward, two exchanges of the stream's slices, a tick
+    between the last forward and backward (``schedules``' tail gap, whose schedule holds one more
+    microbatch: on the last stage for ZB-H1, on every stage for 1F1B and the interleaved schedule; the
+    memory check reads it off the schedule). The chosen stages, planned whole, are checked again
+    (``_plan_pipeline``)."""
+    tags, span = _block_spans(graph, parts, layer_of_op)
+    K, layers = len(tags), stage_time.shape[0]
+    static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
+    best: _UniformCut | None = None
+    tried: list[str] = []
+    for m, shape in enumerate(submeshes):
+        size = shape[0] * shape[1]
+        S = _uniform_count(shape, cluster, K, limit, chunks)
+        if not S:
+            continue
+        V = chunks * S
+        n = K // V
+        ends = [span[tags[(u + 1) * n - 1]][1] for u in range(V - 1)] + [layers - 1]
+        starts = [0] + [e + 1 for e in ends[:-1]]
+        if any(span[tags[u * n]][0] < starts[u] for u in range(1, V)):
+            tried.append(f"{shape[0]}x{shape[1]}: a block's ops share a layer with the block before")
+            continue
+        t = [float(stage_time[a, b, m]) for a, b in zip(starts, ends, strict=True)]
+        if not np.isfinite(sum(t)):
+            tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
+            continue
+        link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
+        G = _tail_split(spread_rows, S)
+        tail = _tail_seconds(prices, tail_first, m) if spread_rows else 0.0
+        for name, fused, inflight, by_chunk, table, g in _tick_forms(pricing, S, num_microbatches, chunks,
+                                                                     (1, G) if G > 1 and tail > 0 else (1,),
+                                                                     zero_bubble):
+            held = [by_chunk[S - 1 - u % S][u // S] if by_chunk is not None else inflight[S - 1 - u]
+                    for u in range(V)]
+            need = [sum(static[starts[u], ends[u], m] + held[u] * active[starts[u], ends[u], m]
+                        for u in range(s, V, S)) for s in range(S)]
+            if memory_budget is not None and max(need) > memory_budget * (1 + 1e-6):
+                worst = int(np.argmax(need))
+                tried.append(f"{S} stages of {shape[0]}x{shape[1]} ({name}{' fused' if fused else ''}"
+                             f"{f', the tail over {g}' if g > 1 else ''}): over the memory budget (stage {worst}: "
+                             f"{need[worst] / 1e9:.4g} GB by its layers' plans)")
+                continue
+            total = price(_spread_times(t, tail, g), [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link,
+                          inner=size, dispatch=0.0, tail=tail).loop
+            log.debug("autoshard: %d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
+                      name, " fused" if fused else "", g, total, tail)
+            if best is None or total < best.time:
+                origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
+                best = _UniformCut(stages=[(a, b, m) for a, b in zip(starts, ends, strict=True)],
+                                   origins=[origins[u % S] for u in range(V)], time=total, fused=fused,
+                                   inflight=inflight, by_chunk=by_chunk, schedule=name, tail_split=g,
+                                   tail_time=tail if g > 1 else 0.0)
+    if best is None:
+        raise _no_uniform_cut(K, tried, chunks)
+    S = len(best.stages) // chunks
+    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s)%s on %s, %s%s%s", S, K // S,
+             f" in {chunks} chunks" if chunks > 1 else "", costs[best.stages[0][2]].mesh, best.schedule,
+             ", fused ticks" if best.fused else "",
+             f", the tail spread over {best.tail_split} stages" if best.tail_split > 1 else "")
+    return best
+
+
+def _block_spans(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> tuple[list[str], dict[str, list[int]]]:
+    """The numbered blocks in forward order, and each one's first and last layer."""
     tags: list[str] = []
     span: dict[str, list[int]] = {}
     for i in parts.ops(FORWARD):
@@ -427,62 +512,45 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
                 span[tag] = [layer_of_op[i], layer_of_op[i]]
             span[tag][0] = min(span[tag][0], layer_of_op[i])
             span[tag][1] = max(span[tag][1], layer_of_op[i])
-    K, layers = len(tags), stage_time.shape[0]
-    static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
-    best: tuple[float, list[tuple[int, int, int]], list[tuple[int, int]], bool, tuple[int, ...], str, int] | None \
-        = None
-    tried: list[str] = []
-    for m, shape in enumerate(submeshes):
-        size = shape[0] * shape[1]
-        S = _uniform_count(shape, cluster, K, limit)
-        if not S:
-            continue
-        n = K // S
-        ends = [span[tags[(s + 1) * n - 1]][1] for s in range(S - 1)] + [layers - 1]
-        starts = [0] + [e + 1 for e in ends[:-1]]
-        if any(span[tags[s * n]][0] < starts[s] for s in range(1, S)):
-            tried.append(f"{shape[0]}x{shape[1]}: a block's ops share a layer with the block before")
-            continue
-        t = [float(stage_time[a, b, m]) for a, b in zip(starts, ends, strict=True)]
-        if not np.isfinite(sum(t)):
-            tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
-            continue
-        link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
-        G = max((g for g in range(2, S + 1) if spread_rows % g == 0), default=1)
-        tail = float(prices.micro_time[tail_first:, m].sum()) if spread_rows else 0.0
-        forms = []
-        for g in ((1, G) if G > 1 and tail > 0 else (1,)):
-            gap = int(g > 1)
-            forms.append((pricing, False, inflight_rule(pricing, S, num_microbatches, tail_gap=gap),
-                          action_tables(schedule(pricing, S, num_microbatches, tail_gap=gap), g), g))
-            if pricing == "1f1b":
-                forms.append(("1f1b", True, fused_inflight(S, num_microbatches, g),
-                              fused_1f1b(S, num_microbatches, g, actions_only=True), g))
-                if zero_bubble:
-                    forms.append(("zb-h1", False, inflight_rule("zb-h1", S, num_microbatches, tail_gap=gap),
-                                  action_tables(schedule("zb-h1", S, num_microbatches, tail_gap=gap), g), g))
-        for name, fused, inflight, table, g in forms:
-            if memory_budget is not None and any(
-                    static[a, b, m] + inflight[S - 1 - s] * active[a, b, m] > memory_budget * (1 + 1e-6)
-                    for s, (a, b) in enumerate(zip(starts, ends, strict=True))):
-                tried.append(f"{S} stages of {shape[0]}x{shape[1]} ({name}{' fused' if fused else ''}): over the memory "
-                             "budget")
-                continue
-            times = t if g == 1 else [*t[:-1], max(t[-1] - tail, 0.0)]
-            total = price(times, [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link, inner=size,
-                          dispatch=0.0, tail=tail).loop
-            log.debug("autoshard: %d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
-                      name, " fused" if fused else "", g, total, tail)
-            if best is None or total < best[0]:
-                origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
-                best = (total, [(a, b, m) for a, b in zip(starts, ends, strict=True)], origins[:S], fused, inflight,
-                        name, g)
-    if best is None:
-        raise _no_uniform_cut(K, tried)
-    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s) on %s, %s%s%s", len(best[1]),
-             K // len(best[1]), costs[best[1][0][2]].mesh, best[5], ", fused ticks" if best[3] else "",
-             f", the tail spread over {best[6]} stages" if best[6] > 1 else "")
-    return best[1], best[2], best[0], best[3], best[4], best[5], best[6]
+    return tags, span
+
+
+def _tail_split(rows: int, num_stages: int) -> int:
+    """``G``, the stages a tail is spread over: the largest divisor of the microbatch's ``rows`` (0: the
+    tail cannot be spread) between 2 and ``num_stages``, or 1 (the tail stays on the last stage)."""
+    return max((g for g in range(2, num_stages + 1) if rows % g == 0), default=1) if rows else 1
+
+
+def _tail_seconds(prices: Any, tail_first: int, m: int) -> float:
+    """``τ_m``: the tail's seconds a microbatch (forward and backward of the layers from ``tail_first`` on) on
+    submesh option ``m``, the part of the last stage's time a spread moves to the tail's ticks."""
+    return float(prices.micro_time[tail_first:, m].sum())
+
+
+def _spread_times(times: Sequence[float], tail: float, tail_split: int) -> list[float]:
+    """The (virtual) stages' times as the tick loop runs them: with the tail spread (``tail_split > 1``) the
+    last one's less the tail's ``tail`` seconds, which ``ticks.price`` puts in the tail's ticks."""
+    return [*times[:-1], max(times[-1] - tail, 0.0)] if tail_split > 1 else list(times)
+
+
+def _tick_forms(pricing: str, S: int, M: int, chunks: int, splits: Sequence[int], zero_bubble: bool) -> list[
+        tuple[str, bool, tuple[int, ...], tuple[tuple[int, ...], ...] | None, Any, int]]:
+    """The ways ``_uniform`` prices ``S`` stages over ``M`` microbatches, per tail spread ``g`` in
+    ``splits``: (schedule, fused, in-flight rule per stage from the end, per chunk (interleaved) or None,
+    ``price``'s tick tables, ``g``); see ``_uniform``."""
+    forms = []
+    for g in splits:
+        gap = int(g > 1)
+        sched = schedule(pricing, S, M, chunks, tail_gap=gap)
+        by_chunk = tuple(sched.peak_inflight_by_chunk(S - 1 - r) for r in range(S)) if chunks > 1 else None
+        forms.append((pricing, False, inflight_rule(pricing, S, M, chunks, tail_gap=gap), by_chunk,
+                      action_tables(sched, g), g))
+        if pricing == "1f1b":
+            forms.append(("1f1b", True, fused_inflight(S, M, g), None, fused_1f1b(S, M, g, actions_only=True), g))
+            if zero_bubble:
+                forms.append(("zb-h1", False, inflight_rule("zb-h1", S, M, tail_gap=gap), None,
+                              action_tables(schedule("zb-h1", S, M, tail_gap=gap), g), g))
+    return forms
 
 
 def _last_block_layer(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> int:
@@ -490,21 +558,24 @@ def _last_block_layer(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> i
     return max(layer_of_op[i] for i in parts.ops(FORWARD) if graph.ops[i].layer)
 
 
-def _no_uniform_cut(blocks: int, tried: Sequence[str]) -> PipelineDoesNotFit:
+def _no_uniform_cut(blocks: int, tried: Sequence[str], chunks: int = 1) -> PipelineDoesNotFit:
     """The error for ``blocks`` numbered blocks no uniform cut fits, ``tried`` saying why for each shape tried."""
-    why = "; ".join(tried) or "no submesh shape gives a stage count dividing them"
+    why = "; ".join(tried) or "no submesh shape gives a stage count dividing them" + (
+        f" {chunks} chunks a stage" if chunks > 1 else "")
+    needs = "a stage count dividing the block count" if chunks == 1 else \
+        f"{chunks} chunks times the stage count to divide the block count"
     return PipelineDoesNotFit(
         f"no uniform cut of the step's {blocks} numbered blocks into equal stages ({why}): the SPMD pipeline "
-        "needs a stage count dividing the block count; pass stage_shape=(hosts, devices) whose stage count "
-        "divides it, more microbatches, or recompute")
+        f"needs {needs}; pass stage_shape=(hosts, devices) whose stage count divides it, more microbatches, "
+        "or recompute")
 
 
-def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int, limit: int) -> int:
-    """The number of equal stages of ``shape`` that tile ``cluster`` when it divides ``blocks`` numbered
-    blocks and is between 2 and ``limit``; else 0 (no uniform cut on that shape)."""
+def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int, limit: int, chunks: int = 1) -> int:
+    """The number of equal stages of ``shape`` that tile ``cluster`` when ``chunks`` times it divides ``blocks``
+    numbered blocks and it is between 2 and ``limit``; else 0 (no uniform cut on that shape)."""
     size, n_devices = shape[0] * shape[1], cluster[0] * cluster[1]
     S = n_devices // size
-    if (n_devices % size or S < 2 or limit < S or not blocks or blocks % S or cluster[0] % shape[0]
+    if (n_devices % size or S < 2 or limit < S or not blocks or blocks % (chunks * S) or cluster[0] % shape[0]
             or cluster[1] % shape[1]):
         return 0
     return S
@@ -521,9 +592,7 @@ def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cos
     S = len(stages) // chunks
     hosts = {st.origin[0] for st in stages}
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
-    times = [st.micro_time for st in stages]
-    if tail_split > 1:
-        times[-1] = max(times[-1] - tail, 0.0)
+    times = _spread_times([st.micro_time for st in stages], tail, tail_split)
     stream = float(into[stages[1].layers[0]]) if len(stages) > 1 else 0.0
     table = fused_1f1b(S, num_microbatches, tail_split, actions_only=True) if fused else action_tables(
         schedule(name, S, num_microbatches, chunks, tail_gap=int(tail_split > 1)), tail_split)
