@@ -310,6 +310,9 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "gpipe", "zb-h1", "interleaved-1f1b"])
     g.add_argument("--chunks", type=_count, default=2, metavar="V", help="model chunks per stage (interleaved)")
     g.add_argument("--no-auto", action="store_true", help="skip the automatic plan")
+    g.add_argument("--runtime", default="auto", choices=["auto", "spmd", "mpmd"],
+                   help="the pipeline runtime both the automatic plan and the grid are priced for (as for "
+                        "`autoshard plan`): 'auto' (default) the SPMD program when the mesh spans hosts")
 
 
 def _compare_run(args: argparse.Namespace) -> int:
@@ -353,12 +356,12 @@ def _megatron_run(args: argparse.Namespace, target: Target, example: Example) ->
             print(f"  priced {point.name}: {what} ({point.seconds:.0f} s)", file=sys.stderr, flush=True)
 
     auto, t_auto, sp_auto = (None, 0.0, None) if args.no_auto else automatic_plan(example.train_step, example.args,
-                                                                                  target)
+                                                                                  target, args.runtime)
     shapes = [_stage_shape(s) for s in args.stage_shapes] if args.stage_shapes else None
     points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
                            microbatches=args.microbatches, recompute=args.recompute or ["none", "selective"],
                            schedules=args.schedules,
-                           num_chunks=args.chunks, time_budget_s=args.time_budget, log=say)
+                           num_chunks=args.chunks, time_budget_s=args.time_budget, runtime=args.runtime, log=say)
     print(grid_table(points, auto, t_auto, sp_auto))
     if args.json:
         rows = [{"stage_shape": p.stage_shape, "microbatches": p.microbatches, "schedule": p.schedule,

@@ -39,8 +39,8 @@ from autoshard.pipeline.ticks import DISPATCH_S
 from autoshard.trace.graph import Graph
 
 # host seconds where no profile measured them (``autoshard profile``): each argument of a call, and a device_put
-# of a small array onto other devices; the 2-core VM's measurements (0.4-0.7 us, 140-220 us against a call of
-# 110-180 us) scaled to ``DISPATCH_S``, a host about three times as fast
+# of a small array onto other devices; the idle 2-core VM's (0.45 us and 144 us, against 99 us a call, the
+# shipped CPU profile) scaled to ``DISPATCH_S`` a call, a host about twice as fast
 ARG_S = 3e-7
 PUT_S = 7e-5
 
@@ -93,7 +93,7 @@ def host_work(graph: Graph, parts: StepParts, stage_of_op: Sequence[int], num_st
     accumulated = {t for t in parts.accumulated if np.issubdtype(np.dtype(graph.tensors[t].dtype), np.inexact)}
     per_micro_calls = per_micro_args = per_micro_puts = per_micro_adds = 0
     once_calls = once_args = once_puts = updates = 0
-    stacked_stages: set[int] = set()
+    reducing: set[int] = set()
     batch = {graph.inputs[i] for i in parts.batch_inputs}
     placed: set[tuple[int, int]] = set()  # (step input, physical stage)
     for seg in segments(graph, parts, stage_of_op, split_weight=weight_pass):
@@ -107,11 +107,9 @@ def host_work(graph: Graph, parts: StepParts, stage_of_op: Sequence[int], num_st
             once_args += max(len(seg.inputs) - 1, 0)
             once_puts += moved
             continue
-        if seg.level:
-            continue  # the runtime runs level 0 per microbatch (per-microbatch segments have no levels)
         added = sum(t in accumulated for t in seg.outputs)
         if added:
-            stacked_stages.add(seg.stage)
+            reducing.add(seg.stage)
         per_micro_calls += 1
         per_micro_adds += added
         per_micro_args += max(len(seg.inputs) - 1, 0)
@@ -119,7 +117,7 @@ def host_work(graph: Graph, parts: StepParts, stage_of_op: Sequence[int], num_st
         placed.update((t, here) for t in seg.inputs if t in step_inputs and t not in batch)
     once_puts += len(placed)  # a step's parameters, as the update left them, placed for the stages' programs
     # the batch sliced into microbatches; a reduction a stage; the accumulated results averaged
-    once_calls += B * len(parts.batch_inputs) + len(stacked_stages) + len(accumulated)
+    once_calls += B * len(parts.batch_inputs) + len(reducing) + len(accumulated)
     calls = B * per_micro_calls + (B - 1) * per_micro_adds + once_calls  # the first microbatch's sums start
     args = B * per_micro_args + once_args
     puts = B * per_micro_puts + once_puts
