@@ -120,9 +120,11 @@ def plan(
 
     ``runtime="spmd"`` plans only pipelines the SPMD program runs (``parallelize``'s ``runtime``): equal
     submeshes, the same number of blocks a stage, priced as that program's lockstep ticks run; ``"mpmd"``
-    any stages, priced as the single-process runtime runs them; ``"auto"`` (the default) SPMD when the mesh
-    spans more than one host of the hardware (``target.uniform_stages``: a cluster runs one process per
-    host, and the MPMD runtime drives every stage from one), else MPMD.
+    any stages, priced as the single-process runtime runs them (its host issuing every stage's programs
+    included: ``pipeline.host``); ``"auto"`` (the default) SPMD when the mesh spans more than one host of
+    the hardware (``target.uniform_stages``: a cluster runs one process per host, and the MPMD runtime
+    drives every stage from one), else MPMD, and the SPMD program too where the MPMD plan's host work is at
+    least ``HOST_SHARE`` of its step, the faster kept (``_spmd_if_faster``).
 
     Input roles (parameter, optimizer state, carried state, batch) are read off what the step does with
     each leaf (``trace.roles``); ``roles`` overrides them by path prefix or argument position, and
@@ -318,8 +320,8 @@ def _spmd_if_faster(mpmd: PipelinePlan, graph: Graph, plan_spmd: Callable[[float
     """``mpmd`` (a plan for the single-process MPMD runtime, whose host issues ``2·S·B`` programs and
     moves every value between stages itself: ``pipeline.host``) and the microbatch graph it plans, or the
     plan for the SPMD program (``plan_spmd``, one call a step, uniform stages) when that prices faster.
-    ``seconds``: what is left of the count's planning time (None: each plan scales its own); under
-    ``SHARES.min_solve`` of none, the MPMD plan stands. A step with no uniform cut keeps the MPMD plan."""
+    ``seconds``: what is left of the count's planning time (None: each plan scales its own); with none
+    left, the MPMD plan stands. A step with no uniform cut the program runs keeps the MPMD plan."""
     if seconds is not None and seconds <= 0:
         log.info("autoshard: no time left to plan the SPMD program beside the MPMD runtime's plan, whose host "
                  "work is %s of its %s step", human_time(mpmd.host_time), human_time(mpmd.predicted_step_time))
@@ -568,7 +570,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     ``"spmd"`` as one program over a stage axis (``pipeline.spmd_program``: uniform stages; what runs across
     processes), ``"mpmd"`` as one program per stage and action dispatched from this process
     (``pipeline.runtime``: any stages, one process), ``"auto"`` (the default) SPMD when several processes
-    run, else MPMD. A flax nnx step that updates the objects it is
+    run, else MPMD, or SPMD where that prices faster once the MPMD runtime's host work is counted
+    (``plan``'s docstring). A flax nnx step that updates the objects it is
     given (``optimizer.update(model, grads)``) runs as ``nnx.jit`` runs it (``autoshard.nnx_steps``).
 
         @autoshard.parallelize(mesh=(2, 4))

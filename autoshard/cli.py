@@ -187,7 +187,8 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", default="auto", choices=["auto", "spmd", "mpmd"],
                    help="how a pipeline runs: 'spmd' one program over a stage axis (uniform stages, any number of "
                         "processes), 'mpmd' a program per stage from one process (any stages), 'auto' (default) "
-                        "SPMD when the mesh spans more than one host of the hardware")
+                        "SPMD when the mesh spans more than one host of the hardware, or where the MPMD runtime's "
+                        "host work makes it the faster")
 
 
 def _plan_run(args: argparse.Namespace) -> int:
