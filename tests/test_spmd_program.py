@@ -545,3 +545,18 @@ def test_blocks_whose_first_matmul_reads_the_block_input_run_as_the_spmd_program
                                  stage_shape=(1, 2), time_budget_s=5)
     _matches_jit(step, train_step, jax.tree.map(lambda a: np.array(a).copy(), state), {"x": x})
     assert isinstance(step._last.step, SpmdPipelineStep)
+
+
+def test_the_first_call_leaves_the_callers_state_alive() -> None:
+    # the program donates the train state; the first call copies it into the program's layouts, so the
+    # caller's own arrays outlive the call (a later call fed the step's results donates those, as jit does)
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "batch=8"], abstract=False)
+    state, batch = ex.args
+    state = jax.tree.map(jnp.asarray, state)
+    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
+                                 stage_shape=(1, 2), time_budget_s=5)
+    out, _ = step(state, batch)
+    assert isinstance(step._last.step, SpmdPipelineStep)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    step(out, batch)
+    assert any(x.is_deleted() for x in jax.tree.leaves(out))

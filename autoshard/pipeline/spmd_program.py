@@ -332,7 +332,8 @@ class SpmdPipelineStep:
 
         self.in_shardings = tuple(laid(i, t) for i, t in enumerate(full.inputs))
         aliased = sorted(set(full.output_aliases.values()))
-        self._jitted = jax.jit(self._program, in_shardings=self.in_shardings, donate_argnums=tuple(aliased))
+        self.donate_argnums = tuple(aliased)
+        self._jitted = jax.jit(self._program, in_shardings=self.in_shardings, donate_argnums=self.donate_argnums)
         log.info("autoshard: SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks%s "
                  "(built in %.2f s)", S, len(self.cut.blocks) // S, dict(mesh.shape), M, schedule_name,
                  self.ticks.num_ticks, f", the tail spread over {G} stages" if G > 1 else "",
@@ -351,9 +352,19 @@ class SpmdPipelineStep:
         return jax.tree_util.tree_unflatten(self.graph.out_tree, outs)
 
     def place_state(self, *args: Any) -> tuple[Any, ...]:
+        """``args`` laid out as the program reads them, the donated leaves (the train state) as fresh copies:
+        the call deletes what it is given there, and the caller's own arrays must outlive it (on CPU even
+        ``jax.device_put`` can hand back the caller's buffer as a shard; a jitted copy does not, as
+        ``EmittedStep.place`` says)."""
         leaves, tree = jax.tree_util.tree_flatten(args)
         placed = [x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
                   for x, s in zip(leaves, self.in_shardings, strict=True)]
+        which = list(self.donate_argnums)
+        if which:
+            copy = jax.jit(lambda *xs: tuple(jnp.copy(x) for x in xs),
+                           out_shardings=tuple(self.in_shardings[i] for i in which))
+            for i, x in zip(which, copy(*(placed[i] for i in which)), strict=True):
+                placed[i] = x
         return tuple(jax.tree_util.tree_unflatten(tree, placed))
 
     def lower(self, *args: Any) -> Any:
