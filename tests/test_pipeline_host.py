@@ -26,7 +26,7 @@ def _gpt(batch: int, abstract: bool):
     return load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", f"batch={batch}"], abstract=abstract)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_the_counts_are_what_the_runtime_does(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     M = 4
     ex = _gpt(2 * M, abstract=False)
