@@ -34,8 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autoshard.errors import AutoshardError
-from autoshard.pipeline.schedules import schedule
-from autoshard.pipeline.ticks import action_tables, fused_1f1b, price
+from autoshard.pipeline.ticks import lockstep_tables, price, spread_times
 from autoshard.trace.remat import REMAT_MODES
 
 BUBBLE = 0.1  # the bubble fraction the first candidate keeps under
@@ -103,11 +102,10 @@ def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERL
     S = len(plan.stages)
     times = [st.micro_time for st in plan.stages]
     G = plan.tail_split
-    base = fused_1f1b(S, plan.num_microbatches, G, actions_only=True) if plan.fused_ticks else action_tables(
-        schedule(plan.schedule, S, plan.num_microbatches, tail_gap=int(G > 1)), G)
+    base = lockstep_tables(plan.schedule, S, plan.num_microbatches, fused=plan.fused_ticks, tail_split=G)
     S2, rows = S // chunks, batch // count
     G2 = max((g for g in range(2, S2 + 1) if rows % g == 0), default=1) if G > 1 else 1
-    derived = action_tables(schedule("interleaved-1f1b", S2, count, chunks, tail_gap=int(G2 > 1)), G2)
+    derived = lockstep_tables("interleaved-1f1b", S2, count, chunks, tail_split=G2)
     tail = plan.tail_time
     return _loop(times, base, tail if G > 1 else 0.0, G), _loop(times, derived, tail if G2 > 1 else 0.0, G2)
 
@@ -115,10 +113,8 @@ def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERL
 def _loop(times: Sequence[float], table: Any, tail: float, tail_split: int) -> float:
     """``ticks.price``'s tick loop of ``table`` on ``times`` (the last one holding the tail's ``tail`` seconds,
     which ``tail_split > 1`` spreads), without its exchanges."""
-    if tail_split > 1:
-        times = [*times[:-1], max(times[-1] - tail, 0.0)]
     S = table.f_micro.shape[1]
-    return price(times, [0.0] * S, table, stream_bytes=0.0, link=_NO_LINK, inner=1, dispatch=0.0, tail=tail).loop
+    return price(spread_times(times, tail, tail_split), [0.0] * S, table, stream_bytes=0.0, link=_NO_LINK, inner=1, dispatch=0.0, tail=tail).loop
 
 
 def derived_recompute(modes: Mapping[str, str]) -> str:

@@ -109,7 +109,14 @@ from autoshard.pipeline.schedules import (
     inflight_rule,
     schedule,
 )
-from autoshard.pipeline.ticks import action_tables, fused_1f1b, fused_inflight, price
+from autoshard.pipeline.ticks import (
+    action_tables,
+    fused_1f1b,
+    fused_inflight,
+    lockstep_tables,
+    price,
+    spread_times,
+)
 from autoshard.pipeline.uniform import tail_spreadable, uniform_stages
 from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
@@ -480,7 +487,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
                              f"{f', the tail over {g}' if g > 1 else ''}): over the memory budget (stage {worst}: "
                              f"{need[worst] / 1e9:.4g} GB by its layers' plans)")
                 continue
-            total = price(_spread_times(t, tail, g), [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link,
+            total = price(spread_times(t, tail, g), [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link,
                           inner=size, dispatch=0.0, tail=tail).loop
             log.debug("autoshard: %d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
                       name, " fused" if fused else "", g, total, tail)
@@ -525,12 +532,6 @@ def _tail_seconds(prices: Any, tail_first: int, m: int) -> float:
     """``τ_m``: the tail's seconds a microbatch (forward and backward of the layers from ``tail_first`` on) on
     submesh option ``m``, the part of the last stage's time a spread moves to the tail's ticks."""
     return float(prices.micro_time[tail_first:, m].sum())
-
-
-def _spread_times(times: Sequence[float], tail: float, tail_split: int) -> list[float]:
-    """The (virtual) stages' times as the tick loop runs them: with the tail spread (``tail_split > 1``) the
-    last one's less the tail's ``tail`` seconds, which ``ticks.price`` puts in the tail's ticks."""
-    return [*times[:-1], max(times[-1] - tail, 0.0)] if tail_split > 1 else list(times)
 
 
 def _tick_forms(pricing: str, S: int, M: int, chunks: int, splits: Sequence[int], zero_bubble: bool) -> list[
@@ -592,10 +593,9 @@ def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cos
     S = len(stages) // chunks
     hosts = {st.origin[0] for st in stages}
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
-    times = _spread_times([st.micro_time for st in stages], tail, tail_split)
+    times = spread_times([st.micro_time for st in stages], tail, tail_split)
     stream = float(into[stages[1].layers[0]]) if len(stages) > 1 else 0.0
-    table = fused_1f1b(S, num_microbatches, tail_split, actions_only=True) if fused else action_tables(
-        schedule(name, S, num_microbatches, chunks, tail_gap=int(tail_split > 1)), tail_split)
+    table = lockstep_tables(name, S, num_microbatches, chunks, fused=fused, tail_split=tail_split)
     got = price(times, [0.0] * S, table, stream_bytes=stream, link=link,
                 inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0, tail=tail)
     return got.loop, max(0.0, 1.0 - num_microbatches * (sum(times) + tail * (tail_split > 1)) / (S * got.loop))

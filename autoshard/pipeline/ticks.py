@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from autoshard.pipeline.partition import PipelineError
-from autoshard.pipeline.schedules import Schedule
+from autoshard.pipeline.schedules import Schedule, schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # what the SPMD program runs as such
 
@@ -228,6 +228,22 @@ def action_tables(sched: Schedule, tail_split: int = 1) -> Ticks:
     return _actions_only(tables["forward"], chunk["forward"], tables["backward"], chunk["backward"], tail_micro,
                          tail_split, w_micro=tables["weight"] if weight else None,
                          w_chunk=chunk["weight"] if weight else None)
+
+
+def lockstep_tables(name: str, num_stages: int, num_microbatches: int, chunks: int = 1, *, fused: bool = False,
+                    tail_split: int = 1) -> Ticks:
+    """What ``price`` reads of the SPMD program's ticks for schedule ``name`` (``fused``: 1F1B's fused
+    ticks, ``fused_1f1b``), the tail spread over ``tail_split`` stages (its gap in the schedule)."""
+    if fused:
+        return fused_1f1b(num_stages, num_microbatches, tail_split, actions_only=True)
+    return action_tables(schedule(name, num_stages, num_microbatches, chunks, tail_gap=int(tail_split > 1)),
+                         tail_split)
+
+
+def spread_times(times: Sequence[float], tail: float, tail_split: int) -> list[float]:
+    """The (virtual) stages' times as the tick loop runs them: with the tail spread (``tail_split > 1``) the
+    last one's less the tail's ``tail`` seconds, which ``price`` puts in the tail's ticks."""
+    return [*times[:-1], max(times[-1] - tail, 0.0)] if tail_split > 1 else list(times)
 
 
 def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, actions_only: bool = False) -> Ticks:
