@@ -171,14 +171,8 @@ class EmittedStep:
 
     def _copied(self, args: tuple[Any, ...], which: Sequence[int]) -> tuple[Any, ...]:
         """``args`` with the leaves at ``which`` replaced by fresh copies in their input shardings."""
-        leaves = self.flatten(*args)
-        which = list(which)
-        if which:
-            copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs),
-                           out_shardings=tuple(self.in_shardings[i] for i in which))
-            for i, x in zip(which, copy(*(leaves[i] for i in which)), strict=True):
-                leaves[i] = x
-        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, list(leaves)))
+        leaves = copied_leaves(list(self.flatten(*args)), which, self.in_shardings)
+        return tuple(jax.tree_util.tree_unflatten(self.graph.in_tree, leaves))
 
     def lowered(self, *args: Any) -> jax.stages.Lowered:
         """``jitted.lower`` on the flattened arguments (``lowered(...).as_text()`` is StableHLO)."""
@@ -217,3 +211,16 @@ def global_rel_error(a: Any, b: Any) -> float:
         num += float(np.sum((x64 - y64) ** 2))
         den += float(np.sum(x64**2))
     return float(np.sqrt(num) / np.sqrt(den)) if den > 0 else float(np.sqrt(num))
+
+
+def copied_leaves(leaves: list[Any], which: Sequence[int], shardings: Sequence[Any]) -> list[Any]:
+    """``leaves`` with those at ``which`` replaced by fresh copies laid out as ``shardings[i]``: a jitted
+    ``jnp.copy``, which never hands back the caller's buffer (``EmittedStep.place``), so that a program
+    donating them leaves the caller's arrays alive."""
+    which = list(which)
+    if which:
+        copy = jax.jit(lambda *xs: tuple(jax.numpy.copy(x) for x in xs),
+                       out_shardings=tuple(shardings[i] for i in which))
+        for i, x in zip(which, copy(*(leaves[i] for i in which)), strict=True):
+            leaves[i] = x
+    return leaves

@@ -89,7 +89,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.interpret import Interpreter
-from autoshard.emit.program import check_leaves
+from autoshard.emit.program import check_leaves, copied_leaves
 from autoshard.emit.specs import named_sharding, normalize_key
 from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
@@ -354,18 +354,12 @@ class SpmdPipelineStep:
     def place_state(self, *args: Any) -> tuple[Any, ...]:
         """``args`` laid out as the program reads them, the donated leaves (the train state) as fresh copies:
         the call deletes what it is given there, and the caller's own arrays must outlive it (on CPU even
-        ``jax.device_put`` can hand back the caller's buffer as a shard; a jitted copy does not, as
-        ``EmittedStep.place`` says)."""
+        ``jax.device_put`` can hand back the caller's buffer as a shard: ``emit.program.copied_leaves``)."""
         leaves, tree = jax.tree_util.tree_flatten(args)
         placed = [x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
                   for x, s in zip(leaves, self.in_shardings, strict=True)]
-        which = list(self.donate_argnums)
-        if which:
-            copy = jax.jit(lambda *xs: tuple(jnp.copy(x) for x in xs),
-                           out_shardings=tuple(self.in_shardings[i] for i in which))
-            for i, x in zip(which, copy(*(placed[i] for i in which)), strict=True):
-                placed[i] = x
-        return tuple(jax.tree_util.tree_unflatten(tree, placed))
+        return tuple(jax.tree_util.tree_unflatten(tree, copied_leaves(placed, self.donate_argnums,
+                                                                      self.in_shardings)))
 
     def lower(self, *args: Any) -> Any:
         """The program lowered for ``args`` (arrays or ``jax.ShapeDtypeStruct``): its HLO, costs, memory."""
