@@ -8,6 +8,7 @@ is deliberately small.
 
 from autoshard._version import __version__
 from autoshard.api import explain, parallelize, plan
+from autoshard.kernels import splittable
 from autoshard.pipeline.partition import pipeline_stage
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.plan import Plan
@@ -31,5 +32,6 @@ __all__ = [
     "pipeline_stage",
     "plan",
     "register_rule",
+    "splittable",
     "trace",
 ]

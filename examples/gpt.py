@@ -13,6 +13,14 @@ layer axis (``params["blocks"]["attn"]["qkv"]["kernel"]`` is [L, h, 3h]); otherw
 modules ``block_0`` … ``block_{L-1}``, and every traced equation's name stack carries its block's name.
 ``remat=True`` wraps each block in ``nn.remat`` (activations recomputed in the backward pass).
 
+Attention materialises its fp32 scores [batch, heads, seq, seq], as attention written by hand does. With
+``flash=True`` it runs through a fused kernel instead: jax's Pallas flash attention
+(``jax.experimental.pallas.ops.gpu.attention.mha``: online softmax over blocks of keys, causal blocks
+skipped, a fused backward), compiled by Triton on a GPU and interpreted elsewhere (slow: tiny shapes only on
+CPU). Its three kernels are registered with ``autoshard.register_rule`` below (split over batch and heads,
+their flops on the matmul units), so the planner prices them as the GPU runs them; that is what a long
+sequence needs (``--set flash=true --set seq_len=16384``).
+
 Presets: ``"tiny"`` for tests, and the GPT-3 family (Brown et al. 2020, Table 2.1) at Alpa's evaluation
 settings (Zheng et al. 2022, Table 4): sequence 1024, vocabulary 51200, global batch 1024 sequences.
 Reduce the batch for a concrete run, e.g. ``make("125m", batch=8)``.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -32,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
+
+import autoshard
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +56,7 @@ class Config:
     dtype: str = "float32"  # compute dtype ("float32" or "bfloat16"); parameters stay float32
     scan_layers: bool = False
     remat: bool = False
+    flash: bool = False  # attention through a fused kernel (jax's Pallas flash attention), see the docstring
     tie_embeddings: bool = True
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
@@ -94,7 +106,7 @@ class Attention(nn.Module):
         # Megatron's layout: heads outermost, then (q, k, v) per head, so that splitting the kernel's
         # columns over devices gives each device whole heads and the split below stays local.
         q, k, v = jnp.split(qkv.reshape(batch, seq, c.heads, 3 * head_dim), 3, axis=-1)
-        out = attention(q, k, v).reshape(batch, seq, hidden)
+        out = (flash_attention if c.flash else attention)(q, k, v).reshape(batch, seq, hidden)
         return nn.Dense(hidden, dtype=dtype, kernel_init=_INIT, name="proj")(out)
 
 
@@ -107,6 +119,71 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bnqk,bknd->bqnd", probs, v)
+
+
+FLASH_BLOCK = 128  # rows of queries and of keys per kernel program (at most the sequence)
+
+
+def _mha(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of one device's shard through jax's Pallas flash-attention kernel (``mha``)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    seq, head_dim = q.shape[1], q.shape[3]
+    block = min(FLASH_BLOCK, seq)
+    sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=block, block_kv_dkv=block,
+                                        block_q_dq=block, block_kv_dq=block)
+    return pallas_attention.mha(q, k, v, None, sm_scale=head_dim**-0.5, causal=True, block_sizes=sizes,
+                                interpret=jax.default_backend() != "gpu")
+
+
+def _mha_grad(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array) -> tuple[jax.Array, ...]:
+    return jax.vjp(_mha, q, k, v)[1](d_out)  # the forward kernel again (for its row statistics), then mha's
+
+
+# Each device runs the kernels on its shard of the batch and heads (``autoshard.splittable``: XLA would
+# otherwise gather a compiled kernel's operands and run it whole on every device).
+_QKV = "b q h d, b k h d, b k h d"
+_attend = autoshard.splittable(_mha, f"{_QKV} -> b q h d", split=("b", "h"))
+_attend_grad = autoshard.splittable(_mha_grad, f"{_QKV}, b q h d -> b q h d, b k h d, b k h d", split=("b", "h"))
+
+
+@jax.custom_vjp
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """``attention`` through fused kernels (the module docstring): no [seq, seq] array exists."""
+    return _attend(q, k, v)
+
+
+def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    return _attend(q, k, v), (q, k, v)
+
+
+def _flash_backward(saved: tuple[jax.Array, ...], d_out: jax.Array) -> tuple[jax.Array, ...]:
+    return _attend_grad(*saved, d_out)
+
+
+flash_attention.defvjp(_flash_forward, _flash_backward)
+
+
+def _causal_pairs(q: tuple[int, ...], k: tuple[int, ...]) -> float:
+    """(query, key) pairs a causal kernel computes per batch row and head, with blocks of ``FLASH_BLOCK``:
+    the blocks on and below the diagonal."""
+    block = min(FLASH_BLOCK, q[1])
+    return q[1] * k[1] * (1 + block / q[1]) / 2
+
+
+# What the kernels inside cost, for the planner: [batch, seq, heads, head_dim] operands and results, row
+# statistics [batch, heads, seq]. The forward makes two products a (query, key) pair (q·kᵀ, p·v), the
+# backward seven (dk and dv: q·kᵀ, pᵀ·dO, dO·vᵀ, dsᵀ·q; dq: q·kᵀ, dO·vᵀ, ds·k), each 2·head_dim flops.
+autoshard.register_rule(
+    "mha_forward", "b q h d, b k h d, b k h d -> b q h d, b h q", split=("b", "h"), matmul=True,
+    flops=lambda ins, outs: 2 * 2 * ins[0][0] * ins[0][2] * ins[0][3] * _causal_pairs(ins[0], ins[1]))
+autoshard.register_rule(
+    "mha_preprocess_backward", "b q h d, b q h d -> b h q", split=("b", "h"),
+    flops=lambda ins, outs: 2.0 * math.prod(ins[0]))
+autoshard.register_rule(
+    "mha_backward", "b q h d, b k h d, b k h d, b q h d, b q h d, b h q, b h q -> b q h d, b k h d, b k h d",
+    split=("b", "h"), matmul=True,
+    flops=lambda ins, outs: 7 * 2 * ins[0][0] * ins[0][2] * ins[0][3] * _causal_pairs(ins[0], ins[1]))
 
 
 class MLP(nn.Module):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoshard.trace import costs
 from autoshard.trace.graph import Graph
 from cost_models.hardware import Device
 
@@ -54,7 +55,8 @@ class ModelFlops:
 
 
 def model_flops(graph: Graph, device: Device) -> ModelFlops:
-    """3x the forward matmul and convolution flops of ``graph`` (module docstring), with their peak."""
+    """3x the forward matmul and convolution flops of ``graph`` (module docstring; kernels registered with
+    ``matmul=True`` count as matmuls), with their peak."""
     flops, ideal = _count(graph, device)
     return ModelFlops(flops, flops / ideal if ideal > 0 else 0.0)
 
@@ -67,10 +69,13 @@ def _count(g: Graph, device: Device) -> tuple[float, float]:
     for op in g.ops:
         if op.primitive == "cond" and op.bodies:
             f, i = max((_count(b, device) for b in op.bodies), key=lambda fi: fi[0])
+        elif op.primitive == "custom_partitioning" and op.phase != "forward":
+            continue  # a backward kernel's body replays the forward (its ops read as forward): not model flops
         elif op.bodies:
             each = float(op.trip_count or 1)
             f, i = (sum(x) * each for x in zip(*(_count(b, device) for b in op.bodies), strict=True))
-        elif op.primitive in MATMULS and op.phase == "forward" and op.flops > 0:
+        elif op.phase == "forward" and op.flops > 0 and (
+                op.primitive in MATMULS or costs.on_matmul_units(op)):
             # a product runs in its operands' dtype (a bf16 dot may accumulate into fp32)
             dtype = g.tensors[(op.inputs or op.outputs)[0]].dtype
             f = 3.0 * op.flops

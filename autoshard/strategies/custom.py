@@ -25,7 +25,8 @@ kernels (``pallas_call``, ``ffi_call``) and ``reshard``.
   an ``ffi_call``'s target name, or a primitive name. Unregistered kernels are replicated with a warning
   that says how to register one. Emission binds the kernel as traced, on the planned layouts: XLA
   partitions what it can (a Pallas kernel in ``interpret=True`` mode is ordinary HLO); a compiled kernel
-  is an opaque custom call, which XLA runs whole on each device after gathering its operands.
+  is an opaque custom call, which XLA runs whole on each device after gathering its operands, unless the
+  call is wrapped in ``autoshard.splittable`` (a ``custom_partitioning`` call, above).
 - ``reshard``: on a mesh whose axes are all Auto it is a type-level no-op (it lowers to its operand);
   ``grad`` seeds it on literals when a step is traced with arguments already placed on a mesh (a
   ``parallelize`` step's second call, fed the first call's results). It takes any layout, as a copy does.
@@ -241,7 +242,8 @@ def custom_partitioning(op: Op, ctx: RuleContext) -> list[Candidate]:
 
 
 def register_rule(name: str, sharding_rule: str, *, split: Iterable[str],
-                  flops: float | Callable[[list[Shape], list[Shape]], float] | None = None) -> None:
+                  flops: float | Callable[[list[Shape], list[Shape]], float] | None = None,
+                  matmul: bool = False) -> None:
     """Tell the planner how a custom kernel may be split and what it costs.
 
     ``name``: a Pallas kernel's name (``pl.pallas_call(..., name=...)``, else the kernel function's
@@ -250,7 +252,10 @@ def register_rule(name: str, sharding_rule: str, *, split: Iterable[str],
     d"``; ``...`` opens leading batch dimensions). ``split``: the factors the kernel may be split along
     (batch, heads: dimensions its work is independent over); each must name a dimension of a result, and
     every other factor stays whole. ``flops``: a number, or a function of the operand shapes and the
-    result shapes; without it a Pallas kernel's ``cost_estimate`` is used, else 0.
+    result shapes; without it a Pallas kernel's ``cost_estimate`` is used, else 0. ``matmul``: the flops are
+    matrix products (attention, a fused matmul): they are priced at the matmul units' rate in the operands'
+    dtype (tensor cores, the MXU) and count as model flops in the predicted MFU; otherwise at the vector
+    rate, as elementwise work.
 
     Registering a name again replaces its rule. The rule applies to every op of that name, in every step
     planned afterwards in this process."""
@@ -277,6 +282,10 @@ def register_rule(name: str, sharding_rule: str, *, split: Iterable[str],
         raise ValueError(f"register_rule({name!r}): {name} is a primitive with a built-in sharding rule")
     KERNELS[name] = KernelRule(name, FactorRule(ins, outs, split), flops)
     costs.KERNEL_FLOPS[name] = flops
+    if matmul:
+        costs.MATMUL_KERNELS.add(name)
+    else:
+        costs.MATMUL_KERNELS.discard(name)
     RULES.setdefault(name, kernel)
     costs.FLOP_RULES.setdefault(name, costs.kernel_flop_rule(name))
 
@@ -285,6 +294,7 @@ def forget_rule(name: str) -> None:
     """Undo ``register_rule(name, ...)`` (for tests)."""
     KERNELS.pop(name, None)
     costs.KERNEL_FLOPS.pop(name, None)
+    costs.MATMUL_KERNELS.discard(name)
     if name not in CUSTOM_CALLS and RULES.get(name) is kernel:
         del RULES[name]
         costs.FLOP_RULES.pop(name, None)

@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from autoshard.trace import unruled
+from autoshard.trace import costs, unruled
 from autoshard.trace.buffers import dead_ops
 from autoshard.trace.costs import CALLBACKS, ELEMENTWISE, REDUCTIONS
 from autoshard.trace.graph import Graph, Op
@@ -286,7 +286,7 @@ def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strateg
         compute = cost.conv_time(op.flops / shards, nbytes, _dtype_of(op, graph))
     else:
         compute = cost.compute_time(op.flops / shards, nbytes, _dtype_of(op, graph),
-                                    matmul=op.primitive == "dot_general")
+                                    matmul=costs.on_matmul_units(op))
     steps = tuple(
         CollectiveStep(kind=k, axes=tuple(ax), nbytes=b, time=cost.collective_time(k, b, ax))
         for k, ax, b in cand.comm

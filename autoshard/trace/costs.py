@@ -155,6 +155,25 @@ def custom_call_name(primitive: str, params: Mapping[str, Any]) -> str:
 KERNEL_FLOPS: dict[str, float | Callable[[list[Shape], list[Shape]], float] | None] = {}
 """Flops of registered kernels by name (``autoshard.register_rule`` fills it)."""
 
+MATMUL_KERNELS: set[str] = set()
+"""Names of registered kernels whose flops are matrix products (``register_rule(..., matmul=True)``): they
+run at the matmul units' rate and count as model flops, as a ``dot_general`` does."""
+
+
+def on_matmul_units(op: Any) -> bool:
+    """Whether a graph op's flops are matrix products: a ``dot_general``, a custom call whose kernel was
+    registered with ``matmul=True`` (its name read from the op's equation), or a ``custom_partitioning`` call
+    (``autoshard.splittable``) most of whose flops are such."""
+    if op.primitive == "dot_general":
+        return True
+    if op.primitive == "custom_partitioning":
+        products = sum(o.flops for b in op.bodies for o in b.ops if on_matmul_units(o))
+        return products >= 0.5 * op.flops > 0
+    if not MATMUL_KERNELS or op.primitive not in ("pallas_call", "ffi_call", *MATMUL_KERNELS):
+        return False
+    eqn = getattr(op, "eqn", None)
+    return custom_call_name(op.primitive, eqn.params if eqn is not None else {}) in MATMUL_KERNELS
+
 
 def kernel_flop_rule(primitive: str) -> FlopRule:
     """The flop rule of a custom call: the flops registered for its kernel's name (else for the primitive),

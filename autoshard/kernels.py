@@ -1,0 +1,91 @@
+"""Kernels that run on each device's shard: ``splittable(fn, rule, split=...)``.
+
+A compiled kernel (a Pallas kernel on a GPU or TPU, an ``ffi_call``) is an opaque custom call to XLA: under
+``jax.jit`` with sharded operands, XLA gathers its operands and runs it whole on every device, whatever the
+plan priced. ``splittable`` wraps a function (typically one that calls a kernel) in jax's
+``custom_partitioning`` with a sharding rule in Shardy's notation, so that XLA runs ``fn`` on each device's
+shard instead, at the shard's shapes (``fn`` is traced again there: a Pallas call sizes its grid from them).
+
+    attend = autoshard.splittable(my_attention, "b q h d, b k h d, b k h d -> b q h d", split=("b", "h"))
+
+``split`` names the factors ``fn``'s work is independent over (batch, heads): each must name a dimension of
+a result. Every other factor is declared need-replication, so a layout that splits it is gathered before
+the call. The planner reads the same rule (``strategies.custom``: a ``custom_partitioning`` op), prices the
+call by the flops of what it calls (a registered kernel's, ``register_rule``), on the matmul units when most
+of them are matrix products, and the emitted program runs it per shard.
+
+``custom_partitioning`` has no derivative of its own: for a kernel with a backward pass, make the forward and
+the backward splittable each and join them with ``jax.custom_vjp`` (``examples/gpt.py``'s
+``flash_attention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.strategies.custom import parse_rule
+
+Factors = tuple[str, ...]
+
+
+def splittable(fn: Callable[..., Any], sharding_rule: str, *, split: Iterable[str]) -> Callable[..., Any]:
+    """``fn`` run on each device's shard of the ``split`` factors of ``sharding_rule`` (module docstring).
+    ``fn`` takes arrays and returns an array or a tuple of arrays, one per result of the rule."""
+    ins, outs = parse_rule(sharding_rule)
+    for m in (*ins, *outs):
+        for e in m:
+            if not isinstance(e, str) or e.startswith("…"):
+                raise ValueError(f"splittable: the rule {sharding_rule!r} may name plain factors only (no '...' "
+                                 "or compound '(a b)' factors); name each dimension")
+    split = frozenset(split)
+    in_results = {e for m in outs for e in m}
+    wrong = sorted(split - in_results)
+    if wrong:
+        raise ValueError(f"splittable: split names {wrong}, which no result of {sharding_rule!r} has; a function "
+                         "is split only along dimensions of its results")
+    order = [e for m in (*ins, *outs) for e in m]
+    keep = tuple(dict.fromkeys(e for e in order if e not in split))  # sorted by first use, as Shardy wants
+
+    def from_results(mesh: Any, results: Sequence[Any]) -> tuple[list[NamedSharding], list[NamedSharding]]:
+        """Operand and result shardings that agree factor by factor, from the results' (split factors only)."""
+        axes: dict[str, Any] = {}
+        for m, r in zip(outs, results, strict=True):
+            spec = tuple(getattr(r.sharding, "spec", ())) + (None,) * len(m)
+            for e, a in zip(m, spec, strict=False):
+                if e in split and a is not None:
+                    axes.setdefault(e, a)
+        return _shardings(mesh, ins, axes), _shardings(mesh, outs, axes)
+
+    def partition(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[Any, ...]:
+        results = _leaves(result_shape)
+        args, res = from_results(mesh, results)
+        out = tuple(res) if isinstance(result_shape, tuple | list) else res[0]
+        return mesh, fn, out, tuple(args)
+
+    def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+        axes: dict[str, Any] = {}
+        for m, a in zip(ins, arg_shapes, strict=True):
+            spec = tuple(getattr(a.sharding, "spec", ())) + (None,) * len(m)
+            for e, ax in zip(m, spec, strict=False):
+                if e in split and ax is not None:
+                    axes.setdefault(e, ax)
+        res = _shardings(mesh, outs, axes)
+        return tuple(res) if isinstance(result_shape, tuple | list) else res[0]
+
+    wrapped = custom_partitioning(fn)
+    wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
+                          need_replication_factors=keep)
+    return wrapped
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return list(tree) if isinstance(tree, tuple | list) else [tree]
+
+
+def _shardings(mesh: Any, mappings: Sequence[Factors], axes: dict[str, Any]) -> list[NamedSharding]:
+    return [NamedSharding(mesh, PartitionSpec(*(axes.get(e) for e in m))) for m in mappings]
+

@@ -1,0 +1,139 @@
+"""``autoshard.splittable``: a function run on each device's shard of the factors it may be split along (jax's
+``custom_partitioning``), planned from its rule and priced by what it calls; the GPT example's flash attention
+built from it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autoshard
+from autoshard._examples import load_example
+from autoshard.emit import global_rel_error
+from autoshard.strategies import custom
+from autoshard.target import cost_model_for
+from autoshard.trace import costs
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+RULE = "b q h d, b k h d, b k h d -> b q h d"
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention on [batch, seq, heads, head_dim]: correct only with every key at hand."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    mask = jnp.tril(jnp.ones(s.shape[-2:], bool))
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1), v)
+
+
+def _qkv(shape: tuple[int, ...] = (8, 16, 4, 8)) -> tuple[jax.Array, ...]:
+    return tuple(jax.random.normal(jax.random.key(i), shape) for i in range(3))
+
+
+@pytest.mark.parametrize("spec", [P("x", None, "y", None), P(None, "x", "y", None)],
+                         ids=["batch-and-heads", "sequence-gathered"])
+def test_a_splittable_function_runs_on_each_shard_and_gathers_only_what_it_must(spec: P) -> None:
+    """Split over batch and heads, each device calls the function at its shard's shape and the program
+    gathers nothing; split along the sequence (a factor it may not be split along), the program gathers
+    that dimension first, and the result is still exact."""
+    seen: list[tuple[int, ...]] = []
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        seen.append(q.shape)
+        return _attention(q, k, v)
+
+    f = autoshard.splittable(attend, RULE, split=("b", "h"))
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    q, k, v = _qkv()
+    put = NamedSharding(mesh, spec)
+    step = jax.jit(f, in_shardings=(put, put, put))
+    got = step(q, k, v)
+    assert global_rel_error(_attention(q, k, v), got) <= TOL
+    compiled = step.lower(q, k, v).compile().as_text()
+    if spec[1] is None:  # batch and heads split: one call per shard, nothing gathered
+        assert (4, 16, 1, 8) in seen, seen
+        assert "all-gather" not in compiled
+    else:  # the sequence may not be split: gathered, then split over heads only
+        assert all(s[1] == 16 for s in seen), seen
+        assert "all-gather" in compiled or "all-to-all" in compiled
+
+
+def test_splittable_refuses_what_it_cannot_honour() -> None:
+    with pytest.raises(ValueError, match="no result"):
+        autoshard.splittable(_attention, "b q h d, b k h d, b k h d -> b q h", split=("d",))
+    with pytest.raises(ValueError, match="plain factors"):
+        autoshard.splittable(_attention, "... q d, ... k d, ... k d -> ... q d", split=("q",))
+
+
+def test_the_planner_splits_a_splittable_call_only_along_its_split_factors_and_prices_its_products() -> None:
+    """The call's candidates come from its rule (the sequence and head_dim stay whole); a body of matrix
+    products is priced at the matmul rate and counts as model flops."""
+    forward = autoshard.splittable(_attention, RULE, split=("b", "h"))
+    backward = autoshard.splittable(lambda q, k, v, g: jax.vjp(_attention, q, k, v)[1](g),
+                                    f"{RULE.split(' ->')[0]}, b q h d -> b q h d, b k h d, b k h d", split=("b", "h"))
+    f = jax.custom_vjp(forward)  # custom_partitioning has no derivative: the example's pattern
+    f.defvjp(lambda q, k, v: (forward(q, k, v), (q, k, v)), lambda saved, g: backward(*saved, g))
+
+    def step(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def loss(w: jax.Array) -> jax.Array:
+            q = jnp.einsum("bshd,de->bshe", x, w)
+            return jnp.mean(f(q, q, q) ** 2)
+        return jax.value_and_grad(loss)(w)
+
+    x = jax.random.normal(jax.random.key(0), (64, 256, 8, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 64))
+    graph = autoshard.trace(step, w, x)
+    call, call_backward = [op for op in graph.ops if op.primitive == "custom_partitioning"]
+    assert (call.phase, call_backward.phase) == ("forward", "backward")
+    assert costs.on_matmul_units(call)
+    plan = autoshard.plan(graph, mesh=(8,), hardware="h100", time_budget_s=10)
+    for t in (*call.inputs, *call.outputs):
+        spec = plan.specs[()][t]
+        assert not spec.dims[1] and not spec.dims[3], spec  # sequence and head_dim whole
+    assert plan.specs[()][call.outputs[0]].axes_used, "the attention's work should be split"
+    cost = cost_model_for("h100", (8,), ("x",))
+    vector = cost.compute_time(call.flops, 0.0, "float32", matmul=False)
+    products = 2 * 2.0 * 64 * 8 * 256 * 256 * 64  # q·kᵀ and p·v in the forward call, not its replay
+    assert plan.model_flops.flops == pytest.approx(3.0 * (products + 2.0 * x.size * 64), rel=1e-9)
+    assert cost.compute_time(call.flops, 0.0, "float32", matmul=True) < vector
+
+
+@pytest.mark.slow
+def test_the_gpt_examples_flash_attention_runs_split_like_jit(caplog: pytest.LogCaptureFixture) -> None:
+    """GPT with ``flash=True`` (jax's Pallas flash-attention kernels, interpreted on CPU): the kernels are
+    split over the batch and the step equals ``jax.jit``'s."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["flash=true"], abstract=False)
+    state, batch = ex.args
+    par = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=5)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        s_par, m_par = par(state, batch)
+    assert "no sharding rule" not in caplog.text and "no cost rule" not in caplog.text, caplog.text
+    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
+    assert len(calls) == 4  # a forward and a backward call per block
+    for op in calls:
+        for t in (*op.inputs, *op.outputs):
+            spec = par.plan.specs[()][t]
+            assert not spec.dims[1] and not spec.dims[3], spec
+        assert any(par.plan.specs[()][t].axes_used for t in op.outputs)
+
+
+def test_the_flash_kernels_flops_are_registered_as_products() -> None:
+    """The GPT example registers its three kernels; the forward's and the backward's flops are matrix
+    products (two and seven a causal (query, key) pair), the preprocessing's are not."""
+    load_example(ROOT / "examples" / "gpt.py", "tiny", ["flash=true"], abstract=True)
+    assert {"mha_forward", "mha_backward"} <= costs.MATMUL_KERNELS
+    assert "mha_preprocess_backward" in custom.KERNELS and "mha_preprocess_backward" not in costs.MATMUL_KERNELS
+    shape = (2, 256, 4, 64)
+    pairs = 256 * 256 * (1 + 128 / 256) / 2
+    assert costs.KERNEL_FLOPS["mha_forward"]([shape] * 3, []) == 2 * 2 * 2 * 4 * 64 * pairs
+    assert costs.KERNEL_FLOPS["mha_backward"]([shape] * 5 + [(2, 4, 256)] * 2, []) == 7 * 2 * 2 * 4 * 64 * pairs
