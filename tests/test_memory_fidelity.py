@@ -152,7 +152,13 @@ def test_the_recompute_data_says_where_it_comes_from() -> None:
                                        - c["xla_alias_bytes"])
 
 
-@pytest.mark.parametrize("name", list(RCASES))
+# the default run keeps one case of each recompute mode; the rest run with the slow tests (20-36 s each)
+FAST_RCASES = {"gpt-1.3b-dtype=bfloat16-batch=8-selective", "gpt-760m-dtype=bfloat16-batch=8-full",
+               "gpt-350m-dtype=float32-batch=8-none"}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_RCASES else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in RCASES])
 def test_emitted_steps_predict_xla_memory_and_time(name: str) -> None:
     """The step as autoshard emits it for one H100: peak within 15% of XLA's, time within 10% of the
     measured (rows whose run ran out of memory on the device have no time)."""

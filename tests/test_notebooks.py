@@ -64,7 +64,11 @@ def test_notebooks_are_found() -> None:
     assert [p.stem for p in NOTEBOOKS] == ["01_tour", "02_plan_explorer", "03_auto_vs_hand"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+FAST = {"01_tour"}  # the others run with the slow tests (about 70 s each on a CI core)
+
+
+@pytest.mark.parametrize("path", [p if p.stem in FAST else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs(path: Path) -> None:
     nb = run_notebook(path)  # nbclient raises CellExecutionError naming the cell on any error
     errors = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])

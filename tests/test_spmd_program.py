@@ -166,12 +166,13 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
     assert not tail_due
 
 
-@pytest.mark.parametrize("form,name,shape,recompute", [("optax", "1f1b", (1, 2), "auto"),
-                                                       ("state", "gpipe", (1, 2), "auto"),
-                                                       ("state", "interleaved-1f1b", (1, 4), "auto"),
-                                                       ("state", "1f1b", (1, 2), "selective"),
-                                                       ("optax", "zb-h1", (1, 2), "auto"),
-                                                       ("state:scan", "interleaved-1f1b", (1, 4), "auto")])
+@pytest.mark.parametrize("form,name,shape,recompute", [
+    pytest.param("optax", "1f1b", (1, 2), "auto", marks=pytest.mark.slow),  # 1F1B: the selective case below
+    pytest.param("state", "gpipe", (1, 2), "auto", marks=pytest.mark.slow),  # GPipe: across processes, below
+    pytest.param("state", "interleaved-1f1b", (1, 4), "auto", marks=pytest.mark.slow),  # the scan case below
+    ("state", "1f1b", (1, 2), "selective"),
+    ("optax", "zb-h1", (1, 2), "auto"),
+    ("state:scan", "interleaved-1f1b", (1, 4), "auto")])
 def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], recompute: str) -> None:
     fn, args, batch = make(form)
     want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
@@ -298,8 +299,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"), ("optax", "interleaved-1f1b"),
-                                       ("optax:scan", "1f1b"), ("optax:heavy", "zb-h1")])
+@pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"),
+                                       pytest.param("optax", "interleaved-1f1b", marks=pytest.mark.slow),
+                                       pytest.param("optax:scan", "1f1b", marks=pytest.mark.slow),
+                                       ("optax:heavy", "zb-h1")])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
