@@ -11,6 +11,9 @@ each device runs one sequence. This script measures that per-device step on ONE 
     ``jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")`` (flash attention),
     ``jax.jit`` of ``train_step`` with the state donated; ``cudnn-remat`` is the same with ``remat=True``
     (every block under ``nn.remat``).
+``flash``
+    The example with ``flash=True`` (jax's Pallas flash-attention kernels through ``autoshard.splittable``),
+    ``jax.jit`` of ``train_step`` with the state donated: the row the planner's long-sequence plan rests on.
 ``none``
     The example's ``train_step`` as written, jitted, state donated (its attention probabilities for 24 layers
     do not fit one GPU: the row records XLA's memory analysis and the error).
@@ -21,7 +24,7 @@ an error (out of memory) is a row too. On the GPU machine::
 
     JAX_PLATFORMS=cuda python benchmarks/gpu_longseq.py --out rows.jsonl --deadline 400
 
-and here (no GPU), the planner's predictions for the ``sel``, ``full`` and ``none`` rows on a 1-device mesh
+and here (no GPU), the planner's predictions for the ``sel``, ``full``, ``flash`` and ``none`` rows on a 1-device mesh
 (the preset matching the device: ``h200`` for an H200, ``h100`` for an H100)::
 
     python benchmarks/gpu_longseq.py --predict rows.jsonl
@@ -48,7 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_truth import _emit_row, time_steps, xla_memory  # noqa: E402
 
 # the rows, most important first
-ROWS = ("sel", "cudnn", "full", "cudnn-remat", "none")
+ROWS = ("sel", "cudnn", "flash", "full", "cudnn-remat", "none")
 DEADLINE = float("inf")
 
 
@@ -79,7 +82,8 @@ def measure(name: str, args: argparse.Namespace, out: Path, on_gpu: bool) -> Non
 
     t0 = time.perf_counter()
     row: dict[str, Any] = {"part": "longseq", "row": name, "model": "gpt", "preset": args.preset,
-                           "overrides": overrides(args, ("remat=true",) if name == "cudnn-remat" else ()),
+                           "overrides": overrides(args, {"cudnn-remat": ("remat=true",),
+                                                         "flash": ("flash=true",)}.get(name, ())),
                            "mode": {"sel": "selective", "full": "full"}.get(name, "none"),
                            "rewrite": os.environ.get("AUTOSHARD_COMMIT", "")}
     holder: dict[str, Any] = {}
@@ -99,7 +103,7 @@ def measure(name: str, args: argparse.Namespace, out: Path, on_gpu: bool) -> Non
             fn: Any = step
             row.update(xla_memory(step.compiled(*holder["args"])))
         else:
-            if name == "none":
+            if name in ("none", "flash"):
                 from autoshard._examples import load_module
 
                 module = load_module(ROOT / "examples" / "gpt.py")
@@ -110,6 +114,8 @@ def measure(name: str, args: argparse.Namespace, out: Path, on_gpu: bool) -> Non
             kw = {"dtype": args.dtype, "batch": args.batch, "seq_len": args.seq}
             if name == "cudnn-remat":
                 kw["remat"] = True
+            if name == "flash":
+                kw["flash"] = True
             holder["args"] = module.make(args.preset, **kw)
             fn = jax.jit(module.train_step, donate_argnums=0).lower(*holder["args"]).compile()
             row.update(xla_memory(fn))
@@ -145,7 +151,7 @@ def predict(rows_path: Path, hardware: str | None) -> None:
         meas = r.get("median_s")
         xm = r.get("xla_peak_bytes")
         cells = f"{xm / 1e9:8.2f}" if xm else f"{'-':>8}"
-        if r["row"] in ("sel", "full", "none"):
+        if r["row"] in ("sel", "full", "none", "flash"):
             ex = load_example(ROOT / "examples" / "gpt.py", r["preset"], r["overrides"], abstract=True)
             plan = autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware=hardware, time_budget_s=60,
                                   memory_budget=1e15, recompute=r["mode"])
