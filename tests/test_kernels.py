@@ -137,3 +137,17 @@ def test_the_flash_kernels_flops_are_registered_as_products() -> None:
     pairs = 256 * 256 * (1 + 128 / 256) / 2
     assert costs.KERNEL_FLOPS["mha_forward"]([shape] * 3, []) == 2 * 2 * 2 * 4 * 64 * pairs
     assert costs.KERNEL_FLOPS["mha_backward"]([shape] * 5 + [(2, 4, 256)] * 2, []) == 7 * 2 * 2 * 4 * 64 * pairs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["spmd", "mpmd"])
+def test_the_gpt_examples_flash_attention_runs_in_either_pipeline_runtime_like_jit(runtime: str) -> None:
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["flash=true"], abstract=False)
+    state, batch = ex.args
+    par = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=10, pipeline=True, microbatches=2,
+                                runtime=runtime)
+    s_par, m_par = par(state, batch)
+    assert isinstance(par.plan, autoshard.PipelinePlan)
+    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
