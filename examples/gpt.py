@@ -17,9 +17,11 @@ Attention materialises its fp32 scores [batch, heads, seq, seq], as attention wr
 ``flash=True`` it runs through a fused kernel instead: jax's Pallas flash attention
 (``jax.experimental.pallas.ops.gpu.attention.mha``: online softmax over blocks of keys, causal blocks
 skipped, a fused backward), compiled by Triton on a GPU and interpreted elsewhere (slow: tiny shapes only on
-CPU). Its three kernels are registered with ``autoshard.register_rule`` below (split over batch and heads,
-their flops on the matmul units), so the planner prices them as the GPU runs them; that is what a long
-sequence needs (``--set flash=true --set seq_len=16384``).
+CPU). Its forward and backward calls are ``autoshard.splittable`` over batch and heads (each device runs
+the kernels on its shard), and its three kernels' flops are registered with ``autoshard.register_rule``
+(on the matmul units), so the planner prices them as the GPU runs them; that is what a long sequence needs
+(``--set flash=true --set seq_len=16384``). The backward call runs the forward kernel again for its row
+statistics (jax's backward kernel alone is private API): 11 products a (query, key) pair where 9 would do.
 
 Presets: ``"tiny"`` for tests, and the GPT-3 family (Brown et al. 2020, Table 2.1) at Alpa's evaluation
 settings (Zheng et al. 2022, Table 4): sequence 1024, vocabulary 51200, global batch 1024 sequences.
