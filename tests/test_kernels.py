@@ -151,3 +151,23 @@ def test_the_gpt_examples_flash_attention_runs_in_either_pipeline_runtime_like_j
     s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
     assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
     assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+
+
+def test_golden_one_long_sequence_through_a_head_split_kernel_gives_ulysses_sequence_parallelism() -> None:
+    """Batch 1, sequence 16384, attention through the flash kernels (split over batch and heads only): the
+    projections and the MLP are split along the sequence, the kernels over the heads, and all-to-alls move
+    between the two (DeepSpeed-Ulysses), found, not asked for."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny",
+                      ["flash=true", "batch=1", "seq_len=16384", "heads=16", "hidden=1024"], abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    plan = autoshard.plan(graph, mesh=(8,), hardware="h100", time_budget_s=10)
+    specs = plan.specs[()]
+    calls = [op for op in graph.ops if op.primitive == "custom_partitioning"]
+    assert calls
+    for op in calls:
+        for t in op.outputs:
+            assert specs[t].dims == ((), (), ("x",), ()), (op.where(), specs[t])  # [b, s, heads, d]: heads
+    qkv = [op for op in graph.ops if op.primitive == "dot_general" and op.phase == "forward"
+           and op.scope.endswith("attn/qkv")]
+    assert qkv and all(specs[op.outputs[0]].dims == ((), ("x",), ()) for op in qkv)  # [b, s, 3h]: sequence
+    assert any(k.startswith("all_to_all") for k in plan.collective_counts), plan.collective_counts
