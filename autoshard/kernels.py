@@ -14,9 +14,11 @@ the call. The planner reads the same rule (``strategies.custom``: a ``custom_par
 call by the flops of what it calls (a registered kernel's, ``register_rule``), on the matmul units when most
 of them are matrix products, and the emitted program runs it per shard.
 
-``custom_partitioning`` has no derivative of its own: for a kernel with a backward pass, make the forward and
-the backward splittable each and join them with ``jax.custom_vjp`` (``examples/gpt.py``'s
-``flash_attention``).
+``custom_partitioning`` has no derivative of its own, so ``splittable`` gives the function one: its backward
+is a second splittable call, of ``backward(*operands, *result_cotangents) -> operand_cotangents`` (by default
+``jax.vjp`` of ``fn``, which runs ``fn``'s forward again inside it, as a recomputed block does), under the
+rule ``operands, results -> operands`` with the same split factors (each must then name a dimension of an
+operand too). ``examples/gpt.py``'s ``flash_attention`` is one such call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -32,16 +35,52 @@ from autoshard.strategies.custom import parse_rule
 Factors = tuple[str, ...]
 
 
-def splittable(fn: Callable[..., Any], sharding_rule: str, *, split: Iterable[str]) -> Callable[..., Any]:
-    """``fn`` run on each device's shard of the ``split`` factors of ``sharding_rule`` (module docstring).
-    ``fn`` takes arrays and returns an array or a tuple of arrays, one per result of the rule."""
+def splittable(fn: Callable[..., Any], sharding_rule: str, *, split: Iterable[str],
+               backward: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """``fn`` run on each device's shard of the ``split`` factors of ``sharding_rule``, differentiable (module
+    docstring). ``fn`` takes arrays and returns an array or a tuple of arrays, one per result of the rule;
+    ``backward`` (default: ``jax.vjp`` of ``fn``) takes the operands and the results' cotangents and returns
+    the operands' cotangents (operands are floating-point arrays)."""
+    ins, outs = parse_rule(sharding_rule)
+    split = frozenset(split)
+    forward = _per_shard(fn, sharding_rule, split)
+    alone = sorted(split - {e for m in ins for e in m})
+    if alone:
+        raise ValueError(f"splittable: split names {alone}, which no operand of {sharding_rule!r} has, so its "
+                         "backward (operands and cotangents -> the operands' cotangents) could not be split "
+                         "along it; leave it out of split")
+    lhs, rhs = (side.strip() for side in sharding_rule.split("->"))
+    if backward is None:
+        def backward(*args: Any) -> Any:
+            primals, cotangents = args[:len(ins)], args[len(ins):]
+            _, pull = jax.vjp(fn, *primals)
+            return pull(tuple(cotangents) if len(outs) > 1 else cotangents[0])
+    grad = _per_shard(backward, f"{lhs}, {rhs} -> {lhs}", split)
+
+    @jax.custom_vjp
+    def call(*args: Any) -> Any:
+        return forward(*args)
+
+    def call_forward(*args: Any) -> tuple[Any, tuple[Any, ...]]:
+        return forward(*args), args
+
+    def call_backward(args: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
+        got = grad(*args, *(cotangent if len(outs) > 1 else (cotangent,)))
+        return tuple(got) if isinstance(got, tuple | list) else (got,)
+
+    call.defvjp(call_forward, call_backward)
+    return call
+
+
+def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]) -> Callable[..., Any]:
+    """``fn`` as a ``custom_partitioning`` call of ``sharding_rule``: run per shard of the ``split`` factors,
+    every other factor need-replication."""
     ins, outs = parse_rule(sharding_rule)
     for m in (*ins, *outs):
         for e in m:
             if not isinstance(e, str) or e.startswith("…"):
                 raise ValueError(f"splittable: the rule {sharding_rule!r} may name plain factors only (no '...' "
                                  "or compound '(a b)' factors); name each dimension")
-    split = frozenset(split)
     in_results = {e for m in outs for e in m}
     wrong = sorted(split - in_results)
     if wrong:

@@ -138,32 +138,10 @@ def _mha(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
                                 interpret=jax.default_backend() != "gpu")
 
 
-def _mha_grad(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array) -> tuple[jax.Array, ...]:
-    return jax.vjp(_mha, q, k, v)[1](d_out)  # the forward kernel again (for its row statistics), then mha's
-
-
 # Each device runs the kernels on its shard of the batch and heads (``autoshard.splittable``: XLA would
-# otherwise gather a compiled kernel's operands and run it whole on every device).
-_QKV = "b q h d, b k h d, b k h d"
-_attend = autoshard.splittable(_mha, f"{_QKV} -> b q h d", split=("b", "h"))
-_attend_grad = autoshard.splittable(_mha_grad, f"{_QKV}, b q h d -> b q h d, b k h d, b k h d", split=("b", "h"))
-
-
-@jax.custom_vjp
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """``attention`` through fused kernels (the module docstring): no [seq, seq] array exists."""
-    return _attend(q, k, v)
-
-
-def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    return _attend(q, k, v), (q, k, v)
-
-
-def _flash_backward(saved: tuple[jax.Array, ...], d_out: jax.Array) -> tuple[jax.Array, ...]:
-    return _attend_grad(*saved, d_out)
-
-
-flash_attention.defvjp(_flash_forward, _flash_backward)
+# otherwise gather a compiled kernel's operands and run it whole on every device). Its backward is mha's VJP
+# on the shard, which runs the forward kernel again for its row statistics.
+flash_attention = autoshard.splittable(_mha, "b q h d, b k h d, b k h d -> b q h d", split=("b", "h"))
 
 
 def _causal_pairs(q: tuple[int, ...], k: tuple[int, ...]) -> float:

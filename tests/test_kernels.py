@@ -65,9 +65,38 @@ def test_a_splittable_function_runs_on_each_shard_and_gathers_only_what_it_must(
         assert "all-gather" in compiled or "all-to-all" in compiled
 
 
+def test_a_splittable_function_is_differentiable_on_each_shard() -> None:
+    """Its gradient is a second splittable call (``jax.vjp`` of the function by default, or the backward
+    given), run per shard of the same factors: exact, nothing gathered."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    q, k, v = _qkv()
+    put = NamedSharding(mesh, P("x", None, "y", None))
+    f = autoshard.splittable(_attention, RULE, split=("b", "h"))
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)),
+                   in_shardings=(put, put, put))
+    want = jax.grad(lambda q, k, v: jnp.sum(_attention(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    assert global_rel_error(want, grad(q, k, v)) <= TOL
+    assert "all-gather" not in grad.lower(q, k, v).compile().as_text()
+
+    calls: list[tuple[int, ...]] = []
+
+    def backward(x: jax.Array, g: jax.Array) -> jax.Array:
+        calls.append(x.shape)
+        return g * jnp.cos(x)
+
+    sine = autoshard.splittable(jnp.sin, "b d -> b d", split=("b",), backward=backward)
+    x = jax.random.normal(jax.random.key(3), (8, 16))
+    rows = NamedSharding(mesh, P(("x", "y"), None))
+    got = jax.jit(jax.grad(lambda x: jnp.sum(sine(x))), in_shardings=(rows,))(x)
+    assert global_rel_error(jnp.cos(x), got) <= TOL
+    assert (1, 16) in calls, calls  # the given backward ran on each device's row
+
+
 def test_splittable_refuses_what_it_cannot_honour() -> None:
     with pytest.raises(ValueError, match="no result"):
         autoshard.splittable(_attention, "b q h d, b k h d, b k h d -> b q h", split=("d",))
+    with pytest.raises(ValueError, match="no operand"):  # its backward could not be split along "r"
+        autoshard.splittable(lambda x: x[None], "b d -> r b d", split=("r",))
     with pytest.raises(ValueError, match="plain factors"):
         autoshard.splittable(_attention, "... q d, ... k d, ... k d -> ... q d", split=("q",))
 
@@ -75,11 +104,7 @@ def test_splittable_refuses_what_it_cannot_honour() -> None:
 def test_the_planner_splits_a_splittable_call_only_along_its_split_factors_and_prices_its_products() -> None:
     """The call's candidates come from its rule (the sequence and head_dim stay whole); a body of matrix
     products is priced at the matmul rate and counts as model flops."""
-    forward = autoshard.splittable(_attention, RULE, split=("b", "h"))
-    backward = autoshard.splittable(lambda q, k, v, g: jax.vjp(_attention, q, k, v)[1](g),
-                                    f"{RULE.split(' ->')[0]}, b q h d -> b q h d, b k h d, b k h d", split=("b", "h"))
-    f = jax.custom_vjp(forward)  # custom_partitioning has no derivative: the example's pattern
-    f.defvjp(lambda q, k, v: (forward(q, k, v), (q, k, v)), lambda saved, g: backward(*saved, g))
+    f = autoshard.splittable(_attention, RULE, split=("b", "h"))  # differentiable: a second call backward
 
     def step(w: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         def loss(w: jax.Array) -> jax.Array:
