@@ -41,6 +41,7 @@ class Priced:
     plan: Plan | None
     sub: Any
     reduce: float = 0.0  # seconds to reduce the pending sums it returns, once (not counted in ``time``)
+    held: float | None = None  # bytes of activations kept into the backward pass, once (``Plan.held_memory``)
 
     @property
     def feasible(self) -> bool:
@@ -115,7 +116,7 @@ def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, b
     # the plan's predicted time counts the reduction of the pending sums it returns once, in full
     # (``readback.issued``), whatever weight the solve gave it: all of it comes off the time per call
     reduce = output_reduction(sub.graph, plan, cost)
-    return Priced(plan.predicted_step_time - reduce, plan.peak_memory, plan, sub, reduce)
+    return Priced(plan.predicted_step_time - reduce, plan.peak_memory, plan, sub, reduce, plan.held_memory)
 
 
 def output_reduction(graph: Graph, plan: Plan, cost: CostModel) -> float:
@@ -321,6 +322,9 @@ class LayerPrices:
     solves: int
     distinct: int
     parts: tuple[tuple[Part, ...], ...] = ()  # [layer][shape]: the plans behind the prices
+    # [layer, shape]: bytes a microbatch's pass needs beyond its held activations (a recomputed block's
+    # values, the backward's temporaries), which a stage needs for one layer at a time; None: none apart
+    micro_transient: np.ndarray | None = None
 
 
 def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
@@ -367,6 +371,7 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     seconds = {sig: max(SHARES.min_layer_seconds, time_budget_s * x / sum(frac.values()) / max(1, 2 * num_shapes))
                for sig, x in frac.items()}
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
+    transient = np.zeros((num_layers, num_shapes))
     cache: dict[tuple[str, int], tuple[Part, float]] = {}
     planned_on: dict[str, int] = {}  # signature -> the layer its plans were made on
     parts: list[list[Part | None]] = [[None] * num_shapes for _ in range(num_layers)]
@@ -395,6 +400,19 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
                 cache[key] = (part, weight)
             part, weight = cache[key]
             parts[ell][m] = part
-            out[0][ell, m], out[1][ell, m] = part.micro.time, part.micro.memory / weight
-            out[2][ell, m], out[3][ell, m] = part.once, part.update.memory
-    return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts))
+            out[0][ell, m], out[2][ell, m], out[3][ell, m] = part.micro.time, part.once, part.update.memory
+            out[1][ell, m], transient[ell, m] = held_and_transient(part.micro, weight)
+    return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts),
+                       micro_transient=transient)
+
+
+def held_and_transient(micro: Priced, weight: float) -> tuple[float, float]:
+    """(bytes a microbatch in flight holds, bytes its pass needs besides, for one layer at a time) of a
+    layer's microbatch plan made with its activations counted ``weight`` times: ``a`` = the plan's held
+    activations and ``τ = peak − weight·a``; a plan that does not say (or did not fit) ``(peak / weight, 0)``.
+    A stage of layers ``i..j`` holding ``h`` microbatches then needs ``Σ static + h·Σ a + max τ``
+    (``stages``), where the per-layer peaks summed counted every layer's temporaries at once (GPT-39B as
+    one stage of 48 blocks: 245 GB)."""
+    if micro.held is None or not math.isfinite(micro.memory):
+        return micro.memory / weight, 0.0
+    return micro.held, max(0.0, micro.memory - weight * micro.held)

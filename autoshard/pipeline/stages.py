@@ -11,12 +11,16 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    its pending-sum results weighted ``1/B`` (the trade-off it really faces), and the reduction's price
    ``R(ℓ, m)`` is split off the microbatch time and paid once per step beside the update ``U(ℓ, m)``.
    Layers with the same op signature (a stack of identical blocks) are planned once per shape. The stage
-   tables of ``solvers.inter_op`` are then additive over layers:
+   tables of ``solvers.inter_op`` are then sums over layers (and a maximum):
 
        t[i, j, m] = Σ_{ℓ=i..j} T_micro(ℓ, m) + 2·X(i) / (n_m·β)      (forward activations in, cotangents out)
        u[i, j, m] = Σ_{ℓ=i..j} (R(ℓ, m) + U(ℓ, m))                   (once per step: reduce, then update)
-       σ[i, j, m] = Σ_{ℓ=i..j} M_update(ℓ, m)                        (parameters, gradients, optimizer state)
+       σ[i, j, m] = Σ_{ℓ=i..j} M_update(ℓ, m) + max_{ℓ=i..j} τ(ℓ, m)  (parameters, gradients, optimizer state;
+                                                                       the largest pass's temporaries)
        α[i, j, m] = Σ_{ℓ=i..j} M_micro(ℓ, m)                         (one microbatch in flight)
+
+   with ``M_micro`` a layer's held activations and ``τ`` what its pass needs besides, one layer at a time
+   (``layer_prices.held_and_transient``);
 
    where ``X(i)`` is the bytes live across the cut before layer ``i``, ``β`` the bandwidth of the
    mesh's slowest link and ``n_m`` the devices of shape ``m``: every device sends and receives its own
@@ -262,7 +266,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         for attempt in range(MAX_RECUTS + 1):
             problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=stage_time,
                                      num_microbatches=num_microbatches, submeshes=submeshes,
-                                     static_memory=_range_sums(prices.update_memory),
+                                     static_memory=_static_memory(prices),
                                      activation_memory=_range_sums(prices.micro_memory),
                                      memory_limit=memory_budget, inflight=inflight, max_stages=limit)
             try:
@@ -452,7 +456,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     (``_plan_pipeline``)."""
     tags, span = _block_spans(graph, parts, layer_of_op)
     K, layers = len(tags), stage_time.shape[0]
-    static, active = _range_sums(prices.update_memory), _range_sums(prices.micro_memory)
+    static, active = _static_memory(prices), _range_sums(prices.micro_memory)
     best: _UniformCut | None = None
     tried: list[str] = []
     for m, shape in enumerate(submeshes):
@@ -777,6 +781,25 @@ def _bytes_into_layers(graph: Graph, parts: Any, layer_of_op: Sequence[int], lay
         if b != a:
             into[b] = cut[k - 1]
     return into
+
+
+def _static_memory(prices: Any) -> np.ndarray:
+    """``σ[i, j, m]``: the bytes a stage of layers ``i..j`` on option ``m`` holds whatever its microbatches in
+    flight: its layers' update parts (parameters, gradients, optimizer state) and the largest of their
+    microbatch passes' transients (``layer_prices.held_and_transient``: a stage runs one layer at a time)."""
+    static = _range_sums(prices.update_memory)
+    if prices.micro_transient is not None:
+        static = static + _range_maxima(prices.micro_transient)
+    return static
+
+
+def _range_maxima(per_layer: np.ndarray) -> np.ndarray:
+    """``out[i, j, m] = max_{ℓ=i..j} per_layer[ℓ, m]`` (0 where ``j < i``)."""
+    layers, shapes = per_layer.shape
+    out = np.zeros((layers, layers, shapes))
+    for i in range(layers):
+        out[i, i:] = np.maximum.accumulate(per_layer[i:], axis=0)
+    return out
 
 
 def _range_sums(per_layer: np.ndarray) -> np.ndarray:

@@ -143,6 +143,9 @@ class BuiltProblem:
     activation_weight: float = 1.0
     gradients: frozenset[TensorKey] = frozenset()  # gradient tensors (module docstring), top level only
     combine: int = 1  # how many gradient all-reduces XLA issues as one (the parameters the step reads)
+    # nodes holding an activation from the forward into the backward pass (``_Build.stashed``): what the
+    # activation weight multiplies
+    stashed: frozenset[int] = frozenset()
 
     def combine_of(self, key: TensorKey) -> int:
         """How many all-reduces a reduction of tensor ``key``'s pending sum is issued with (1: on its own)."""
@@ -566,7 +569,8 @@ class _Build:
         # emitter builds only each device's part (not a replicated [S, S] iota sliced afterwards).
         hold = MEMORY_TIE_BREAK / self.cost.memory_bandwidth
         w = self.activation_weight
-        memory = [n.memory * w if w != 1.0 and self.stashed(n) else n.memory for n in self.nodes]
+        stashed = frozenset(i for i, n in enumerate(self.nodes) if self.stashed(n))
+        memory = [n.memory * w if w != 1.0 and i in stashed else n.memory for i, n in enumerate(self.nodes)]
         problem = IntraOpProblem(
             node_costs=[n.cost + hold * (m + self.made_bytes(n)) for n, m in zip(self.nodes, memory, strict=True)],
             node_memory=memory,
@@ -576,7 +580,7 @@ class _Build:
             node_names=[self.label(n) for n in self.nodes],
         )
         return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
-                            self.activation_weight, self.gradients, self.combine)
+                            self.activation_weight, self.gradients, self.combine, stashed)
 
     def created_sums(self, v: int) -> list[tuple[frozenset[str], float]]:
         """Per strategy of node ``v``: the mesh axes over which it makes a pending sum of gradients that is

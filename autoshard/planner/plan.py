@@ -123,6 +123,9 @@ class Plan:
     recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # 3x the step's forward matmul flops and their peak (``planner.utilization``); None: not recorded
     model_flops: ModelFlops | None = None
+    # bytes per device of the activations kept from the forward into the backward pass, counted once (the
+    # peak counts them as many times as the plan's activation weight); None: not recorded (not saved)
+    held_memory: float | None = None
 
     @property
     def mfu(self) -> float | None:

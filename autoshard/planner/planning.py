@@ -164,6 +164,7 @@ def plan_graph(
         time_breakdown=breakdown,
         predicted_step_time=math.fsum(v for k, v in breakdown.items() if k != "resharding"),
         peak_memory=readback.peak_memory_of(built, sol.choice),
+        held_memory=readback.held_memory_of(built, sol.choice),
         solver=report,
         versions=versions(),
         collective_counts=readback.collective_counts(built, sol.choice, cost),

@@ -129,6 +129,12 @@ def peak_memory_of(built: BuiltProblem, choice: Sequence[int] | np.ndarray) -> f
     return float(usage.max()) if usage.size else 0.0
 
 
+def held_memory_of(built: BuiltProblem, choice: Sequence[int] | np.ndarray) -> float:
+    """Bytes per device of the activations kept from the forward into the backward pass under ``choice``,
+    counted once (what ``activation_weight`` multiplies in the peak)."""
+    return float(sum(built.nodes[i].memory[int(choice[i])] for i in built.stashed))
+
+
 def memory_at_peak(built: BuiltProblem, choice: Sequence[int] | np.ndarray, top: int = 3
                    ) -> tuple[float, int, list[tuple[str, float]]]:
     """(peak bytes, time step of the peak, the ``top`` largest nodes live there with their bytes)."""
