@@ -89,30 +89,15 @@ def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]
     order = [e for m in (*ins, *outs) for e in m]
     keep = tuple(dict.fromkeys(e for e in order if e not in split))  # sorted by first use, as Shardy wants
 
-    def from_results(mesh: Any, results: Sequence[Any]) -> tuple[list[NamedSharding], list[NamedSharding]]:
-        """Operand and result shardings that agree factor by factor, from the results' (split factors only)."""
-        axes: dict[str, Any] = {}
-        for m, r in zip(outs, results, strict=True):
-            spec = tuple(getattr(r.sharding, "spec", ())) + (None,) * len(m)
-            for e, a in zip(m, spec, strict=False):
-                if e in split and a is not None:
-                    axes.setdefault(e, a)
-        return _shardings(mesh, ins, axes), _shardings(mesh, outs, axes)
-
     def partition(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[Any, ...]:
-        results = _leaves(result_shape)
-        args, res = from_results(mesh, results)
+        # operand and result shardings that agree factor by factor, from the results' split factors
+        axes = _split_axes(outs, _leaves(result_shape), split)
+        res = _shardings(mesh, outs, axes)
         out = tuple(res) if isinstance(result_shape, tuple | list) else res[0]
-        return mesh, fn, out, tuple(args)
+        return mesh, fn, out, tuple(_shardings(mesh, ins, axes))
 
     def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
-        axes: dict[str, Any] = {}
-        for m, a in zip(ins, arg_shapes, strict=True):
-            spec = tuple(getattr(a.sharding, "spec", ())) + (None,) * len(m)
-            for e, ax in zip(m, spec, strict=False):
-                if e in split and ax is not None:
-                    axes.setdefault(e, ax)
-        res = _shardings(mesh, outs, axes)
+        res = _shardings(mesh, outs, _split_axes(ins, arg_shapes, split))
         return tuple(res) if isinstance(result_shape, tuple | list) else res[0]
 
     wrapped = custom_partitioning(fn)
@@ -123,6 +108,18 @@ def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]
 
 def _leaves(tree: Any) -> list[Any]:
     return list(tree) if isinstance(tree, tuple | list) else [tree]
+
+
+def _split_axes(mappings: Sequence[Factors], shaped: Sequence[Any], split: frozenset[str]) -> dict[str, Any]:
+    """Split factor -> the mesh axes the first of ``shaped`` (arrays with shardings, one per mapping) to split
+    a dimension it names is split over."""
+    axes: dict[str, Any] = {}
+    for m, x in zip(mappings, shaped, strict=True):
+        spec = tuple(getattr(x.sharding, "spec", ())) + (None,) * len(m)
+        for e, a in zip(m, spec, strict=False):
+            if e in split and a is not None:
+                axes.setdefault(e, a)
+    return axes
 
 
 def _shardings(mesh: Any, mappings: Sequence[Factors], axes: dict[str, Any]) -> list[NamedSharding]:

@@ -162,15 +162,21 @@ def test_pipeline_plan_round_trips_and_explains_itself(gpt_micro, tmp_path: Path
         plan_pipeline(g, cost, num_microbatches=4, stage_shape=(1, 3))
 
 
+def _four_layers(g: autoshard.Graph) -> tuple[list[list[int]], list[list[int]]]:
+    """The microbatched and the update op ids of each of ``g``'s 4 layers."""
+    parts = split_step(g)
+    layer_of = assign_layers(g, parts, 4)
+    micro = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] != UPDATE] for ell in range(4)]
+    update = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] == UPDATE] for ell in range(4)]
+    return micro, update
+
+
 def test_a_stage_of_layers_holds_what_their_plans_joined_hold(gpt_micro) -> None:
     # the check behind the DP's re-cut (stages._ComposedMemory): one layer joined alone holds what its
     # own plan reported, and a stage of two layers at least as much as its larger layer
     _, _, g = gpt_micro
     cost = cost_model_for("h100", (2, 4), ("x", "y"))
-    parts = split_step(g)
-    layer_of = assign_layers(g, parts, 4)
-    micro = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] != UPDATE] for ell in range(4)]
-    update = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] == UPDATE] for ell in range(4)]
+    micro, update = _four_layers(g)
     costs = [submesh_cost(cost, (1, 4))]
     # one microbatch in flight everywhere, so every layer was planned with its activations counted once
     prices = price_layers(g, micro, update, costs, "h100", None, 2.0, (1, 1), 8, num_microbatches=4)
@@ -188,10 +194,7 @@ def test_a_stage_holds_its_layers_activations_once_per_microbatch_and_one_layers
     as one stage of 48 blocks priced 245 GB)."""
     _, _, g = gpt_micro
     cost = cost_model_for("h100", (2, 4), ("x", "y"))
-    parts = split_step(g)
-    layer_of = assign_layers(g, parts, 4)
-    micro = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] != UPDATE] for ell in range(4)]
-    update = [[o.id for o in g.ops if layer_of[o.id] == ell and parts.kind[o.id] == UPDATE] for ell in range(4)]
+    micro, update = _four_layers(g)
     prices = price_layers(g, micro, update, [submesh_cost(cost, (1, 4))], "h100", None, 2.0, (3, 3), 8,
                           num_microbatches=4)
     transient = prices.micro_transient
