@@ -38,6 +38,7 @@ from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import plan_pipeline_recomputing
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
+from autoshard.planner.beside import Beside, can_fork
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import (
@@ -191,17 +192,18 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     # no microbatch count given: a step cramped unpipelined (``_cramped``) is also pipelined, with a count the
     # planner picks (``pipeline.microbatches``), and the faster plan kept
     auto = options.microbatches is None and options.pipeline is not False and not isinstance(step_fn, Graph)
-    if (auto and options.pipeline is None and left is None and recompute == "auto" and budget is not None
-            and need("none") > budget):
+    speculate = (auto and options.pipeline is None and left is None and recompute == "auto"
+                 and budget is not None and need("none") > budget)
+    if speculate:
         # the step cannot fit as traced, so an intra-operator plan fits only by recomputing, is cramped, and a
         # pipeline is planned beside it: the two share the default budget (GPT-39B on 8x8: the intra plan's
         # 60 s of solving left the pipeline, which wins, to finish at 146 s)
         intra_s = SHARES.intra_with_pipeline * 2 * SHARES.auto_seconds(len(graph.ops))
-    if not options.pipeline:
+    def settle(get: Callable[[], tuple[Plan, Graph]]) -> None:
+        """The intra-operator plan and its graph from ``get``, or the error that keeps a pipeline the only way."""
+        nonlocal intra, intra_error, graph
         try:
-            intra, planned = plan_recomputing(graph, cost, recompute=recompute, hardware=target.hardware,
-                                              memory_budget=budget, time_budget_s=intra_s, includes_build=True)
-            graph = planned
+            intra, graph = get()
         except PlanError as e:
             if not options.planned and not auto:
                 raise
@@ -209,6 +211,24 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         if intra is not None:
             intra = dataclasses.replace(intra, solver=dataclasses.replace(intra.solver, trace_seconds=t_trace))
             _warn_if_far_from_bound(intra)
+
+    def intra_plan() -> tuple[Plan, Graph]:
+        return plan_recomputing(as_traced, cost, recompute=recompute, hardware=target.hardware,
+                                memory_budget=budget, time_budget_s=intra_s, includes_build=True)
+
+    pending: Beside[Plan] | None = None  # the intra-operator plan, made on another core beside the pipeline's
+    if not options.pipeline:
+        if speculate and len(graph.ops) >= BESIDE_MIN_OPS and not isinstance(step_fn, Graph) and can_fork():
+            # both plans are certain (the step cannot fit as traced, so the intra-operator plan recomputes and
+            # is cramped) and independent until the faster is chosen: the intra-operator plan is made in a
+            # forked process while this one searches the pipelines (GPT-39B on 8x8: ~45 s of each), given the
+            # budget the search gets (no longer a share of one budget between them)
+            intra_s = SHARES.auto_seconds(len(graph.ops))
+            pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan")
+            log.info("autoshard: planning the intra-operator plan in process %s, beside the pipeline search",
+                     pending.pid)
+        else:
+            settle(intra_plan)
     if not options.planned and intra is not None and not (auto and _cramped(intra, recompute, budget)):
         return intra, graph, None
     if isinstance(step_fn, Graph):
@@ -268,22 +288,38 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         traced[id(the_plan)] = planned_graph
         return the_plan
 
-    counts = ([options.microbatches] if options.microbatches else
-              microbatch_candidates(batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
-                                    activations=_activations(need, intra, intra_error)))
-    if not counts:
-        if intra is not None:
-            return intra, graph, None
-        assert intra_error is not None
-        raise intra_error
-    if pipe_s is None and len(counts) > 1:  # the search shares one budget, as one pipeline plan would have
-        pipe_s = SHARES.auto_seconds(len(graph.ops))
-    t_search = time.perf_counter()
-    piped, tried = search_microbatches(counts, plan_one, pipe_s, time.perf_counter)
-    if piped is not None and not options.microbatches:
-        piped = _try_interleaving(piped, plan_one, batch_rows(graph), options,
-                                  None if time_budget_s is None else pipe_s - (time.perf_counter() - t_search),
-                                  time.perf_counter() - t_search)
+    def collect() -> None:
+        """The intra-operator plan made beside, once the pipelines are searched: its graph is rewritten here
+        with its recompute (``trace.remat`` again, pure: the graph the child planned)."""
+        if pending is not None:
+            settle(lambda: (p := pending.result(), recomputed(as_traced, p.recompute)))
+
+    try:
+        # made beside, the intra-operator plan recomputes when it exists (``speculate``): ``need("none")`` is
+        # what ``_activations`` returns for it
+        counts = ([options.microbatches] if options.microbatches else
+                  microbatch_candidates(batch_rows(graph), cluster_of(cost.mesh)[0], budget=budget,
+                                        activations=(need("none") if pending is not None else
+                                                     _activations(need, intra, intra_error))))
+        if not counts:
+            collect()
+            if intra is not None:
+                return intra, graph, None
+            assert intra_error is not None
+            raise intra_error
+        if pipe_s is None and len(counts) > 1:  # the search shares one budget, as one pipeline plan would have
+            pipe_s = SHARES.auto_seconds(len(graph.ops))
+        t_search = time.perf_counter()
+        piped, tried = search_microbatches(counts, plan_one, pipe_s, time.perf_counter)
+        if piped is not None and not options.microbatches:
+            piped = _try_interleaving(piped, plan_one, batch_rows(graph), options,
+                                      None if time_budget_s is None else pipe_s - (time.perf_counter() - t_search),
+                                      time.perf_counter() - t_search)
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    collect()
     if piped is None:
         e: Exception = tried[-1][1] if tried else PlanningError("no time left to plan a pipeline")
         if not options.microbatches:
@@ -313,6 +349,8 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     return dataclasses.replace(piped, solver=dataclasses.replace(piped.solver, intra_op_step_time=other)), graph, micro
 
 
+BESIDE_MIN_OPS = 5000  # a step with fewer ops plans its intra-operator plan first, in this process: forking costs
+# more than it saves when each plan takes a few seconds
 HOST_SHARE = 0.1  # an MPMD plan whose host work is this share of its step is also planned as the SPMD program
 
 

@@ -44,6 +44,9 @@ class DoesNotFit(PlanError):
         self.needed = needed
         self.as_traced = needed if as_traced is None else as_traced
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled whole (``planner.beside`` sends it between processes)
+        return type(self), (str(self), self.needed, self.as_traced)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SolverReport:

@@ -1,0 +1,158 @@
+"""Planning work run beside the caller on a second core, in a forked process.
+
+A plan of a large step has independent parts: the intra-operator plan and the pipeline search both start
+from the traced step and meet only at the end, where the faster wins. Each is Python and single-threaded
+HiGHS, so threads would share one core (the GIL); a forked child runs one of them on another core with
+the traced graph already in its memory (copy-on-write: nothing is pickled on the way in). What comes back
+is pickled: a ``Plan`` (its layouts, no graph), or the error the work raised.
+
+The child is forked from a process with JAX loaded, which JAX warns against (its runtime's threads do not
+survive a fork). The work run here touches no JAX runtime: the planner's passes read the traced graph,
+rewrite it (``trace.remat``, pure) and call HiGHS, single-threaded (``threads=1``). A fork that fails,
+a platform without ``fork``, or a machine whose cores are busy runs the work in the caller instead, when
+its result is asked for: on a busy machine the child would take the caller's time slice and both halves,
+budgeted in wall-clock seconds, would search less.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from autoshard.planner.plan import PlanError
+
+log = logging.getLogger("autoshard")
+
+T = TypeVar("T")
+
+SPARE_CORES = 0.9  # a child is forked only when this many cores are idle, this process's own busy one counted
+# as busy (one-minute load average: a 2-core machine forks at a load up to 1.1, this planner alone)
+
+
+def spare_cores() -> float:
+    """Cores this process may use less the machine's one-minute load average (the caller's own work is part
+    of that load)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return cores - load
+
+
+def can_fork() -> bool:
+    """Whether work may run beside the caller now: ``fork`` exists and ``SPARE_CORES`` cores are idle.
+    ``AUTOSHARD_BESIDE=0`` in the environment turns it off, ``AUTOSHARD_BESIDE=1`` on whatever the load."""
+    setting = os.environ.get("AUTOSHARD_BESIDE", "")
+    if setting == "0" or not hasattr(os, "fork"):
+        return False
+    return setting == "1" or spare_cores() >= SPARE_CORES
+
+
+class Beside(Generic[T]):
+    """``work()`` running in a forked child (``fork=True``) or, with ``fork=False`` or when forking fails, in
+    the caller when ``result()`` is first called. ``result()`` returns its value or raises its error;
+    ``cancel()`` stops a child whose result is no longer wanted."""
+
+    def __init__(self, work: Callable[[], T], *, fork: bool, what: str = "work") -> None:
+        self._work: Callable[[], T] | None = work
+        self._what = what
+        self._pid: int | None = None
+        self._fd: int | None = None
+        self._done: tuple[bool, Any] | None = None
+        if fork:
+            self._start()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id while it runs (None: the work runs, or ran, in the caller)."""
+        return self._pid
+
+    def _start(self) -> None:
+        assert self._work is not None
+        try:
+            read, write = os.pipe()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # JAX's warning that forking a process with JAX is unsafe
+                pid = os.fork()
+        except OSError as e:
+            log.info("autoshard: could not fork to plan the %s beside the rest (%s): planning it after", self._what, e)
+            return
+        if pid == 0:  # the child: run, send the outcome, leave without running the parent's exit handlers
+            os.close(read)
+            code = 0
+            try:
+                try:
+                    outcome: tuple[bool, Any] = (True, self._work())
+                except BaseException as e:  # every error goes back to the caller
+                    outcome = (False, e)
+                try:
+                    data = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as e:
+                    data = pickle.dumps((False, PlanError(
+                        f"the {self._what}, planned in a forked process, could not be sent back "
+                        f"({type(e).__name__}: {e}); set AUTOSHARD_BESIDE=0 to plan it in this process")))
+                with os.fdopen(write, "wb") as f:
+                    f.write(data)
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write)
+        self._pid, self._fd, self._work = pid, read, None
+
+    def result(self) -> T:
+        if self._done is None:
+            if self._pid is None:
+                work, self._work = self._work, None
+                assert work is not None, "result() of a cancelled Beside"
+                try:
+                    self._done = (True, work())
+                except Exception as e:  # kept, to raise again on every call
+                    self._done = (False, e)
+            else:
+                self._done = self._collect()
+        ok, value = self._done
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
+
+    def _collect(self) -> tuple[bool, Any]:
+        assert self._pid is not None and self._fd is not None
+        with os.fdopen(self._fd, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(self._pid, 0)
+        self._pid = self._fd = None
+        if not data:
+            return False, PlanError(f"the {self._what}, planned in a forked process, ended without a result "
+                                    f"(exit status {status}); set AUTOSHARD_BESIDE=0 to plan it in this process")
+        return pickle.loads(data)  # type: ignore[no-any-return]
+
+    def __del__(self) -> None:  # a child nobody will ask for is stopped, not left blocked on its pipe
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the child, if one runs (its result is dropped)."""
+        if self._pid is not None:
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+                os.waitpid(self._pid, 0)
+            except OSError:
+                pass
+            if self._fd is not None:
+                os.close(self._fd)
+            self._pid = self._fd = None
+        self._work = None
