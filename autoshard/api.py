@@ -224,7 +224,8 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             # forked process while this one searches the pipelines (GPT-39B on 8x8: ~45 s of each), given the
             # budget the search gets (no longer a share of one budget between them)
             intra_s = SHARES.auto_seconds(len(graph.ops))
-            pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan")
+            pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan",
+                             patience=2 * intra_s + 30)  # a child stuck on a lock is planned again here
             log.info("autoshard: planning the intra-operator plan in process %s, beside the pipeline search",
                      pending.pid)
         else:

@@ -63,6 +63,24 @@ def test_cancel_stops_the_child() -> None:
         os.kill(pid, 0)  # reaped, gone
 
 
+def test_a_child_that_sends_nothing_in_time_is_stopped_and_the_work_runs_here(caplog) -> None:
+    def work() -> int:
+        if os.getpid() != parent:
+            time.sleep(60)  # stuck, as on a lock another thread held at the fork
+        return os.getpid()
+
+    parent = os.getpid()
+    job = Beside(work, fork=True, what="intra-operator plan", patience=0.5)
+    child = job.pid
+    with caplog.at_level("WARNING", logger="autoshard"):
+        assert job.result() == parent
+    assert "sent nothing in the time it was given" in caplog.text and job.pid is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    slow = Beside(lambda: (time.sleep(1.0), os.getpid())[1], fork=True, patience=30)
+    assert slow.result() != parent  # in time: the child's
+
+
 def test_forking_follows_the_setting_and_the_idle_cores(monkeypatch) -> None:
     monkeypatch.setenv("AUTOSHARD_BESIDE", "0")
     assert not beside.can_fork()

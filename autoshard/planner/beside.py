@@ -8,7 +8,10 @@ is pickled: a ``Plan`` (its layouts, no graph), or the error the work raised.
 
 The child is forked from a process with JAX loaded, which JAX warns against (its runtime's threads do not
 survive a fork). The work run here touches no JAX runtime: the planner's passes read the traced graph,
-rewrite it (``trace.remat``, pure) and call HiGHS, single-threaded (``threads=1``). A fork that fails,
+rewrite it (``trace.remat``, pure; its barrier equations come from ``jax.make_jaxpr`` on abstract values,
+which traces and runs nothing) and call HiGHS, single-threaded (``threads=1``). Should a child still hang
+(a lock another thread held at the fork), the caller stops it once its patience runs out and does the
+work itself (``Beside(patience=...)``). A fork that fails,
 a platform without ``fork``, or a machine whose cores are busy runs the work in the caller instead, when
 its result is asked for: on a busy machine the child would take the caller's time slice and both halves,
 budgeted in wall-clock seconds, would search less.
@@ -19,8 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -61,11 +66,15 @@ def can_fork() -> bool:
 class Beside(Generic[T]):
     """``work()`` running in a forked child (``fork=True``) or, with ``fork=False`` or when forking fails, in
     the caller when ``result()`` is first called. ``result()`` returns its value or raises its error;
-    ``cancel()`` stops a child whose result is no longer wanted."""
+    ``cancel()`` stops a child whose result is no longer wanted. ``patience``: seconds from the fork after
+    which a child that has sent nothing is taken for stuck (a lock some other thread held when it was
+    forked), stopped, and the work run in the caller instead, with a warning (None: wait for it)."""
 
-    def __init__(self, work: Callable[[], T], *, fork: bool, what: str = "work") -> None:
+    def __init__(self, work: Callable[[], T], *, fork: bool, what: str = "work",
+                 patience: float | None = None) -> None:
         self._work: Callable[[], T] | None = work
         self._what = what
+        self._deadline = None if patience is None else time.monotonic() + patience
         self._pid: int | None = None
         self._fd: int | None = None
         self._done: tuple[bool, Any] | None = None
@@ -112,28 +121,43 @@ class Beside(Generic[T]):
             finally:
                 os._exit(code)
         os.close(write)
-        self._pid, self._fd, self._work = pid, read, None
+        self._pid, self._fd = pid, read
 
     def result(self) -> T:
         if self._done is None:
-            if self._pid is None:
+            if self._pid is not None:
+                self._done = self._collect()
+            if self._done is None:  # never forked, or the child was stopped: the work runs here
                 work, self._work = self._work, None
                 assert work is not None, "result() of a cancelled Beside"
                 try:
                     self._done = (True, work())
                 except Exception as e:  # kept, to raise again on every call
                     self._done = (False, e)
-            else:
-                self._done = self._collect()
+            self._work = None
         ok, value = self._done
         if ok:
             return value  # type: ignore[no-any-return]
         raise value
 
-    def _collect(self) -> tuple[bool, Any]:
+    def _collect(self) -> tuple[bool, Any] | None:
+        """The child's outcome, or None when it sent nothing before the deadline (it is stopped)."""
         assert self._pid is not None and self._fd is not None
-        with os.fdopen(self._fd, "rb") as f:
-            data = f.read()
+        chunks: list[bytes] = []
+        while True:
+            wait = None if self._deadline is None or chunks else max(self._deadline - time.monotonic(), 0.0)
+            ready, _, _ = select.select([self._fd], [], [], wait)
+            if not ready:
+                log.warning("autoshard: the %s, planned in process %d, sent nothing in the time it was given: "
+                            "stopped, and planned in this process instead", self._what, self._pid)
+                self.cancel(keep_work=True)
+                return None
+            chunk = os.read(self._fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        os.close(self._fd)
         _, status = os.waitpid(self._pid, 0)
         self._pid = self._fd = None
         if not data:
@@ -144,8 +168,8 @@ class Beside(Generic[T]):
     def __del__(self) -> None:  # a child nobody will ask for is stopped, not left blocked on its pipe
         self.cancel()
 
-    def cancel(self) -> None:
-        """Stop the child, if one runs (its result is dropped)."""
+    def cancel(self, keep_work: bool = False) -> None:
+        """Stop the child, if one runs (its result is dropped; ``keep_work``: to run the work here)."""
         if self._pid is not None:
             try:
                 os.kill(self._pid, signal.SIGKILL)
@@ -155,4 +179,5 @@ class Beside(Generic[T]):
             if self._fd is not None:
                 os.close(self._fd)
             self._pid = self._fd = None
-        self._work = None
+        if not keep_work:
+            self._work = None
