@@ -72,9 +72,10 @@ def check_recompute(recompute: str) -> str:
     return recompute
 
 
-def recomputed(graph: Graph, modes: dict[str, str] | Any) -> Graph:
-    """``graph`` with a plan's recompute applied (``Plan.recompute``), or ``graph`` itself when none."""
-    return rematerialize(graph, modes) if modes else graph
+def recomputed(graph: Graph, modes: dict[str, str] | Any, level: int = logging.INFO) -> Graph:
+    """``graph`` with a plan's recompute applied (``Plan.recompute``), or ``graph`` itself when none
+    (``level``: of the rewrite's log line)."""
+    return rematerialize(graph, modes, level=level) if modes else graph
 
 
 def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", time_budget_s: float | None = None,
@@ -279,7 +280,7 @@ def fewest_blocks(graph: Graph, names: list[str], mode: str, prev: str, limit: f
     seen: dict[int, tuple[float, Graph | None]] = {} if memo is None else memo
 
     def rewrite(k: int) -> Graph:
-        return recomputed(graph, {n: m for n, m in config(k).items() if m != "none"})
+        return recomputed(graph, {n: m for n, m in config(k).items() if m != "none"}, logging.DEBUG)
 
     def f(k: int) -> float:
         if k not in seen:

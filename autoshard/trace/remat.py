@@ -172,10 +172,10 @@ def _read_by_backward(graph: Graph) -> dict[str, set[int]]:
     return out
 
 
-def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
+def rematerialize(graph: Graph, modes: Mapping[str, str], *, level: int = logging.INFO) -> Graph:
     """``graph`` with each block of ``modes`` (block tag -> ``none``/``invariant``/``selective``/``full``)
     recomputed in its backward pass (see the module docstring). Blocks not named, and ``none``, are left as
-    traced."""
+    traced. ``level``: of the log line saying what was rewritten (a search's trial rewrites: DEBUG)."""
     plan = _plan(graph, modes)
     if not plan:
         return graph
@@ -184,8 +184,8 @@ def rematerialize(graph: Graph, modes: Mapping[str, str]) -> Graph:
         out = _Rewrite(graph).run(plan)
     finally:
         gc.unfreeze()
-    log.info("autoshard: recompute: %d blocks replay %d ops in their backward pass", len(plan),
-             sum(len(r) for r, _ in plan.values()))
+    log.log(level, "autoshard: recompute: %s replay %d ops in their backward pass", summary(modes),
+            sum(len(r) for r, _ in plan.values()))
     return out
 
 
