@@ -192,9 +192,11 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     # no microbatch count given: a step cramped unpipelined (``_cramped``) is also pipelined, with a count the
     # planner picks (``pipeline.microbatches``), and the faster plan kept
     auto = options.microbatches is None and options.pipeline is not False and not isinstance(step_fn, Graph)
-    speculate = (auto and options.pipeline is None and left is None and recompute == "auto"
-                 and budget is not None and need("none") > budget)
-    if speculate:
+    # the step cannot fit as traced: an intra-operator plan fits only by recomputing, so it is cramped, and a
+    # pipeline is planned too (both plans are certain)
+    speculate = (auto and options.pipeline is None and recompute == "auto" and budget is not None
+                 and need("none") > budget)
+    if speculate and left is None:
         # the step cannot fit as traced, so an intra-operator plan fits only by recomputing, is cramped, and a
         # pipeline is planned beside it: the two share the default budget (GPT-39B on 8x8: the intra plan's
         # 60 s of solving left the pipeline, which wins, to finish at 146 s)
@@ -222,8 +224,9 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             # both plans are certain (the step cannot fit as traced, so the intra-operator plan recomputes and
             # is cramped) and independent until the faster is chosen: the intra-operator plan is made in a
             # forked process while this one searches the pipelines (GPT-39B on 8x8: ~45 s of each), given the
-            # budget the search gets (no longer a share of one budget between them)
-            intra_s = SHARES.auto_seconds(len(graph.ops))
+            # budget the search gets (no longer a share of one budget between them); with the user's budget,
+            # both get what tracing left of it
+            intra_s = SHARES.auto_seconds(len(graph.ops)) if left is None else left
             pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan",
                              patience=2 * intra_s + 30)  # a child stuck on a lock is planned again here
             log.info("autoshard: planning the intra-operator plan in process %s, beside the pipeline search",

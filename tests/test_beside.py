@@ -95,14 +95,15 @@ def test_forking_follows_the_setting_and_the_idle_cores(monkeypatch) -> None:
     assert not beside.can_fork()
 
 
-@pytest.mark.parametrize("share", [pytest.param(0.75, marks=pytest.mark.slow), 0.5])  # 30 s and 4 s
+@pytest.mark.parametrize(("share", "seconds"), [pytest.param(0.75, None, marks=pytest.mark.slow), (0.5, None),
+                                               (0.5, 60.0)])  # 30 s, 4 s and 4 s
 def test_the_intra_operator_plan_made_beside_the_pipeline_search_is_the_one_made_in_process(
-        share: float, monkeypatch, caplog) -> None:
-    """A step that cannot fit as traced, with no time budget given: both plans are certain, and the
-    intra-operator one is made in a forked process while the pipelines are searched. What comes back (a
-    tiny GPT on 2 devices, solved to optimality either way) is what this process makes: the same plan, or,
-    at a budget no intra-operator plan meets, the same error beside the pipeline; and the graph returned
-    is the plan's recompute's rewrite."""
+        share: float, seconds: float | None, monkeypatch, caplog) -> None:
+    """A step that cannot fit as traced: both plans are certain, and the intra-operator one is made in a
+    forked process while the pipelines are searched (with or without the user's time budget). What comes
+    back (a tiny GPT on 2 devices, solved to optimality either way) is what this process makes: the same
+    plan, or, at a memory budget no intra-operator plan meets, the same error beside the pipeline; and the
+    graph returned is the plan's recompute's rewrite."""
     from pathlib import Path
 
     import autoshard
@@ -126,7 +127,7 @@ def test_the_intra_operator_plan_made_beside_the_pipeline_search_is_the_one_made
         monkeypatch.setenv("AUTOSHARD_BESIDE", setting)
         with caplog.at_level("INFO", logger="autoshard"):
             caplog.clear()
-            made[setting] = api.plan_for(fn, args, target, PipelineOptions(), time_budget_s=None, traced=graph)
+            made[setting] = api.plan_for(fn, args, target, PipelineOptions(), time_budget_s=seconds, traced=graph)
         assert ("beside the pipeline search" in caplog.text) == (setting == "1")
     (inline, inline_graph, _), (forked, forked_graph, _) = made["0"], made["1"]
     assert type(forked) is type(inline) and forked.predicted_step_time == inline.predicted_step_time
