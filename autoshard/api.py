@@ -220,15 +220,20 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
 
     pending: Beside[Plan] | None = None  # the intra-operator plan, made on another core beside the pipeline's
     if not options.pipeline:
-        if speculate and len(graph.ops) >= BESIDE_MIN_OPS and not isinstance(step_fn, Graph) and can_fork():
-            # both plans are certain (the step cannot fit as traced, so the intra-operator plan recomputes and
-            # is cramped) and independent until the faster is chosen: the intra-operator plan is made in a
-            # forked process while this one searches the pipelines (GPT-39B on 8x8: ~45 s of each), given the
-            # budget the search gets (no longer a share of one budget between them); with the user's budget,
-            # both get what tracing left of it
-            intra_s = SHARES.auto_seconds(len(graph.ops)) if left is None else left
-            pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan",
-                             patience=2 * intra_s + 30)  # a child stuck on a lock is planned again here
+        both = speculate or (options.planned and options.pipeline is None)  # microbatches given: both planned
+        if both and len(graph.ops) >= BESIDE_MIN_OPS and not isinstance(step_fn, Graph) and can_fork():
+            # both plans are certain (asked for, or the step cannot fit as traced, so the intra-operator plan
+            # recomputes and is cramped) and independent until the faster is chosen: the intra-operator plan
+            # is made in a forked process while this one plans the pipelines (GPT-39B on 8x8: ~45 s of each),
+            # given the budget the search gets (no longer a share of one budget between them); with the
+            # user's budget, both get what tracing left of it
+            if left is not None:
+                intra_s = left
+            elif speculate:
+                intra_s = SHARES.auto_seconds(len(graph.ops))
+            # a child stuck (on a lock another thread held at the fork) is stopped after twice its budget
+            patience = 2 * (intra_s or SHARES.auto_seconds(len(graph.ops))) + 30
+            pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan", patience=patience)
             log.info("autoshard: planning the intra-operator plan in process %s, beside the pipeline search",
                      pending.pid)
         else:
