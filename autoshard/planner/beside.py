@@ -11,10 +11,10 @@ survive a fork). The work run here touches no JAX runtime: the planner's passes 
 rewrite it (``trace.remat``, pure; its barrier equations come from ``jax.make_jaxpr`` on abstract values,
 which traces and runs nothing) and call HiGHS, single-threaded (``threads=1``). Should a child still hang
 (a lock another thread held at the fork), the caller stops it once its patience runs out and does the
-work itself (``Beside(patience=...)``). A fork that fails,
-a platform without ``fork``, or a machine whose cores are busy runs the work in the caller instead, when
-its result is asked for: on a busy machine the child would take the caller's time slice and both halves,
-budgeted in wall-clock seconds, would search less.
+work itself (``Beside(patience=...)``). A fork that fails, a platform other than Linux, or a machine whose
+cores are busy runs the work in the caller instead, when its result is asked for: on a busy machine the
+child would take the caller's time slice and both halves, budgeted in wall-clock seconds, would search
+less.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ def spare_cores() -> float:
 
 
 def can_fork() -> bool:
-    """Whether work may run beside the caller now: ``fork`` exists and ``SPARE_CORES`` cores are idle.
+    """Whether work may run beside the caller now: on Linux, when ``SPARE_CORES`` cores are idle.
     ``AUTOSHARD_BESIDE=0`` in the environment turns it off, ``AUTOSHARD_BESIDE=1`` on whatever the load."""
     setting = os.environ.get("AUTOSHARD_BESIDE", "")
-    if setting == "0" or not hasattr(os, "fork"):
-        return False
+    if setting == "0" or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return False  # macOS: system libraries (Accelerate, which numpy uses) are not safe in a forked child
     return setting == "1" or spare_cores() >= SPARE_CORES
 
 
