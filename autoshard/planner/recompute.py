@@ -32,8 +32,8 @@ memory). Between the first mode that fits, ``m``, and the one before it, a mix i
 first ``k`` blocks and the earlier mode on the rest. The first ``k`` planned is the fewest whose step,
 every value split its furthest, peaks at ``HEADROOM`` of the budget or less (``fewest_blocks``: the
 layouts a fast plan wants hold more than the least, and the solver needs room to choose them): GPT-39B
-bf16 at batch 1024 on 8x8 H100s, where selective recompute cannot fit, plans full recompute on 32 of its
-48 blocks and selective on 16 (8.717 s a step, 71.8 of 72 GB) where full on all of them took 9.241 s.
+bf16 at batch 1024 on 8x8 H100s, where selective recompute cannot fit, plans full recompute on 30 of its
+48 blocks and selective on 18 (8.658 s a step, 66.9 of 67.1 GiB) where full on all of them took 9.241 s.
 When that mix does not fit, ``m`` on every block is planned. Then, with the time budget's remainder,
 fewer blocks are searched (``_fewer_blocks``).
 
@@ -187,12 +187,12 @@ def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, pr
     modes.
 
     With ``T(k)`` the optimal step time of the step so rewritten (``+inf`` when nothing fits; ``T(k_1)``
-    is ``every``'s), ``k`` is searched in ``[k_0, k_1]``: ``k_0`` the fewest blocks whose rewrite passes
-    the least-bytes bound (the solver's own least usage; non-increasing in ``k``, so no ``k < k_0`` fits:
-    ``fewest_blocks`` with the budget as the limit). Then a descent that takes ``T`` as unimodal (fewer recomputed blocks do less work until the
-    memory they hold forces slower layouts, then nothing fits): with ``[a, b]`` the interval left and
-    ``b`` the best ``k`` so far, plan ``k = ⌊(a + b)/2⌋``; when it fits and is faster, ``b = k``, else
-    ``a = k + 1``. Each probe starts from the best plan's input layouts and gets the time the all-blocks
+    is ``every``'s), ``k`` is searched in ``[k_0, k_1]``: ``k_0`` a ``k`` whose rewrite passes the
+    least-bytes bound (the solver's own least usage) where ``k_0 - 1``'s does not (``fewest_blocks`` with
+    the budget as the limit). Then a descent that takes ``T`` as unimodal (fewer recomputed blocks do less
+    work until the memory they hold forces slower layouts, then nothing fits): with ``[a, b]`` the interval
+    left and ``b`` the best ``k`` so far, plan ``k = ⌊(a + b)/2⌋``; when it fits and is faster, ``b = k``,
+    else ``a = k + 1``. Each probe starts from the best plan's input layouts and gets the time the all-blocks
     plan took, while the budget (``deadline``) has that much left; with no budget, at most
     ``⌈log2(L + 1)⌉`` probes. The first blocks in forward order recompute: every block's stash is live at
     the peak (the backward pass's start), and the first blocks' replays run last, when most stashes are
@@ -255,10 +255,10 @@ def fewest_blocks(graph: Graph, names: list[str], mode: str, prev: str, limit: f
     backward pass's start, where the peak is), though not strictly: the last block's replay runs as the
     backward pass starts, and can raise the peak a little (the tiny GPT's, selective over none: 2.350 to
     2.380 MB), so the search finds a crossing (``f(k) <= limit < f(k - 1)``), and starts from ``f(L)``:
-    when that misses the limit, ``L`` is returned. The estimate of the step as
-    traced with the modes applied (``estimate(graph, config)``, no rewrite) reads lower (GPT-39B: 54.3
-    against 80.9 GB at 24 blocks; it leaves out what the rewrite's barriers and replays hold), and is used
-    only to bracket: ``k_lo`` = the fewest blocks it lets fit, below which nothing fits. Then regula falsi
+    when that misses the limit, ``L`` is returned. The estimate of the step as traced with the modes
+    applied (``estimate(graph, config)``, no rewrite) reads lower (GPT-39B: 54.3 against 80.9 GB at 24
+    blocks; it leaves out what the rewrite's barriers and replays hold), and is used only to bracket:
+    ``k_lo`` = the fewest blocks it lets fit (checked when probed: below it, from no block). Then regula falsi
     on ``[k_lo, L]`` (the Illinois variant, which halves the weight of an end that stays, so a one-sided
     approach cannot stall), each probe a rewrite (~1.5 s on 48 GPT-39B blocks), until the bracket closes
     or ``deadline`` passes (then the fitting end is returned). ``memo``: ``k`` -> (``f(k)``, the rewrite),
