@@ -94,6 +94,7 @@ def test_forking_follows_the_setting_and_the_idle_cores(monkeypatch) -> None:
     assert beside.can_fork()
     monkeypatch.setattr(beside, "spare_cores", lambda: 0.2)  # the other core busy
     assert not beside.can_fork()
+    assert 1 <= beside.cores() <= (os.cpu_count() or 1)
 
 
 @pytest.mark.parametrize(("share", "seconds", "microbatches"), [

@@ -28,6 +28,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from autoshard.planner.plan import PlanError
@@ -36,22 +37,43 @@ log = logging.getLogger("autoshard")
 
 T = TypeVar("T")
 
-SPARE_CORES = 0.9  # a child is forked only when this many cores are idle, this process's own busy one counted
-# as busy (one-minute load average: a 2-core machine forks at a load up to 1.1, this planner alone)
+SPARE_CORES = 0.5  # a child is forked only when this many cores are idle, this process's own counted as busy
+# (one-minute load average: a 2-core machine forks at a load up to 1.5, which this planner's own core and
+# what is left of a plan made the minute before reach; two busy test workers, 2 and more, do not)
+
+
+def cores() -> float:
+    """The cores this process may use: those it may run on (affinity), capped by its control group's CPU
+    quota where one is set (a container given 2 CPUs of a 64-core host)."""
+    try:
+        n: float = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return min(n, _quota() or n)
+
+
+def _quota() -> float | None:
+    """CPUs of the cgroup's quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), or None."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return int(quota) / int(period) if quota != "max" else None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text()
+        period = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text()
+        return int(quota) / int(period) if int(quota) > 0 and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def spare_cores() -> float:
-    """Cores this process may use less the machine's one-minute load average (the caller's own work is part
-    of that load)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    """``cores()`` less the machine's one-minute load average (this process's own work is part of it)."""
     try:
         load = os.getloadavg()[0]
     except OSError:
         load = 0.0
-    return cores - load
+    return cores() - load
 
 
 def can_fork() -> bool:
