@@ -80,7 +80,7 @@ def can_fork() -> bool:
     """Whether work may run beside the caller now: on Linux, when ``SPARE_CORES`` cores are idle.
     ``AUTOSHARD_BESIDE=0`` in the environment turns it off, ``AUTOSHARD_BESIDE=1`` on whatever the load."""
     setting = os.environ.get("AUTOSHARD_BESIDE", "")
-    if setting == "0" or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+    if setting == "0" or not sys.platform.startswith("linux"):
         return False  # macOS: system libraries (Accelerate, which numpy uses) are not safe in a forked child
     return setting == "1" or spare_cores() >= SPARE_CORES
 

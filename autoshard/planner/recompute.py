@@ -114,7 +114,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             k, target = fewest_blocks(graph, names, mode, prev, HEADROOM * budget, cost.mesh,
                                       None if time_budget_s is None else t0 + MIX_SHARE * time_budget_s,
                                       memo.setdefault(mode, {}))
-            config = {b: (mode if i < k else prev) for i, b in enumerate(names)}
+            config = mix(names, mode, prev, k)
             if k < len(names):
                 log.info("autoshard: recompute %s on the first %d of %d blocks (%s on the rest) leaves %.0f%% of "
                          "the budget to the layouts, every value split its furthest", mode, k, len(names), prev,
@@ -201,9 +201,6 @@ def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, pr
     total = len(names)
     took = best_plan.solver.build_seconds + best_plan.solver.seed_seconds + best_plan.solver.solve_seconds
 
-    def config(k: int) -> dict[str, str]:
-        return {b: (mode if i < k else prev) for i, b in enumerate(names)}
-
     def more() -> bool:
         return probes < math.ceil(math.log2(total + 1)) if deadline is None else deadline - time.perf_counter() >= took
 
@@ -215,7 +212,7 @@ def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, pr
     while a < b and more():
         k = (a + b) // 2
         probes += 1
-        modes = {n: m for n, m in config(k).items() if m != "none"}
+        modes = {n: m for n, m in mix(names, mode, prev, k).items() if m != "none"}
         target = recomputed(graph, modes)
         start = {lay.name: lay.spec for lay in best_plan.inputs}
         try:
@@ -231,7 +228,7 @@ def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, pr
                  mode, k, total, prev, human_time(plan.predicted_step_time),
                  f"faster than {human_time(best_plan.predicted_step_time)}" if faster else "no faster")
         if faster:
-            best_plan, best_graph, best_config, b = plan, target, config(k), k
+            best_plan, best_graph, best_config, b = plan, target, mix(names, mode, prev, k), k
         else:
             a = k + 1
     return _with_recompute(best_plan, best_config), best_graph
@@ -239,6 +236,11 @@ def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, pr
 
 HEADROOM = 0.95  # a mix of recompute modes is first planned where its least peak is this share of the budget
 MIX_SHARE = 0.25  # of the time budget, at most this for finding that mix (``fewest_blocks``)
+
+
+def mix(names: list[str], mode: str, prev: str, k: int) -> dict[str, str]:
+    """Block -> mode: ``mode`` on the first ``k`` of ``names`` (in forward order), ``prev`` on the rest."""
+    return {b: (mode if i < k else prev) for i, b in enumerate(names)}
 
 
 def fewest_blocks(graph: Graph, names: list[str], mode: str, prev: str, limit: float, mesh: LogicalMesh,
@@ -266,13 +268,10 @@ def fewest_blocks(graph: Graph, names: list[str], mode: str, prev: str, limit: f
     total = len(names)
     size = least_bytes(mesh)
 
-    def config(k: int) -> dict[str, str]:
-        return {b: (mode if i < k else prev) for i, b in enumerate(names)}
-
     a, b = 0, total
     while a < b:  # the bracket's low end from the cheap estimate
         k = (a + b) // 2
-        if estimate(graph, config(k), nbytes=size).peak_bytes <= limit:
+        if estimate(graph, mix(names, mode, prev, k), nbytes=size).peak_bytes <= limit:
             b = k
         else:
             a = k + 1
@@ -280,7 +279,7 @@ def fewest_blocks(graph: Graph, names: list[str], mode: str, prev: str, limit: f
     seen: dict[int, tuple[float, Graph | None]] = {} if memo is None else memo
 
     def rewrite(k: int) -> Graph:
-        return recomputed(graph, {n: m for n, m in config(k).items() if m != "none"}, logging.DEBUG)
+        return recomputed(graph, {n: m for n, m in mix(names, mode, prev, k).items() if m != "none"}, logging.DEBUG)
 
     def f(k: int) -> float:
         if k not in seen:
