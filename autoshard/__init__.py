@@ -8,7 +8,7 @@ is deliberately small.
 
 from autoshard._version import __version__
 from autoshard.api import explain, parallelize, plan
-from autoshard.kernels import splittable
+from autoshard.kernels import ring_attention, splittable
 from autoshard.pipeline.partition import pipeline_stage
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.plan import Plan
@@ -32,6 +32,7 @@ __all__ = [
     "pipeline_stage",
     "plan",
     "register_rule",
+    "ring_attention",
     "splittable",
     "trace",
 ]

@@ -23,6 +23,7 @@ operand too). ``examples/gpt.py``'s ``flash_attention`` is one such call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from autoshard import ring as ring_lib
+from autoshard.ring import Ring
 from autoshard.strategies.custom import parse_rule
 
 Factors = tuple[str, ...]
@@ -72,9 +75,65 @@ def splittable(fn: Callable[..., Any], sharding_rule: str, *, split: Iterable[st
     return call
 
 
-def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]) -> Callable[..., Any]:
+ATTENTION = "b s h d, b s h d, b s h d -> b s h d, b h s"
+ATTENTION_BACKWARD = "b s h d, b s h d, b s h d, b s h d, b h s, b s h d -> b s h d, b s h d, b s h d"
+
+
+def ring_attention(block: ring_lib.Block = ring_lib.reference_block,
+                   backward: ring_lib.BlockBackward = ring_lib.reference_block_backward, *,
+                   skips_masked: bool | None = None) -> Callable[[Any, Any, Any], Any]:
+    """Causal self-attention ``attend(q, k, v) -> out`` over ``[batch, seq, heads, head_dim]`` that the planner
+    may split over batch and heads and, as a zig-zag ring, along the sequence (context parallelism;
+    ``autoshard.ring``).
+
+    ``block(q, k, v, causal) -> (out, lse)``: attention of a block of queries over a block of keys and values,
+    with the rows' log-sum-exps (fp32 ``[b, h, sq]``); ``backward(q, k, v, out, lse, dout, causal) -> (dq, dk,
+    dv)``: one block's gradients given the rows' global ``out`` and ``lse``. They default to
+    ``autoshard.ring.reference_block`` and ``reference_block_backward`` (jnp, scores materialised a block
+    at a time); a fused kernel (FlashAttention) goes in their place. ``skips_masked``: whether ``block`` skips
+    the work a causal mask hides, as flash kernels do (default: True for a kernel given, False for the
+    reference); the planner prices the ring's work from it. Both calls are ``custom_partitioning`` calls, so each device runs
+    them on its shard, at the shard's shapes."""
+    if skips_masked is None:
+        skips_masked = block is not ring_lib.reference_block
+    travel = (1, 2)  # k and v go round the ring
+    fwd_ring = Ring("s", travel=travel, skips_masked=skips_masked)
+    bwd_ring = Ring("s", travel=travel, back=(1, 2), skips_masked=skips_masked)
+    split = frozenset({"b", "h"})
+
+    def whole_forward(q: Any, k: Any, v: Any) -> Any:
+        return block(q, k, v, True)
+
+    def whole_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Any:
+        return backward(q, k, v, out, lse, dout, True)
+
+    forward = _per_shard(whole_forward, ATTENTION, split, fwd_ring,
+                         lambda axes, n: lambda *a: ring_lib.ring_forward(block, axes, n, *a))
+    grad = _per_shard(whole_backward, ATTENTION_BACKWARD, split, bwd_ring,
+                      lambda axes, n: lambda *a: ring_lib.ring_backward(backward, axes, n, *a))
+
+    @jax.custom_vjp
+    def attend(q: Any, k: Any, v: Any) -> Any:
+        ring_lib.check_shapes(q, k, v)
+        return forward(q, k, v)[0]
+
+    def attend_forward(q: Any, k: Any, v: Any) -> tuple[Any, tuple[Any, ...]]:
+        ring_lib.check_shapes(q, k, v)
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attend_backward(res: tuple[Any, ...], dout: Any) -> tuple[Any, ...]:
+        return tuple(grad(*res, dout))
+
+    attend.defvjp(attend_forward, attend_backward)
+    return attend
+
+
+def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str], ring: Ring | None = None,
+               local: Callable[[Any, int], Callable[..., Any]] | None = None) -> Callable[..., Any]:
     """``fn`` as a ``custom_partitioning`` call of ``sharding_rule``: run per shard of the ``split`` factors,
-    every other factor need-replication."""
+    every other factor need-replication; with a ``ring``, its factor may be split too, and each device then
+    runs ``local(mesh axes, their size)`` (``autoshard.ring``)."""
     ins, outs = parse_rule(sharding_rule)
     for m in (*ins, *outs):
         for e in m:
@@ -87,19 +146,26 @@ def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]
         raise ValueError(f"splittable: split names {wrong}, which no result of {sharding_rule!r} has; a function "
                          "is split only along dimensions of its results")
     order = [e for m in (*ins, *outs) for e in m]
-    keep = tuple(dict.fromkeys(e for e in order if e not in split))  # sorted by first use, as Shardy wants
+    free = split | ({ring.factor} if ring is not None else set())
+    keep = tuple(dict.fromkeys(e for e in order if e not in free))  # sorted by first use, as Shardy wants
 
     def partition(mesh: Any, arg_shapes: Any, result_shape: Any) -> tuple[Any, ...]:
         # operand and result shardings that agree factor by factor, from the results' split factors
-        axes = _split_axes(outs, _leaves(result_shape), split)
+        axes = _split_axes(outs, _leaves(result_shape), free)
         res = _shardings(mesh, outs, axes)
         out = tuple(res) if isinstance(result_shape, tuple | list) else res[0]
-        return mesh, fn, out, tuple(_shardings(mesh, ins, axes))
+        run = fn
+        if ring is not None and axes.get(ring.factor) is not None:
+            along = axes[ring.factor]
+            run = local(along, math.prod(mesh.shape[a] for a in (along if isinstance(along, tuple) else (along,))))
+        return mesh, run, out, tuple(_shardings(mesh, ins, axes))
 
     def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
         res = _shardings(mesh, outs, _split_axes(ins, arg_shapes, split))
         return tuple(res) if isinstance(result_shape, tuple | list) else res[0]
 
+    if ring is not None:
+        partition.autoshard_ring = ring  # type: ignore[attr-defined]  # read by strategies.custom
     wrapped = custom_partitioning(fn)
     wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=sharding_rule,
                           need_replication_factors=keep)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -45,6 +46,7 @@ import optax
 from flax.training.train_state import TrainState
 
 import autoshard
+from autoshard.ring import reference_block_backward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +61,7 @@ class Config:
     scan_layers: bool = False
     remat: bool = False
     flash: bool = False  # attention through a fused kernel (jax's Pallas flash attention), see the docstring
+    ring: bool = False  # attention that may also be split along the sequence (autoshard.ring_attention)
     tie_embeddings: bool = True
     learning_rate: float = 3e-4
     weight_decay: float = 0.1
@@ -108,7 +111,9 @@ class Attention(nn.Module):
         # Megatron's layout: heads outermost, then (q, k, v) per head, so that splitting the kernel's
         # columns over devices gives each device whole heads and the split below stays local.
         q, k, v = jnp.split(qkv.reshape(batch, seq, c.heads, 3 * head_dim), 3, axis=-1)
-        out = (flash_attention if c.flash else attention)(q, k, v).reshape(batch, seq, hidden)
+        attend = (ring_flash_attention if c.flash else ring_attention) if c.ring else \
+            (flash_attention if c.flash else attention)
+        out = attend(q, k, v).reshape(batch, seq, hidden)
         return nn.Dense(hidden, dtype=dtype, kernel_init=_INIT, name="proj")(out)
 
 
@@ -142,6 +147,50 @@ def _mha(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 # otherwise gather a compiled kernel's operands and run it whole on every device). Its backward is mha's VJP
 # on the shard, which runs the forward kernel again for its row statistics.
 flash_attention = autoshard.splittable(_mha, "b q h d, b k h d, b k h d -> b q h d", split=("b", "h"))
+
+
+def _mha_block(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> tuple[jax.Array, jax.Array]:
+    """One block of a ring (``autoshard.ring``): ``mha`` on q [b, sq, h, d] over k, v [b, sk, h, d], with
+    its rows' log-sum-exps (natural: ``mha``'s are in base 2)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    out, lse2 = pallas_attention.mha(q, k, v, None, sm_scale=q.shape[3] ** -0.5, causal=causal,
+                                     block_sizes=_block_sizes(q.shape[1], k.shape[1]), return_residuals=True,
+                                     interpret=jax.default_backend() != "gpu")
+    return out, lse2 * math.log(2.0)  # the kernel's log-sum-exp is in base 2
+
+
+def _mha_block_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+                        dout: jax.Array, causal: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block's gradients from jax's backward kernels, given the rows' global ``out`` and ``lse`` (what
+    ``mha``'s own VJP runs after its forward: ``_mha_backward`` is private API, so a jax without it gets the
+    jnp reference, which materialises the block's scores)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    kernel = getattr(pallas_attention, "_mha_backward", None)
+    if kernel is None or list(inspect.signature(kernel).parameters) != _MHA_BACKWARD:
+        return reference_block_backward(q, k, v, out, lse, dout, causal)
+    return tuple(kernel(q.shape[3] ** -0.5, causal, _block_sizes(q.shape[1], k.shape[1]), "triton", None, 2, None,
+                        jax.default_backend() != "gpu", False, False, (q, k, v, None, out, lse * math.log2(math.e)),
+                        dout)[:3])
+
+
+_MHA_BACKWARD = ["sm_scale", "causal", "block_sizes", "backward_pass_impl", "num_warps", "num_stages", "grid",
+                 "interpret", "debug", "return_residuals", "res", "do"]
+
+
+def _block_sizes(sq: int, sk: int) -> Any:
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    bq, bk = min(FLASH_BLOCK, sq), min(FLASH_BLOCK, sk)
+    return pallas_attention.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq,
+                                       block_kv_dq=bk)
+
+
+# Attention the planner may also split along the sequence, as a zig-zag ring (context parallelism): with the
+# flash kernels as its blocks (``ring=true flash=true``), or the jnp reference blocks (``ring=true``).
+ring_flash_attention = autoshard.ring_attention(_mha_block, _mha_block_backward)
+ring_attention = autoshard.ring_attention()
 
 
 def _causal_pairs(q: tuple[int, ...], k: tuple[int, ...]) -> float:

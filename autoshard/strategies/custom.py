@@ -235,7 +235,46 @@ def custom_partitioning(op: Op, ctx: RuleContext) -> list[Candidate]:
             "it has no sharding_rule"
         _warn(op, op.primitive, why, hint)
         return []
-    return _candidates_or_warn(op, ctx, sdy_rule(rule), op.primitive, hint)
+    factors = sdy_rule(rule)
+    cands = _candidates_or_warn(op, ctx, factors, op.primitive, hint)
+    ring = getattr(op.eqn.params.get("partition"), "autoshard_ring", None)
+    if ring is None:
+        return cands
+    return [c for c in (_ring(op, ctx, factors, ring, c) for c in cands) if c is not None]
+
+
+def _ring(op: Op, ctx: RuleContext, rule: FactorRule, ring: Any, cand: Candidate) -> Candidate | None:
+    """A ``ring_attention`` call's candidate priced as it runs (``autoshard.ring``): split along its sequence
+    factor over ``n`` devices, each computes ``ring.work_share(n)`` of the traced flops; every operand and
+    result along the sequence is permuted into the zig-zag order and back (one shard sent each, exposed);
+    the travelling operands go ``n - 1`` hops and the travelling results ``n`` (their last one exposed),
+    beside the blocks. None when the sequence does not split into ``2n`` chunks."""
+    lead = len(op.inputs) - len(rule.operands)
+    arrays = [(m, t, s) for m, t, s in zip(rule.operands, op.inputs[lead:], cand.in_specs[lead:], strict=True)]
+    arrays += list(zip(rule.results, op.outputs, cand.out_specs, strict=True))
+    m, t, spec = arrays[0]
+    dim = m.index(ring.factor)
+    axes = tuple(a for a in ctx.mesh.axis_names if a in spec.dims[dim])
+    n = ctx.size(axes)
+    if n == 1:
+        return cand
+    if ctx.shape(t)[dim] % (2 * n):
+        return None
+
+    def shard(tid: int, s: ShardingSpec) -> float:
+        return ctx.graph.tensors[tid].nbytes / max(1, s.num_shards(ctx.mesh))
+
+    comm = [("send_recv", axes, shard(t, s)) for m, t, s in arrays if ring.factor in m]
+    hidden = []
+    for k in ring.travel:
+        _, t, s = arrays[k]
+        hidden.append(("send_recv", axes, (n - 1) * shard(t, s)))
+    for k in ring.back:
+        _, t, s = arrays[len(rule.operands) + k]
+        hidden.append(("send_recv", axes, (n - 1) * shard(t, s)))
+        comm.append(("send_recv", axes, shard(t, s)))
+    return dataclasses.replace(cand, comm=cand.comm + tuple(comm), hidden=tuple(hidden),
+                               work_scale=ring.work_share(n) * n)
 
 
 # ---- custom kernels ---------------------------------------------------------------------------------------

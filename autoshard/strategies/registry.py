@@ -39,6 +39,11 @@ class Candidate:
     out_specs: tuple[ShardingSpec, ...]
     comm: tuple[tuple[str, tuple[str, ...], float], ...] = ()
     work_axes: frozenset[str] | None = None
+    hidden: tuple[tuple[str, tuple[str, ...], float], ...] = ()
+    """Collectives the op runs beside its compute (a ring's sends, each independent of the block computed
+    at the same time): only what outlasts the compute is paid."""
+    work_scale: float = 1.0
+    """The share of the op's flops each device computes, times the work axes' size (1: split evenly)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -285,12 +290,17 @@ def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strateg
     if op.primitive == "conv_general_dilated":
         compute = cost.conv_time(op.flops / shards, nbytes, _dtype_of(op, graph))
     else:
-        compute = cost.compute_time(op.flops / shards, nbytes, _dtype_of(op, graph),
+        compute = cost.compute_time(op.flops * cand.work_scale / shards, nbytes, _dtype_of(op, graph),
                                     matmul=costs.on_matmul_units(op))
     steps = tuple(
         CollectiveStep(kind=k, axes=tuple(ax), nbytes=b, time=cost.collective_time(k, b, ax))
         for k, ax, b in cand.comm
     )
+    if cand.hidden:  # each hidden step at its share of what outlasts the compute
+        beside = [(k, tuple(ax), b, cost.collective_time(k, b, ax)) for k, ax, b in cand.hidden]
+        total = math.fsum(t for *_, t in beside)
+        paid = max(0.0, total - compute) / total if total > 0 else 0.0
+        steps += tuple(CollectiveStep(kind=k, axes=ax, nbytes=b, time=t * paid) for k, ax, b, t in beside)
     return Strategy(
         in_specs=cand.in_specs,
         out_specs=cand.out_specs,
