@@ -1,0 +1,167 @@
+"""``autoshard.ring_attention``: causal attention split along the sequence as a zig-zag ring of blockwise
+attentions (context parallelism), exact against dense attention, planned and priced as it runs."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autoshard
+from autoshard import ring
+from autoshard._examples import load_example
+from autoshard.emit import global_rel_error
+from autoshard.strategies.registry import RuleContext, strategies_for
+from autoshard.target import cost_model_for
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    mask = jnp.tril(jnp.ones(s.shape[-2:], bool))
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1), v)
+
+
+def _qkv(shape: tuple[int, ...] = (2, 32, 4, 8)) -> tuple[jax.Array, ...]:
+    return tuple(jax.random.normal(jax.random.key(i), shape) for i in range(3))
+
+
+def _loss(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
+
+
+@pytest.mark.parametrize("mesh_shape,spec", [
+    ((8,), P(None, "x", None, None)),            # 8 devices along the sequence
+    ((2, 4), P(None, ("x", "y"), None, None)),   # a ring over two mesh axes
+    ((2, 4), P("x", "y", None, None)),           # batch over x, sequence over y
+    ((2, 4), P(None, "y", "x", None)),           # heads over x, sequence over y
+], ids=["seq8", "seq2x4", "batch-seq", "heads-seq"])
+def test_ring_attention_split_along_the_sequence_equals_dense_attention(mesh_shape: tuple[int, ...], spec: P) -> None:
+    """Forward and gradients exact; the sequence is never gathered: keys and values go round the ring."""
+    attend = autoshard.ring_attention()
+    mesh = jax.make_mesh(mesh_shape, ("x", "y")[:len(mesh_shape)])
+    put = NamedSharding(mesh, spec)
+    q, k, v = _qkv()
+    f = jax.jit(attend, in_shardings=(put,) * 3, out_shardings=put)
+    assert global_rel_error(_dense(q, k, v), f(q, k, v)) <= TOL
+    grad = jax.jit(jax.grad(_loss(attend), argnums=(0, 1, 2)), in_shardings=(put,) * 3)
+    want = jax.grad(_loss(_dense), argnums=(0, 1, 2))(q, k, v)
+    assert global_rel_error(want, grad(q, k, v)) <= TOL
+    for text in (f.lower(q, k, v).compile().as_text(), grad.lower(q, k, v).compile().as_text()):
+        assert "collective-permute" in text
+        assert "all-gather" not in text and "all-to-all" not in text
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_the_zigzag_layout_gives_device_j_chunks_j_and_2n_minus_1_minus_j_and_comes_back(n: int) -> None:
+    """Chunk ``m`` of ``2n`` lands on ``_owner(m)``, low chunk first; the inverse restores the contiguous
+    shards (an odd ring too)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("s",))
+    x = jnp.arange(2 * n * 3, dtype=jnp.float32).reshape(1, 2 * n * 3)  # chunks of 3
+
+    def local(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        low, high = ring._to_zigzag(x, 1, "s", n)
+        return jnp.concatenate([low, high], 1), ring._from_zigzag(low, high, 1, "s", n)
+
+    zz, back = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(None, "s"), out_specs=(P(None, "s"),) * 2))(x)
+    np.testing.assert_array_equal(back, x)
+    chunks = np.asarray(zz).reshape(n, 2, 3)[:, :, 0] // 3  # the chunk index each device holds
+    for j in range(n):
+        assert list(chunks[j]) == [j, 2 * n - 1 - j]
+        assert ring._owner(j, n) == j and ring._owner(2 * n - 1 - j, n) == j
+
+
+def test_ring_attention_refuses_what_is_not_self_attention() -> None:
+    attend = autoshard.ring_attention()
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match=r"one shape"):
+        attend(q, k[:, :16], k[:, :16])
+
+
+def test_the_ring_is_priced_as_it_runs() -> None:
+    """Split along the sequence over n devices: each computes its share of the traced flops (the reference
+    block computes masked scores: (n + 1) / 2n^2 of the S x S it traces; a kernel skipping them, 1/n), sends
+    every sequence-split operand and result once for the zig-zag order, and sends n - 1 shards of K and V
+    beside its blocks, paying only what outlasts them; the sequence must split into 2n chunks."""
+    assert ring.Ring("s", (1, 2), skips_masked=True).work_share(8) == pytest.approx(1 / 8)
+    assert ring.Ring("s", (1, 2), skips_masked=False).work_share(8) == pytest.approx(9 / 128)
+    attend = autoshard.ring_attention()
+    x = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16)
+    graph = autoshard.trace(lambda q, k, v: attend(q, k, v), x, x, x)
+    (op,) = [o for o in graph.ops if o.primitive == "custom_partitioning"]
+    cost = cost_model_for("h100", (8,), ("x",))
+    ctx = RuleContext.of(graph, cost.mesh)
+    got = {str(s.out_specs[0]): s for s in strategies_for(op, ctx, cost)}
+    whole, split = got["R·R·R·R"], got["R·S(x)·R·R"]
+    assert "R·R·S(x)·R" in got  # the heads, as splittable does
+    assert split.compute_time < whole.compute_time / 8
+    shard, lse = x.size * 2 / 8, 8 * 4096 * 4 / 8
+    sends = [c for c in split.comm if c.kind == "send_recv"]
+    assert sorted(c.nbytes for c in sends if c.nbytes <= shard) == [lse] + [shard] * 4  # q, k, v in; out, lse
+    beside = [c for c in sends if c.nbytes == 7 * shard]
+    assert len(beside) == 2  # k and v, 7 hops each
+    ring_time = sum(cost.collective_time("send_recv", 7 * shard, ("x",)) for _ in beside)
+    assert sum(c.time for c in beside) == pytest.approx(max(0.0, ring_time - split.compute_time))
+    odd = autoshard.trace(lambda q, k, v: attend(q, k, v), *[jax.ShapeDtypeStruct((1, 8 * 5, 8, 64),
+                                                                                   jnp.bfloat16)] * 3)
+    (op,) = [o for o in odd.ops if o.primitive == "custom_partitioning"]
+    specs = {str(s.out_specs[0]) for s in strategies_for(op, RuleContext.of(odd, cost.mesh), cost)}
+    assert "R·S(x)·R·R" not in specs  # 40 tokens do not split into 16 chunks
+
+
+def test_golden_one_long_sequence_with_fewer_heads_than_devices_gives_ring_context_parallelism(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Batch 1, a long sequence, two heads on eight devices: the attention calls are split along the
+    sequence (a ring), which nothing else can split eight ways."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny",
+                      ["ring=true", "batch=1", "seq_len=8192", "heads=2", "hidden=256"], abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        plan = autoshard.plan(graph, mesh=(8,), hardware="h100", time_budget_s=10)
+    assert "no sharding rule" not in caplog.text
+    calls = [op for op in graph.ops if op.primitive == "custom_partitioning"]
+    assert len(calls) == 4
+    for op in calls:
+        assert plan.specs[()][op.outputs[0]].dims == ((), ("x",), (), ()), op.where()
+    assert any(k.startswith("send_recv") for k in plan.collective_counts), plan.collective_counts
+
+
+def test_the_gpt_examples_ring_attention_runs_split_along_the_sequence_like_jit() -> None:
+    """GPT with ``ring=true``, batch 1 on eight devices: the plan splits the attention along the sequence
+    and the emitted step equals ``jax.jit``'s."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "batch=1", "seq_len=64"],
+                      abstract=False)
+    state, batch = ex.args
+    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=5)
+    s_par, m_par = par(state, batch)
+    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
+    assert calls and all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
+
+
+@pytest.mark.slow
+def test_the_ring_of_flash_kernels_runs_split_along_the_sequence_like_jit() -> None:
+    """The same with jax's Pallas flash kernels as the ring's blocks (interpreted on CPU)."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "flash=true", "batch=1", "seq_len=64"],
+                      abstract=False)
+    state, batch = ex.args
+    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=5)
+    s_par, m_par = par(state, batch)
+    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
+    assert calls and all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
+    assert math.isfinite(float(m_par["loss"]))
