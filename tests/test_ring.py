@@ -165,3 +165,22 @@ def test_the_ring_of_flash_kernels_runs_split_along_the_sequence_like_jit() -> N
     calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
     assert calls and all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
     assert math.isfinite(float(m_par["loss"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["spmd", "mpmd"])
+def test_a_ring_inside_pipeline_stages_runs_like_jit(runtime: str) -> None:
+    """One head, so only the ring splits the attention: each stage's calls go round the ring of its own
+    submesh (in the SPMD program, inside the stage axis' shard_map), and the step equals ``jax.jit``'s."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "batch=2", "seq_len=64", "heads=1"],
+                      abstract=False)
+    state, batch = ex.args
+    par = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=10, pipeline=True, microbatches=2,
+                                runtime=runtime)
+    s_par, m_par = par(state, batch)
+    assert isinstance(par.plan, autoshard.PipelinePlan)
+    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    layouts = {str(s) for st in par.plan.stages for s in st.specs[()].values() if len(s.dims) == 4}
+    assert layouts and all(s.startswith("R·S(") for s in layouts), layouts  # [b, s, h, d] split along s
