@@ -51,7 +51,8 @@ def _end(procs: list[subprocess.Popen]) -> None:
 
 def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
     """The same 3 steps in this process, on its 8 devices."""
-    ex = load_example(ROOT / "examples" / example, "tiny", [], abstract=False)
+    name, _, sets = example.partition(":")
+    ex = load_example(ROOT / "examples" / name, "tiny", [x for x in sets.split(",") if x], abstract=False)
     step = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=5)
     state, batch = ex.args
     losses = []
@@ -61,9 +62,9 @@ def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
     return losses, [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
 
 
-def _run(out: Path, mode: str) -> list[dict]:
+def _run(out: Path, mode: str, example: str = "mlp.py") -> list[dict]:
     """Both workers to the end; each one's last line (its JSON report)."""
-    procs = _launch(out, mode)
+    procs = _launch(out, mode, example)
     try:
         outs = [p.communicate(timeout=400) for p in procs]
     finally:
@@ -87,6 +88,25 @@ def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) ->
     got_opt = [got[f"opt_{i}"] for i in range(len(want_opt))]
     assert global_rel_error(np.array(want_losses), got["losses"]) <= TOL
     assert global_rel_error(want_opt, got_opt) <= TOL  # Adam's count, mu and nu after 3 steps
+
+
+def test_ring_attention_across_two_processes_matches_one_process(tmp_path: Path) -> None:
+    """GPT with one head and ``ring_attention`` (so only the ring splits the attention) on a mesh whose
+    ``x`` axis is the two processes: the ring's sends run between processes where the plan puts it there,
+    and the three steps equal one process's."""
+    example = "gpt.py:ring=true,heads=1,batch=2,seq_len=64"
+    reports = _run(tmp_path, "run", example)
+    assert reports[0]["losses"] == reports[1]["losses"]
+    plan = Plan.from_dict(json.loads((tmp_path / "plan.json").read_text()))
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "heads=1", "batch=2", "seq_len=64"],
+                      abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    calls = [op for op in graph.ops if op.primitive == "custom_partitioning"]
+    assert calls and all("x" in plan.specs[()][op.outputs[0]].dims[1] for op in calls)  # between processes
+    got = np.load(tmp_path / "result.npz")
+    want_losses, want_opt = _single_process(example)
+    assert global_rel_error(np.array(want_losses), got["losses"]) <= TOL
+    assert global_rel_error(want_opt, [got[f"opt_{i}"] for i in range(len(want_opt))]) <= TOL
 
 
 def test_processes_that_trace_different_steps_stop_with_a_clear_error(tmp_path: Path) -> None:
