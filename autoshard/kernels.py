@@ -90,7 +90,7 @@ def ring_attention(block: ring_lib.Block = ring_lib.reference_block,
     with the rows' log-sum-exps (fp32 ``[b, h, sq]``); ``backward(q, k, v, out, lse, dout, causal) -> (dq, dk,
     dv)``: one block's gradients given the rows' global ``out`` and ``lse``. They default to
     ``autoshard.ring.reference_block`` and ``reference_block_backward`` (jnp, scores materialised a block
-    at a time); a fused kernel (FlashAttention) goes in their place. ``skips_masked``: whether ``block`` skips
+    at a time: a transient inside the call that the planner's memory model does not see); a fused kernel (FlashAttention) goes in their place. ``skips_masked``: whether ``block`` skips
     the work a causal mask hides, as flash kernels do (default: True for a kernel given, False for the
     reference); the planner prices the ring's work from it. Both calls are ``custom_partitioning`` calls, so each device runs
     them on its shard, at the shard's shapes."""
