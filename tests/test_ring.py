@@ -107,11 +107,18 @@ def test_the_ring_is_priced_as_it_runs() -> None:
     assert split.compute_time < whole.compute_time / 8
     shard, lse = x.size * 2 / 8, 8 * 4096 * 4 / 8
     sends = [c for c in split.comm if c.kind == "send_recv"]
-    assert sorted(c.nbytes for c in sends if c.nbytes <= shard) == [lse] + [shard] * 4  # q, k, v in; out, lse
-    beside = [c for c in sends if c.nbytes == 7 * shard]
-    assert len(beside) == 2  # k and v, 7 hops each
-    ring_time = sum(cost.collective_time("send_recv", 7 * shard, ("x",)) for _ in beside)
+    # q, k, v in and out, lse back: two halves each way; then k and v, 7 hops each
+    assert sorted(c.nbytes for c in sends) == [lse / 2] * 2 + [shard / 2] * 8 + [shard] * 14
+    beside = [c for c in sends if c.nbytes == shard]
+    ring_time = 14 * cost.collective_time("send_recv", shard, ("x",))
     assert sum(c.time for c in beside) == pytest.approx(max(0.0, ring_time - split.compute_time))
+    back = autoshard.trace(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))), x, x, x)
+    (op,) = [o for o in back.ops if o.primitive == "custom_partitioning" and o.phase == "backward"]
+    (split,) = [s for s in strategies_for(op, RuleContext.of(back, cost.mesh), cost)
+                if str(s.out_specs[0]) == "R·S(x)·R·R"]
+    # q, k, v, out, dout and lse in, dq, dk, dv out: two halves each; dk and dv home (a hop each, exposed);
+    # k, v, dk, dv go round, 7 hops each
+    assert sorted(c.nbytes for c in split.comm) == [lse / 2] * 2 + [shard / 2] * 16 + [shard] * (2 + 28)
     odd = autoshard.trace(lambda q, k, v: attend(q, k, v), *[jax.ShapeDtypeStruct((1, 8 * 5, 8, 64),
                                                                                    jnp.bfloat16)] * 3)
     (op,) = [o for o in odd.ops if o.primitive == "custom_partitioning"]
