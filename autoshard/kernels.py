@@ -81,8 +81,8 @@ ATTENTION_BACKWARD = "b s h d, b s h d, b s h d, b s h d, b h s, b s h d -> b s 
 
 def ring_attention(block: ring_lib.Block = ring_lib.reference_block,
                    backward: ring_lib.BlockBackward = ring_lib.reference_block_backward, *,
-                   skips_masked: bool | None = None) -> Callable[[Any, Any, Any], Any]:
-    """Causal self-attention ``attend(q, k, v) -> out`` over ``[batch, seq, heads, head_dim]`` that the planner
+                   skips_masked: bool | None = None, causal: bool = True) -> Callable[[Any, Any, Any], Any]:
+    """Causal (or, ``causal=False``, bidirectional) self-attention ``attend(q, k, v) -> out`` over ``[batch, seq, heads, head_dim]`` that the planner
     may split over batch and heads and, as a zig-zag ring, along the sequence (context parallelism;
     ``autoshard.ring``).
 
@@ -97,20 +97,20 @@ def ring_attention(block: ring_lib.Block = ring_lib.reference_block,
     if skips_masked is None:
         skips_masked = block is not ring_lib.reference_block
     travel = (1, 2)  # k and v go round the ring
-    fwd_ring = Ring("s", travel=travel, skips_masked=skips_masked)
-    bwd_ring = Ring("s", travel=travel, back=(1, 2), skips_masked=skips_masked)
+    fwd_ring = Ring("s", travel=travel, skips_masked=skips_masked, causal=causal)
+    bwd_ring = Ring("s", travel=travel, back=(1, 2), skips_masked=skips_masked, causal=causal)
     split = frozenset({"b", "h"})
 
     def whole_forward(q: Any, k: Any, v: Any) -> Any:
-        return block(q, k, v, True)
+        return block(q, k, v, causal)
 
     def whole_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> Any:
-        return backward(q, k, v, out, lse, dout, True)
+        return backward(q, k, v, out, lse, dout, causal)
 
     forward = _per_shard(whole_forward, ATTENTION, split, fwd_ring,
-                         lambda axes, n: lambda *a: ring_lib.ring_forward(block, axes, n, *a))
+                         lambda axes, n: lambda *a: ring_lib.ring_forward(block, axes, n, *a, causal=causal))
     grad = _per_shard(whole_backward, ATTENTION_BACKWARD, split, bwd_ring,
-                      lambda axes, n: lambda *a: ring_lib.ring_backward(backward, axes, n, *a))
+                      lambda axes, n: lambda *a: ring_lib.ring_backward(backward, axes, n, *a, causal=causal))
 
     @jax.custom_vjp
     def attend(q: Any, k: Any, v: Any) -> Any:
@@ -157,7 +157,14 @@ def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]
         run = fn
         if ring is not None and axes.get(ring.factor) is not None:
             along = axes[ring.factor]
-            run = local(along, math.prod(mesh.shape[a] for a in (along if isinstance(along, tuple) else (along,))))
+            n = math.prod(mesh.shape[a] for a in (along if isinstance(along, tuple) else (along,)))
+            seq = _leaves(result_shape)[0].shape[outs[0].index(ring.factor)]
+            if ring.causal and seq % (2 * n):
+                raise ValueError(
+                    f"ring_attention: the sequence ({seq}) is split over {n} devices (mesh axes {along}), but the "
+                    f"zig-zag ring needs it in {2 * n} equal chunks; use a sequence length divisible by {2 * n}, or "
+                    "split it over fewer devices")
+            run = local(along, n)
         return mesh, run, out, tuple(_shardings(mesh, ins, axes))
 
     def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:

@@ -24,6 +24,9 @@ parallelism). Split along the sequence over ``n`` devices (mesh axes ``A``), one
 5. The result (and its log-sum-exp, which the backward needs) return to the contiguous layout by the
    inverse permutations.
 
+Without a causal mask (``causal=False``: every query sees every key) the contiguous shards are balanced
+already: no zig-zag, and each step is one block of the local queries over the keys that came.
+
 The backward is a second call (``ring_attention``'s ``custom_vjp``) with the same ring: each block's
 gradients from ``backward(q, k, v, out, lse, dout, causal)`` with the *global* rows' ``out`` and ``lse``
 (``p = e^{s - lse}`` is then the true softmax); ``dq`` accumulates locally, ``dk`` and ``dv`` travel with
@@ -66,12 +69,13 @@ class Ring:
     travel: tuple[int, ...]
     back: tuple[int, ...] = ()
     skips_masked: bool = True
+    causal: bool = True
 
     def work_share(self, n: int) -> float:
         """The share of the traced call's flops one of ``n`` devices computes (module docstring): ``1/n``
-        with a kernel that skips masked blocks; else the diagonal's ``(2c)^2`` and ``n - 1`` steps of
-        ``2c^2`` against the traced ``S^2 = (2nc)^2``: ``(n + 1) / (2 n^2)``."""
-        return 1.0 / n if self.skips_masked or n == 1 else (n + 1) / (2.0 * n * n)
+        with a kernel that skips masked blocks, or no mask; else the diagonal's ``(2c)^2`` and ``n - 1``
+        steps of ``2c^2`` against the traced ``S^2 = (2nc)^2``: ``(n + 1) / (2 n^2)``."""
+        return 1.0 / n if self.skips_masked or not self.causal or n == 1 else (n + 1) / (2.0 * n * n)
 
 
 # ---- the reference block (jnp; its scores materialised per block) --------------------------------------
@@ -153,11 +157,21 @@ def _halves(x: jax.Array, axis: int = SEQ) -> list[jax.Array]:
 # ---- one device's program ---------------------------------------------------------------------------------
 
 
-def ring_forward(block: Block, axes: Any, n: int, q: jax.Array, k: jax.Array,
-                 v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One device's forward (module docstring), its contiguous shards in, ``(out, lse)`` shards out."""
+def ring_forward(block: Block, axes: Any, n: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                 causal: bool = True) -> tuple[jax.Array, jax.Array]:
+    """One device's forward (module docstring), its contiguous shards in, ``(out, lse)`` shards out. Not
+    ``causal``: every query sees every key, so the contiguous shards are balanced as they are and each step
+    is one block of the local queries over the keys that came."""
     if n == 1:
-        return block(q, k, v, True)
+        return block(q, k, v, causal)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    if not causal:
+        o, lse = block(q, k, v, False)
+        o = o.astype(jnp.float32)
+        for _ in range(1, n):
+            k, v = lax.ppermute((k, v), axes, ring)
+            o, lse = _merge(o, lse, *block(q, k, v, False))
+        return o.astype(q.dtype), lse
     j = lax.axis_index(axes)
     ql, qh = _to_zigzag(q, SEQ, axes, n)
     kl, kh = _to_zigzag(k, SEQ, axes, n)
@@ -166,7 +180,6 @@ def ring_forward(block: Block, axes: Any, n: int, q: jax.Array, k: jax.Array,
                    jnp.concatenate([vl, vh], SEQ), True)
     ol, oh = _halves(o.astype(jnp.float32))
     ll, lh = _halves(lse, LSE_SEQ)
-    ring = [(i, (i + 1) % n) for i in range(n)]
     none = jnp.float32(-jnp.inf)
     for s in range(1, n):
         kl, kh, vl, vh = lax.ppermute((kl, kh, vl, vh), axes, ring)
@@ -181,10 +194,21 @@ def ring_forward(block: Block, axes: Any, n: int, q: jax.Array, k: jax.Array,
 
 
 def ring_backward(backward: BlockBackward, axes: Any, n: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                  out: jax.Array, lse: jax.Array, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  out: jax.Array, lse: jax.Array, dout: jax.Array,
+                  causal: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's backward (module docstring): ``(dq, dk, dv)`` shards."""
     if n == 1:
-        return backward(q, k, v, out, lse, dout, True)
+        return backward(q, k, v, out, lse, dout, causal)
+    f32 = jnp.float32
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    if not causal:
+        dq, dk, dv = (g.astype(f32) for g in backward(q, k, v, out, lse, dout, False))
+        for _ in range(1, n):
+            k, v, dk, dv = lax.ppermute((k, v, dk, dv), axes, ring)
+            gq, gk, gv = backward(q, k, v, out, lse, dout, False)
+            dq, dk, dv = dq + gq.astype(f32), dk + gk.astype(f32), dv + gv.astype(f32)
+        dk, dv = lax.ppermute((dk, dv), axes, ring)  # home: one hop more
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     j = lax.axis_index(axes)
     ql, qh = _to_zigzag(q, SEQ, axes, n)
     kl, kh = _to_zigzag(k, SEQ, axes, n)
@@ -196,11 +220,9 @@ def ring_backward(backward: BlockBackward, axes: Any, n: int, q: jax.Array, k: j
     def cat(a: jax.Array, b: jax.Array, axis: int = SEQ) -> jax.Array:
         return jnp.concatenate([a, b], axis)
 
-    f32 = jnp.float32
     dq, dk, dv = (g.astype(f32) for g in backward(cat(ql, qh), cat(kl, kh), cat(vl, vh), cat(ol, oh),
                                                   cat(Ll, Lh, LSE_SEQ), cat(dl, dh), True))
     (dql, dqh), (dkl, dkh), (dvl, dvh) = _halves(dq), _halves(dk), _halves(dv)
-    ring = [(i, (i + 1) % n) for i in range(n)]
     for s in range(1, n):
         kl, kh, vl, vh, dkl, dkh, dvl, dvh = lax.ppermute((kl, kh, vl, vh, dkl, dkh, dvl, dvh), axes, ring)
         early = (j - s) % n < j

@@ -3,6 +3,7 @@ attentions (context parallelism), exact against dense attention, planned and pri
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -26,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
 
-def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _dense(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = True) -> jax.Array:
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    mask = jnp.tril(jnp.ones(s.shape[-2:], bool))
+    mask = jnp.tril(jnp.ones(s.shape[-2:], bool)) if causal else jnp.ones(s.shape[-2:], bool)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1), v)
 
 
@@ -62,6 +63,20 @@ def test_ring_attention_split_along_the_sequence_equals_dense_attention(mesh_sha
         assert "all-gather" not in text and "all-to-all" not in text
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_a_ring_over_three_devices_equals_dense_attention_causal_or_not(causal: bool) -> None:
+    """An odd ring; without a mask no zig-zag, and every step a block over the keys that came."""
+    attend = autoshard.ring_attention(causal=causal)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("x",))
+    put = NamedSharding(mesh, P(None, "x", None, None))
+    q, k, v = _qkv((2, 24, 4, 8))
+    dense = functools.partial(_dense, causal=causal)
+    assert global_rel_error(dense(q, k, v), jax.jit(attend, in_shardings=(put,) * 3)(q, k, v)) <= TOL
+    grad = jax.jit(jax.grad(_loss(attend), argnums=(0, 1, 2)), in_shardings=(put,) * 3)
+    assert global_rel_error(jax.grad(_loss(dense), argnums=(0, 1, 2))(q, k, v), grad(q, k, v)) <= TOL
+    assert "collective-permute" in grad.lower(q, k, v).compile().as_text()
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_the_zigzag_layout_gives_device_j_chunks_j_and_2n_minus_1_minus_j_and_comes_back(n: int) -> None:
     """Chunk ``m`` of ``2n`` lands on ``_owner(m)``, low chunk first; the inverse restores the contiguous
@@ -81,11 +96,16 @@ def test_the_zigzag_layout_gives_device_j_chunks_j_and_2n_minus_1_minus_j_and_co
         assert ring._owner(j, n) == j and ring._owner(2 * n - 1 - j, n) == j
 
 
-def test_ring_attention_refuses_what_is_not_self_attention() -> None:
+def test_ring_attention_refuses_what_is_not_self_attention_or_a_sequence_it_cannot_zigzag() -> None:
     attend = autoshard.ring_attention()
     q, k, _ = _qkv()
     with pytest.raises(ValueError, match=r"one shape"):
         attend(q, k[:, :16], k[:, :16])
+    mesh = jax.make_mesh((8,), ("x",))
+    put = NamedSharding(mesh, P(None, "x", None, None))
+    q, k, v = _qkv((2, 8, 4, 8))  # 8 tokens over 8 devices: no 16 chunks
+    with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match=r"divisible by 16"):  # XLA wraps it
+        jax.jit(attend, in_shardings=(put,) * 3, out_shardings=put)(q, k, v)
 
 
 def test_the_ring_is_priced_as_it_runs() -> None:

@@ -245,11 +245,11 @@ def custom_partitioning(op: Op, ctx: RuleContext) -> list[Candidate]:
 
 def _ring(op: Op, ctx: RuleContext, rule: FactorRule, ring: Any, cand: Candidate) -> Candidate | None:
     """A ``ring_attention`` call's candidate priced as it runs (``autoshard.ring``): split along its sequence
-    factor over ``n`` devices, each computes ``ring.work_share(n)`` of the traced flops; every operand and
-    result along the sequence is permuted into the zig-zag order and back (two half shards sent each,
-    exposed); the travelling operands go ``n - 1`` hops and the travelling results ``n`` (their last one
-    exposed), one send a hop, beside the blocks. None when the sequence does not split into ``2n``
-    chunks."""
+    factor over ``n`` devices, each computes ``ring.work_share(n)`` of the traced flops; a causal ring
+    permutes every operand and result along the sequence into the zig-zag order and back (two half shards
+    sent each, exposed); the travelling operands go ``n - 1`` hops and the travelling results ``n`` (their
+    last one exposed), one send a hop, beside the blocks. None when a causal ring's sequence does not split
+    into ``2n`` chunks."""
     lead = len(op.inputs) - len(rule.operands)
     arrays = [(m, t, s) for m, t, s in zip(rule.operands, op.inputs[lead:], cand.in_specs[lead:], strict=True)]
     arrays += list(zip(rule.results, op.outputs, cand.out_specs, strict=True))
@@ -259,14 +259,15 @@ def _ring(op: Op, ctx: RuleContext, rule: FactorRule, ring: Any, cand: Candidate
     n = ctx.size(axes)
     if n == 1:
         return cand
-    if ctx.shape(t)[dim] % (2 * n):
+    if ring.causal and ctx.shape(t)[dim] % (2 * n):
         return None
 
     def shard(tid: int, s: ShardingSpec) -> float:
         return ctx.graph.tensors[tid].nbytes / max(1, s.num_shards(ctx.mesh))
 
     # two sends of half a shard each way per array (``ring._to_zigzag``); one send a hop per travelling array
-    comm = [("send_recv", axes, shard(t, s) / 2) for m, t, s in arrays if ring.factor in m for _ in range(2)]
+    comm = [("send_recv", axes, shard(t, s) / 2) for m, t, s in arrays if ring.factor in m and ring.causal
+            for _ in range(2)]
     travelling = [arrays[k] for k in ring.travel] + [arrays[len(rule.operands) + k] for k in ring.back]
     hidden = [("send_recv", axes, shard(t, s)) for _, t, s in travelling for _ in range(n - 1)]
     comm += [("send_recv", axes, shard(t, s)) for _, t, s in travelling[len(ring.travel):]]  # the last hop home
