@@ -168,7 +168,7 @@ def _per_shard(fn: Callable[..., Any], sharding_rule: str, split: frozenset[str]
         return mesh, run, out, tuple(_shardings(mesh, ins, axes))
 
     def infer(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
-        res = _shardings(mesh, outs, _split_axes(ins, arg_shapes, split))
+        res = _shardings(mesh, outs, _split_axes(ins, arg_shapes, free))
         return tuple(res) if isinstance(result_shape, tuple | list) else res[0]
 
     if ring is not None:

@@ -34,10 +34,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(out: Path, mode: str, example: str = "mlp.py") -> list[subprocess.Popen]:
+def _launch(out: Path, mode: str, example: str = "mlp.py", budget: float = 5.0) -> list[subprocess.Popen]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return [subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), str(r), "2", str(out), mode, example],
+    return [subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), str(r), "2", str(out), mode, example,
+                              str(budget)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True) for r in range(2)]
 
@@ -62,9 +63,9 @@ def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
     return losses, [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
 
 
-def _run(out: Path, mode: str, example: str = "mlp.py") -> list[dict]:
+def _run(out: Path, mode: str, example: str = "mlp.py", budget: float = 5.0) -> list[dict]:
     """Both workers to the end; each one's last line (its JSON report)."""
-    procs = _launch(out, mode, example)
+    procs = _launch(out, mode, example, budget)
     try:
         outs = [p.communicate(timeout=400) for p in procs]
     finally:
@@ -92,17 +93,20 @@ def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) ->
 
 def test_ring_attention_across_two_processes_matches_one_process(tmp_path: Path) -> None:
     """GPT with one head and ``ring_attention`` (so only the ring splits the attention) on a mesh whose
-    ``x`` axis is the two processes: the ring's sends run between processes where the plan puts it there,
-    and the three steps equal one process's."""
+    ``x`` axis is the two processes: the three steps equal one process's. The optimal plan runs the ring
+    over both axes, so its sends go between processes (a plan the budget cut short may split the batch over
+    the processes instead, and run the ring within each)."""
     example = "gpt.py:ring=true,heads=1,batch=2,seq_len=64"
-    reports = _run(tmp_path, "run", example)
+    reports = _run(tmp_path, "run", example, budget=20.0)
     assert reports[0]["losses"] == reports[1]["losses"]
     plan = Plan.from_dict(json.loads((tmp_path / "plan.json").read_text()))
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "heads=1", "batch=2", "seq_len=64"],
                       abstract=True)
     graph = autoshard.trace(ex.train_step, *ex.args)
     calls = [op for op in graph.ops if op.primitive == "custom_partitioning"]
-    assert calls and all("x" in plan.specs[()][op.outputs[0]].dims[1] for op in calls)  # between processes
+    assert calls and all(plan.specs[()][op.outputs[0]].dims[1] for op in calls)  # along the sequence
+    if plan.solver.optimal:
+        assert all("x" in plan.specs[()][op.outputs[0]].dims[1] for op in calls)  # between processes
     got = np.load(tmp_path / "result.npz")
     want_losses, want_opt = _single_process(example)
     assert global_rel_error(np.array(want_losses), got["losses"]) <= TOL

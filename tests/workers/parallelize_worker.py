@@ -1,6 +1,6 @@
 """One process of the multi-process ``@autoshard.parallelize`` tests:
-``python parallelize_worker.py PORT RANK NPROC OUTDIR MODE EXAMPLE`` (``EXAMPLE``: ``gpt.py`` or
-``gpt.py:ring=true,heads=1``, the tiny preset with those overrides).
+``python parallelize_worker.py PORT RANK NPROC OUTDIR MODE EXAMPLE [BUDGET]`` (``EXAMPLE``: ``gpt.py`` or
+``gpt.py:ring=true,heads=1``, the tiny preset with those overrides) [BUDGET: the planner's seconds, 5].
 
 Every process has 4 CPU devices (gloo collectives); the (2, 4) mesh spans all of them. Each process builds
 the same tiny example (same seed), keeps its own rows of the batch and runs 3 steps of the decorated
@@ -25,6 +25,7 @@ import jax
 
 port, rank, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 out_dir, mode, example = Path(sys.argv[4]), sys.argv[5], sys.argv[6]
+budget = float(sys.argv[7]) if len(sys.argv) > 7 else 5.0  # the planner's seconds
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -51,7 +52,7 @@ if mode == "disagree" and rank == 1:
 if mode.startswith("saved:"):  # a plan saved by one process, run by every process (traced at the global size)
     step = autoshard.parallelize(ex.train_step, mesh=(2, 4), plan=mode.partition(":")[2])
 else:
-    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=5)
+    step = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=budget)
 losses = []
 for i in range(3):
     if mode == f"die:{rank}" and i == 1:
