@@ -591,9 +591,15 @@ class _Build:
             return hit
         node, out = self.nodes[v], []
         k = self.combine
+        # every strategy produces the same tensors (in its own layouts): are they all gradients?
+        sums = k > 1 and node.kind == "op" and bool(node.produces[0]) and all(
+            key in self.gradients for key, _ in node.produces[0])
+        if not sums:
+            out = self._created[v] = [(frozenset(), 0.0)] * node.k
+            return out
         for s in range(node.k):
             axes: set[str] = set()
-            if node.kind == "op" and node.produces[s] and all(key in self.gradients for key, _ in node.produces[s]):
+            if node.produces[s]:
                 for _, spec in node.produces[s]:
                     axes |= spec.partial
                 st = node.strategies[s]
