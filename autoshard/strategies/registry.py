@@ -76,10 +76,12 @@ class RuleContext:
     """Tensors that XLA keeps in registers inside a loop fusion (see ``fused_tensors``): no HBM traffic."""
     dead: frozenset[int] = frozenset()
     """Ops that XLA removes, nothing reading their results (``trace.buffers.dead_ops``): priced at zero."""
+    results: frozenset[int] | None = None
+    """The graph's outputs as a set (``of`` fills it; ``fanout`` asks it for every op)."""
 
     @classmethod
     def of(cls, graph: Graph, mesh: LogicalMesh) -> RuleContext:
-        return cls(graph, mesh, fused_tensors(graph), dead_ops(graph))
+        return cls(graph, mesh, fused_tensors(graph), dead_ops(graph), frozenset(graph.outputs))
 
     def shape(self, tid: int) -> tuple[int, ...]:
         return self.graph.tensors[tid].shape
@@ -91,7 +93,8 @@ class RuleContext:
         return [self.graph.tensors[t].shape for t in op.outputs]
 
     def fanout(self, tid: int) -> int:
-        return len(self.graph.tensors[tid].consumers) + (1 if tid in self.graph.outputs else 0)
+        results = self.graph.outputs if self.results is None else self.results
+        return len(self.graph.tensors[tid].consumers) + (1 if tid in results else 0)
 
     @property
     def axes(self) -> tuple[str, ...]:
