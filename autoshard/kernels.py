@@ -1,4 +1,5 @@
-"""Kernels that run on each device's shard: ``splittable(fn, rule, split=...)``.
+"""Kernels that run on each device's shard: ``splittable(fn, rule, split=...)``, and ``ring_attention(block,
+backward)``, attention whose sequence may be split too (a ring of such calls: ``autoshard.ring``).
 
 A compiled kernel (a Pallas kernel on a GPU or TPU, an ``ffi_call``) is an opaque custom call to XLA: under
 ``jax.jit`` with sharded operands, XLA gathers its operands and runs it whole on every device, whatever the
