@@ -83,18 +83,19 @@ ATTENTION_BACKWARD = "b s h d, b s h d, b s h d, b s h d, b h s, b s h d -> b s 
 def ring_attention(block: ring_lib.Block = ring_lib.reference_block,
                    backward: ring_lib.BlockBackward = ring_lib.reference_block_backward, *,
                    skips_masked: bool | None = None, causal: bool = True) -> Callable[[Any, Any, Any], Any]:
-    """Causal (or, ``causal=False``, bidirectional) self-attention ``attend(q, k, v) -> out`` over ``[batch, seq, heads, head_dim]`` that the planner
-    may split over batch and heads and, as a zig-zag ring, along the sequence (context parallelism;
-    ``autoshard.ring``).
+    """Causal (or, ``causal=False``, bidirectional) self-attention ``attend(q, k, v) -> out`` over ``[batch,
+    seq, heads, head_dim]`` that the planner may split over batch and heads and, as a ring (zig-zag when
+    causal), along the sequence (context parallelism; ``autoshard.ring``).
 
     ``block(q, k, v, causal) -> (out, lse)``: attention of a block of queries over a block of keys and values,
     with the rows' log-sum-exps (fp32 ``[b, h, sq]``); ``backward(q, k, v, out, lse, dout, causal) -> (dq, dk,
     dv)``: one block's gradients given the rows' global ``out`` and ``lse``. They default to
     ``autoshard.ring.reference_block`` and ``reference_block_backward`` (jnp, scores materialised a block
-    at a time: a transient inside the call that the planner's memory model does not see); a fused kernel (FlashAttention) goes in their place. ``skips_masked``: whether ``block`` skips
-    the work a causal mask hides, as flash kernels do (default: True for a kernel given, False for the
-    reference); the planner prices the ring's work from it. Both calls are ``custom_partitioning`` calls, so each device runs
-    them on its shard, at the shard's shapes."""
+    at a time: a transient inside the call that the planner's memory model does not see); a fused kernel
+    (FlashAttention) goes in their place. ``skips_masked``: whether ``block`` skips the work a causal mask
+    hides, as flash kernels do (default: True for a kernel given, False for the reference); the planner
+    prices the ring's work from it. Both calls are ``custom_partitioning`` calls, so each device runs them
+    on its shard, at the shard's shapes."""
     if skips_masked is None:
         skips_masked = block is not ring_lib.reference_block
     travel = (1, 2)  # k and v go round the ring

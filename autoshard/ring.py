@@ -1,4 +1,4 @@
-"""Causal attention split along the sequence: a ring of blockwise attentions, zig-zag balanced.
+"""Attention split along the sequence: a ring of blockwise attentions, zig-zag balanced when causal.
 
 ``ring_attention(block, backward)`` turns a *block* attention (a fused kernel, or ``reference_block``) into
 causal self-attention over ``[batch, seq, heads, head_dim]`` that the planner may split over batch and heads
