@@ -211,3 +211,19 @@ def test_a_ring_inside_pipeline_stages_runs_like_jit(runtime: str) -> None:
     assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
     layouts = {str(s) for st in par.plan.stages for s in st.specs[()].values() if len(s.dims) == 4}
     assert layouts and all(s.startswith("R·S(") for s in layouts), layouts  # [b, s, h, d] split along s
+
+
+def test_a_recomputed_ring_replays_in_the_backward_pass_like_jit() -> None:
+    """Full recompute rewrites each block: its ring forward runs again in the backward pass (a second ring
+    call beside the gradient's), and the step still equals ``jax.jit``'s."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "batch=1", "seq_len=64", "heads=1"],
+                      abstract=False)
+    state, batch = ex.args
+    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=5, recompute="full")
+    s_par, m_par = par(state, batch)
+    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
+    assert [op.phase for op in calls].count("backward") == 4  # two replays, two gradients
+    assert all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
