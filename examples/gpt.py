@@ -23,6 +23,11 @@ the kernels on its shard), and its three kernels' flops are registered with ``au
 (``--set flash=true --set seq_len=16384``). The backward call runs the forward kernel again for its row
 statistics (jax's backward kernel alone is private API): 11 products a (query, key) pair where 9 would do.
 
+With ``ring=True`` attention is ``autoshard.ring_attention``: the planner may split it along the sequence too,
+as a zig-zag ring (context parallelism), with jnp reference blocks, or with ``flash=True`` the Pallas kernel
+as the blocks (``mha`` with its log-sum-exps; the backward then runs jax's backward kernels on the saved
+statistics, 9 products a pair, through its private ``_mha_backward`` where its signature is the known one).
+
 Presets: ``"tiny"`` for tests, and the GPT-3 family (Brown et al. 2020, Table 2.1) at Alpa's evaluation
 settings (Zheng et al. 2022, Table 4): sequence 1024, vocabulary 51200, global batch 1024 sequences.
 Reduce the batch for a concrete run, e.g. ``make("125m", batch=8)``.
