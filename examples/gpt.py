@@ -26,7 +26,8 @@ statistics (jax's backward kernel alone is private API): 11 products a (query, k
 With ``ring=True`` attention is ``autoshard.ring_attention``: the planner may split it along the sequence too,
 as a zig-zag ring (context parallelism), with jnp reference blocks, or with ``flash=True`` the Pallas kernel
 as the blocks (``mha`` with its log-sum-exps; the backward then runs jax's backward kernels on the saved
-statistics, 9 products a pair, through its private ``_mha_backward`` where its signature is the known one).
+statistics: 9 products a pair in all, forward and backward, through its private ``_mha_backward`` where its
+signature is the known one).
 
 Presets: ``"tiny"`` for tests, and the GPT-3 family (Brown et al. 2020, Table 2.1) at Alpa's evaluation
 settings (Zheng et al. 2022, Table 4): sequence 1024, vocabulary 51200, global batch 1024 sequences.
