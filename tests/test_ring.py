@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -163,35 +164,29 @@ def test_golden_one_long_sequence_with_fewer_heads_than_devices_gives_ring_conte
     assert any(k.startswith("send_recv") for k in plan.collective_counts), plan.collective_counts
 
 
-def test_the_gpt_examples_ring_attention_runs_split_along_the_sequence_like_jit() -> None:
-    """GPT with ``ring=true``, batch 1 on eight devices: the plan splits the attention along the sequence
-    and the emitted step equals ``jax.jit``'s."""
-    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "batch=1", "seq_len=64"],
-                      abstract=False)
+def _gpt_like_jit(overrides: list[str], mesh: tuple[int, ...], **options: Any) -> Any:
+    """The tiny GPT with ``ring=true`` and ``overrides``, parallelized on ``mesh`` with ``options``: its step
+    equals ``jax.jit``'s (a finite loss, and the optimizer state); the decorated step, for what its plan did."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", *overrides], abstract=False)
     state, batch = ex.args
-    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=5)
+    par = autoshard.parallelize(ex.train_step, mesh=mesh, **options)
     s_par, m_par = par(state, batch)
     s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
-    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
-    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
-    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
-    assert calls and all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
-
-
-@pytest.mark.slow
-def test_the_ring_of_flash_kernels_runs_split_along_the_sequence_like_jit() -> None:
-    """The same with jax's Pallas flash kernels as the ring's blocks (interpreted on CPU)."""
-    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "flash=true", "batch=1", "seq_len=64"],
-                      abstract=False)
-    state, batch = ex.args
-    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=5)
-    s_par, m_par = par(state, batch)
-    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
-    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
-    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
-    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
-    assert calls and all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
     assert math.isfinite(float(m_par["loss"]))
+    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
+    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    return par
+
+
+@pytest.mark.parametrize("blocks", [[], pytest.param(["flash=true"], marks=pytest.mark.slow)],
+                         ids=["reference", "flash"])
+def test_the_gpt_examples_ring_attention_runs_split_along_the_sequence_like_jit(blocks: list[str]) -> None:
+    """GPT with ``ring=true``, batch 1 on eight devices, the ring's blocks the jnp reference or jax's Pallas
+    flash kernels (interpreted on CPU): the plan splits the attention along the sequence and the emitted
+    step equals ``jax.jit``'s."""
+    par = _gpt_like_jit([*blocks, "batch=1", "seq_len=64"], (8,), time_budget_s=5)
+    calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
+    assert calls and all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
 
 
 @pytest.mark.slow
@@ -199,16 +194,9 @@ def test_the_ring_of_flash_kernels_runs_split_along_the_sequence_like_jit() -> N
 def test_a_ring_inside_pipeline_stages_runs_like_jit(runtime: str) -> None:
     """One head, so only the ring splits the attention: each stage's calls go round the ring of its own
     submesh (in the SPMD program, inside the stage axis' shard_map), and the step equals ``jax.jit``'s."""
-    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "batch=2", "seq_len=64", "heads=1"],
-                      abstract=False)
-    state, batch = ex.args
-    par = autoshard.parallelize(ex.train_step, mesh=(2, 4), time_budget_s=10, pipeline=True, microbatches=2,
-                                runtime=runtime)
-    s_par, m_par = par(state, batch)
+    par = _gpt_like_jit(["batch=2", "seq_len=64", "heads=1"], (2, 4), time_budget_s=10, pipeline=True,
+                        microbatches=2, runtime=runtime)
     assert isinstance(par.plan, autoshard.PipelinePlan)
-    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
-    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
-    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
     layouts = {str(s) for st in par.plan.stages for s in st.specs[()].values() if len(s.dims) == 4}
     assert layouts and all(s.startswith("R·S(") for s in layouts), layouts  # [b, s, h, d] split along s
 
@@ -216,14 +204,7 @@ def test_a_ring_inside_pipeline_stages_runs_like_jit(runtime: str) -> None:
 def test_a_recomputed_ring_replays_in_the_backward_pass_like_jit() -> None:
     """Full recompute rewrites each block: its ring forward runs again in the backward pass (a second ring
     call beside the gradient's), and the step still equals ``jax.jit``'s."""
-    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["ring=true", "batch=1", "seq_len=64", "heads=1"],
-                      abstract=False)
-    state, batch = ex.args
-    par = autoshard.parallelize(ex.train_step, mesh=(8,), time_budget_s=5, recompute="full")
-    s_par, m_par = par(state, batch)
-    s_ref, m_ref = jax.jit(ex.train_step)(state, batch)
-    assert global_rel_error(m_ref["loss"], m_par["loss"]) <= TOL
-    assert global_rel_error(s_ref.opt_state, s_par.opt_state) <= TOL
+    par = _gpt_like_jit(["batch=1", "seq_len=64", "heads=1"], (8,), time_budget_s=5, recompute="full")
     calls = [op for op in par.graph.ops if op.primitive == "custom_partitioning"]
     assert [op.phase for op in calls].count("backward") == 4  # two replays, two gradients
     assert all(par.plan.specs[()][op.outputs[0]].dims[1] for op in calls)
