@@ -36,7 +36,7 @@ from autoshard.pipeline.microbatches import candidates as microbatch_candidates
 from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
-from autoshard.pipeline.recompute import plan_pipeline_recomputing
+from autoshard.pipeline.recompute import StageModes, plan_pipeline_recomputing
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.beside import Beside, can_fork
 from autoshard.planner.explain import explain_plan
@@ -135,7 +135,9 @@ def plan(
     only when no layout fits without it (selective first, then full); ``"none"``, ``"selective"`` or
     ``"full"`` fix it. The plan says which (``Plan.recompute``) and ``parallelize`` emits it so; the model is
     not edited. Pipelines recompute alike (``pipeline.recompute``: the microbatch trace rewritten, each
-    block's replay in its stage's backward program); ``"auto"`` only when no cut into stages fits without.
+    block's replay in its stage's backward program); ``"auto"`` only when no cut into stages fits without,
+    and then per stage where the MPMD runtime runs it: the first stages (the most microbatches in flight)
+    recompute, the last ones may not (``pipeline.stages``' recompute per stage).
     """
     check_recompute(recompute)
     target = Target.of(mesh, hardware, memory_budget)
@@ -269,11 +271,12 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         if interleaved is not None:
             schedule, stage_shape, chunks = "interleaved-1f1b", interleaved, INTERLEAVE_CHUNKS
 
-        def stages(g: Graph, s: float | None, uniform: bool = options.uniform) -> PipelinePlan:
+        def stages(g: Graph, s: float | None, modes: StageModes | None = None,
+                   uniform: bool = options.uniform) -> PipelinePlan:
             return plan_pipeline(g, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
                                  schedule_name=schedule, num_layers=options.num_layers, time_budget_s=s,
                                  max_stages=options.max_stages, stage_shape=stage_shape, num_chunks=chunks,
-                                 uniform=uniform)
+                                 uniform=uniform, modes=modes)
 
         rec, start = recompute, "none"
         if mode is not None:
@@ -292,7 +295,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         if options.spmd_if_faster and the_plan.host_time >= HOST_SHARE * the_plan.predicted_step_time:
             the_plan, planned_graph = _spmd_if_faster(
                 the_plan, planned_graph, lambda s: plan_pipeline_recomputing(
-                    micro, lambda g, t: stages(g, t, True), recompute=rec, time_budget_s=s, start=start),
+                    micro, lambda g, t, m: stages(g, t, m, True), recompute=rec, time_budget_s=s, start=start),
                 None if seconds is None else seconds - (time.perf_counter() - began))
         traced[id(the_plan)] = planned_graph
         return the_plan

@@ -361,7 +361,7 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
         r = min(stages - 1 - p, len(inflight) - 1)
         return chunk_inflight[r][c] if chunk_inflight is not None and c < len(chunk_inflight[r]) else inflight[r]
 
-    weights: dict[tuple[str, int], float] = {}
+    weights: dict[tuple[Any, ...], float] = {}
     for m, cost in enumerate(costs):
         stages = max(1, num_devices // cost.mesh.num_devices)
         for ell in range(num_layers):
@@ -372,32 +372,48 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
                for sig, x in frac.items()}
     out = [np.zeros((num_layers, num_shapes)) for _ in range(4)]
     transient = np.zeros((num_layers, num_shapes))
-    cache: dict[tuple[str, int], tuple[Part, float]] = {}
+    cache: dict[tuple[Any, ...], tuple[Part, float]] = {}
     planned_on: dict[str, int] = {}  # signature -> the layer its plans were made on
     parts: list[list[Part | None]] = [[None] * num_shapes for _ in range(num_layers)]
     solves = 0
+
+    def _planned(key: tuple[Any, ...], ell: int, m: int, cost: CostModel, stages: int) -> tuple[Part, float]:
+        """Layer ``ell`` on shape ``m`` (``stages`` of it in the cluster) planned with its activations counted
+        ``weights[key]`` times."""
+        nonlocal solves
+        weight = weights[key]
+        share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
+        source = next((k for k in planned_on if k != signatures[ell] and (k, m) in cache), None)
+        starts: tuple[Sequence[Any], Sequence[Any]] = ((), ())
+        if source is not None:
+            theirs, src = cache[(source, m)][0], planned_on[source]
+            carried = (carried_assignment(graph, theirs.micro, micro_ops[src], micro_ops[ell]),
+                       carried_assignment(graph, theirs.update, update_ops[src], update_ops[ell]))
+            starts = ((carried[0],) if carried[0] else (), (carried[1],) if carried[1] else ())
+        part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share, seconds[signatures[ell]],
+                         weight, fallback=memory_budget, microbatches=num_microbatches, starts=starts)
+        solves += part.solves
+        return part, weight
+
     # the most repeated layer first: the others start from its plan where their ops match (GPT's first
     # layer holds a copy of the block; ``carried_assignment``)
     for ell in sorted(range(num_layers), key=lambda x: (-signatures.count(signatures[x]), x)):
         planned_on.setdefault(signatures[ell], ell)
         for m, cost in enumerate(costs):
-            key = (signatures[ell], m)
+            key: tuple[Any, ...] = (signatures[ell], m)
+            stages = max(1, num_devices // cost.mesh.num_devices)
+            for fewer in (held(ell, stages), min(inflight)):
+                if key in cache and not cache[key][0].micro.feasible and fewer < cache[key][1]:
+                    # no plan holds the most microbatches any copy of this layer keeps in flight: this copy gets
+                    # a plan for as many as its place keeps, or else as the last stage keeps (a stage late in
+                    # the pipeline may hold a block as traced that the first stages must recompute: ``stages``'
+                    # recompute per stage), which the stage DP places only where it fits
+                    key = (signatures[ell], m, fewer)
+                    weights[key] = float(fewer)
+                    if key not in cache:
+                        cache[key] = _planned(key, ell, m, cost, stages)
             if key not in cache:
-                stages = max(1, num_devices // cost.mesh.num_devices)
-                weight = weights[key]
-                share = None if memory_budget is None else memory_budget * min(1.0, stages / num_layers)
-                source = next((k for k in planned_on if k != signatures[ell] and (k, m) in cache), None)
-                starts: tuple[Sequence[Any], Sequence[Any]] = ((), ())
-                if source is not None:
-                    theirs, src = cache[(source, m)][0], planned_on[source]
-                    carried = (carried_assignment(graph, theirs.micro, micro_ops[src], micro_ops[ell]),
-                               carried_assignment(graph, theirs.update, update_ops[src], update_ops[ell]))
-                    starts = ((carried[0],) if carried[0] else (), (carried[1],) if carried[1] else ())
-                part = plan_part(graph, micro_ops[ell], update_ops[ell], cost, hardware, share,
-                                 seconds[signatures[ell]], weight,
-                                 fallback=memory_budget, microbatches=num_microbatches, starts=starts)
-                solves += part.solves
-                cache[key] = (part, weight)
+                cache[key] = _planned(key, ell, m, cost, stages)
             part, weight = cache[key]
             parts[ell][m] = part
             out[0][ell, m], out[2][ell, m], out[3][ell, m] = part.micro.time, part.once, part.update.memory

@@ -61,6 +61,8 @@ class StagePlan:
     memory: float  # bytes per device: update state + in-flight microbatches' activations
     specs: Mapping[Scope, Mapping[int, ShardingSpec]]  # forward / backward programs
     update_specs: Mapping[Scope, Mapping[int, ShardingSpec]]
+    # the recompute of the blocks in its layers, where stages chose their own (``stages``' recompute per stage)
+    recompute: str = ""
 
     @property
     def num_devices(self) -> int:
@@ -191,6 +193,7 @@ class PipelinePlan:
                 "mesh": st.mesh.to_dict(), "micro_time": st.micro_time, "update_time": st.update_time,
                 "memory": st.memory, "specs": specs_to_json(st.specs),
                 "update_specs": specs_to_json(st.update_specs),
+                **({"recompute": st.recompute} if st.recompute else {}),
             } for st in self.stages],
             "layer_of_op": list(self.layer_of_op),
             "predicted_step_time": self.predicted_step_time,
@@ -218,6 +221,7 @@ class PipelinePlan:
             mesh=LogicalMesh.from_dict(s["mesh"]), micro_time=float(s["micro_time"]),
             update_time=float(s["update_time"]), memory=float(s["memory"]),
             specs=specs_from_json(s["specs"]), update_specs=specs_from_json(s["update_specs"]),
+            recompute=str(s.get("recompute", "")),
         ) for s in d["stages"])
         plan = cls(mesh=LogicalMesh.from_dict(d["mesh"]), hardware=d["hardware"],
                    num_microbatches=int(d["num_microbatches"]), schedule=d["schedule"],

@@ -16,6 +16,7 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
     others = [f"{name} {human_time(t)}" for name, t in (priced or {}).items() if name != plan.schedule]
     chosen = f" (the faster for these stages; microbatches' passes {human_time(priced[plan.schedule])}, " \
         f"{', '.join(others)})" if priced and plan.schedule in priced and others else ""
+    per_stage = any(st.recompute for st in plan.stages)
     lines = [
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
         f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
@@ -30,18 +31,19 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),
         *([mfu_line(plan.mfu, plan.model_flops)] if plan.mfu is not None else []),
-        *([f"recompute: {remat.summary(plan.recompute)} (replayed "
-           "in each stage's backward program; counted in its time)"] if plan.recompute else []),
+        *([f"recompute: {remat.summary(plan.recompute)} (replayed in each stage's backward program; counted in "
+           f"its time{'; chosen per stage' if per_stage else ''})"] if plan.recompute else []),
         "",
         f"  {'stage':<6}{'layers':<10}{'submesh':<10}{'devices':<16}{'fwd+bwd/microbatch':>20}{'update':>12}"
-        f"{'memory/device':>16}",
+        f"{'memory/device':>16}" + ("  recompute" if per_stage else ""),
     ]
     cluster = plan.cluster
     for s, st in enumerate(plan.stages):
         devs = st.devices(cluster)
         dev = f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0])
         lines.append(f"  {s:<6}{f'{st.layers[0]}..{st.layers[1]}':<10}{f'{st.submesh[0]}x{st.submesh[1]}':<10}"
-                     f"{dev:<16}{human_time(st.micro_time):>20}{human_time(st.update_time):>12}{human_bytes(st.memory):>16}")
+                     f"{dev:<16}{human_time(st.micro_time):>20}{human_time(st.update_time):>12}{human_bytes(st.memory):>16}"
+                     + (f"  {st.recompute}" if per_stage else ""))
     sv = plan.solver
     lines += ["", f"planner: {sv.distinct_layers} distinct layers priced on each submesh shape "
               f"({sv.layer_solves} intra-op solves), stage DP {sv.dp_seconds:.2f} s, "

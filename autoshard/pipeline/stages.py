@@ -48,6 +48,19 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    per node, and alone it can end far above the sum the DP saw (GPT-39B on 8x8: 810 ms planned whole
    against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is ``T`` above with these plans' ``t_s`` and ``u_s``.
 
+**Recompute per stage** (``modes``: ``pipeline.recompute`` offers the modes cheaper than the one being
+planned). Under 1F1B stage ``s`` of ``S`` holds ``S − s`` microbatches in flight, so the memory that forces
+recompute binds on the first stages only. Each recompute mode ``r`` (the microbatch step rewritten with
+every block in ``r``, cut into the same layers) gets its own tables ``t^r, u^r, σ^r, α^r``, and the DP's
+options are the pairs ``(m, r)``: a stage ``(i..j, (m, r))`` is allowed with ``k`` stages after it when
+``σ^r[i, j, m] + inflight[k]·α^r[i, j, m] <= budget``, the recurrence and objective unchanged. The chosen
+stages give each block its stage's mode (a block cut across two stages, the more recomputing one: its
+memory is then at most what the DP counted); the step is rewritten so and its stages planned whole as in
+step 4. A layer whose copies were planned once for the most microbatches in flight, and do not fit so, is
+planned again for its own place's count (``layer_prices.price_layers``), so that a cheaper mode has a price
+where fewer are in flight. The SPMD program (``uniform``) keeps one mode on every stage: its lockstep
+ticks last as long as the slowest stage's work, so a cheaper mode on the last stages buys nothing there.
+
 Interleaved 1F1B (``v`` model chunks per stage, Narayanan et al. 2021 §2.2) runs on a given stage layout
 (``stage_shape``: ``S`` equal submeshes): step 3 becomes a linear-partition DP cutting the layers into
 ``V = v·S`` contiguous virtual stages minimising the slowest ``t'``, virtual stage ``u`` on submesh
@@ -78,12 +91,13 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from autoshard.pipeline.host import HostCosts, HostWork, host_work
 from autoshard.pipeline.layer_prices import (
+    LayerPrices,
     Part,
     assignment_of_layers,
     layouts_of_layers,
@@ -125,12 +139,17 @@ from autoshard.pipeline.uniform import tail_spreadable, uniform_stages
 from autoshard.planner.build import build_problem
 from autoshard.planner.plan import input_signature
 from autoshard.planner.readback import peak_memory_of
+from autoshard.planner.recompute import describe
 from autoshard.planner.seeds import assignment_choice
 from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
+from autoshard.trace.remat import REMAT_MODES, summary
 from cost_models import CostModel
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
+
+if TYPE_CHECKING:  # a later pass: it hands its modes in
+    from autoshard.pipeline.recompute import StageModes
 
 log = logging.getLogger("autoshard")
 
@@ -139,7 +158,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                   num_microbatches: int = 4, schedule_name: str = "1f1b", num_layers: int | None = None,
                   time_budget_s: float | None = None, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None,
-                  num_chunks: int = 2, uniform: bool = False, spread_tail: bool = True) -> PipelinePlan:
+                  num_chunks: int = 2, uniform: bool = False, spread_tail: bool = True,
+                  modes: StageModes | None = None) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
@@ -150,6 +170,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
     replaces the stage DP, and the step is priced as that program runs (``ticks.price``); ``spread_tail``
     lets it spread the layers after the blocks over several stages where that is faster (``_uniform``).
+    ``modes``: recompute modes each stage of the stage DP may choose (``graph`` is ``modes``' last; the
+    module docstring's "Recompute per stage"); the plan's ``recompute`` then says which block does what, and
+    ``modes.graph_of(plan.recompute)`` is the graph it plans.
 
     The layers' and stages' sub-graphs are cut once each (``partition.subgraph``) and live with ``graph``
     while it is planned here; they are dropped when this returns (the step's graph lives on to be
@@ -159,15 +182,16 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                               num_microbatches=num_microbatches, schedule_name=schedule_name, num_layers=num_layers,
                               time_budget_s=time_budget_s, max_stages=max_stages, forced_boundaries=forced_boundaries,
                               stage_shape=stage_shape, num_chunks=num_chunks, uniform=uniform,
-                              spread_tail=spread_tail)
+                              spread_tail=spread_tail, modes=modes)
     finally:
-        graph.memo("pipeline.partition.subgraph").clear()
+        for g in (graph, *([] if modes is None else modes.planned())):
+            g.memo("pipeline.partition.subgraph").clear()
 
 
 def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budget: float | None,
                    num_microbatches: int, schedule_name: str, num_layers: int | None, time_budget_s: float | None,
                    max_stages: int | None, forced_boundaries: Sequence[int], stage_shape: tuple[int, int] | None,
-                   num_chunks: int, uniform: bool, spread_tail: bool) -> PipelinePlan:
+                   num_chunks: int, uniform: bool, spread_tail: bool, modes: StageModes | None) -> PipelinePlan:
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
@@ -198,8 +222,8 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 end = k
         forced_boundaries = sorted({*forced_boundaries, *(k - 1 for k in list(starts.values())[1:] if k > 0),
                                     *((end,) if 0 <= end < len(fwd) - 1 else ())})
-    layer_of_op = assign_layers(graph, parts, num_layers, forced=forced_boundaries)
-    layers = max(layer_of_op) + 1
+    lay = _layered(graph, parts, num_layers, forced_boundaries)
+    layer_of_op, layers, micro_ops, update_ops, into = lay.layer_of_op, lay.layers, lay.micro_ops, lay.update_ops, lay.into
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
     n_devices = cluster[0] * cluster[1]
     chunks = num_chunks if interleaved else 1
@@ -212,11 +236,6 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             raise _no_uniform_cut(len(starts), [], chunks)
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
-    micro_ops: list[list[int]] = [[] for _ in range(layers)]
-    update_ops: list[list[int]] = [[] for _ in range(layers)]
-    for op in graph.ops:
-        (update_ops if parts.kind[op.id] == UPDATE else micro_ops)[layer_of_op[op.id]].append(op.id)
-    into = _bytes_into_layers(graph, parts, layer_of_op, layers)
     slow = min(link.bandwidth for link in cost.mesh.links)
     if interleaved and layers < chunks * limit:
         raise PipelineError(f"{limit} stages of {chunks} chunks need at least {chunks * limit} layers; the step "
@@ -228,9 +247,25 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         raise PipelineError(str(e)) from None
 
     # ---- the stage problem ----
-    prices = price_layers(graph, micro_ops, update_ops, costs, hardware, memory_budget,
-                          SHARES.layer_pricing * time_budget_s, inflight, n_devices, num_microbatches,
-                          chunks, by_chunk)
+    # layer prices depend on these and on the graph: a cheaper recompute mode's, made when it was planned
+    # alone (``pipeline.recompute``), serve again as a per-stage option (``modes``)
+    pricing_key = (id(cost), hardware, memory_budget, options, n_devices, num_microbatches, pricing, chunks, limit,
+                   num_layers, tuple(forced_boundaries))
+
+    # the graphs still to price share the layer pricing's seconds
+    unpriced = 1 + (0 if modes is None or uniform or interleaved else sum(
+        pricing_key not in g.memo("pipeline.stages.layer_prices") for _, g in modes.graphs[:-1]))
+
+    def priced(lay: _Layered) -> LayerPrices:
+        memo = lay.graph.memo("pipeline.stages.layer_prices")
+        if pricing_key not in memo:
+            memo[pricing_key] = price_layers(
+                lay.graph, lay.micro_ops, lay.update_ops, costs, hardware, memory_budget,
+                SHARES.layer_pricing * time_budget_s / unpriced, inflight, n_devices, num_microbatches, chunks,
+                by_chunk)
+        return memo[pricing_key]
+
+    prices = priced(lay)
     # the DP's time per microbatch: t' = t + u / B (the module docstring, step 3)
     # a cut's activations cross on every device's own link at once (each sends and receives its shard)
     link = np.array([slow * a * b for a, b in submeshes])
@@ -239,6 +274,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     fused, split, tail_time = False, 1, 0.0
+    recompute: dict[str, str] | None = None  # set where the stages chose their own (``modes``)
     if uniform:  # interleaved or not: the SPMD program's cut, its tail spread over stages where that is faster
         cut = _uniform(
             graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
@@ -262,12 +298,21 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         chosen, placement, dp_cost = min(cuts, key=lambda r: r[2])
         dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
     else:
-        composed = _ComposedMemory(graph, prices, micro_ops, update_ops, costs, num_microbatches)
+        # a stage's options: every submesh layout, in every recompute mode ``modes`` offers (cheapest first;
+        # option ``v·M + m`` is layout ``m`` in mode ``v``), the tables side by side (the solver takes a shape
+        # more than once); without ``modes``, the graph's own mode alone
+        variants = _variants(modes, lay, prices, stage_time, priced, num_layers, forced_boundaries,
+                             num_microbatches, link)
+        M = len(submeshes)
+        composed = [_ComposedMemory(v.lay.graph, v.prices, v.lay.micro_ops, v.lay.update_ops, costs, num_microbatches)
+                    for v in variants]
+        all_time = np.concatenate([v.stage_time for v in variants], axis=2)
         for attempt in range(MAX_RECUTS + 1):
-            problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=stage_time,
-                                     num_microbatches=num_microbatches, submeshes=submeshes,
-                                     static_memory=_static_memory(prices),
-                                     activation_memory=_range_sums(prices.micro_memory),
+            problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=all_time,
+                                     num_microbatches=num_microbatches, submeshes=submeshes * len(variants),
+                                     static_memory=np.concatenate([_static_memory(v.prices) for v in variants], 2),
+                                     activation_memory=np.concatenate(
+                                         [_range_sums(v.prices.micro_memory) for v in variants], 2),
                                      memory_limit=memory_budget, inflight=inflight, max_stages=limit)
             try:
                 sol = solve_inter_op(problem)
@@ -279,17 +324,37 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             chosen = [(st.first_layer, st.last_layer, st.submesh) for st in sol.stages]
             # the DP adds its layers' memory; the layers' plans joined may hold more (module docstring)
             over = [] if memory_budget is None or attempt == MAX_RECUTS else [
-                c for r, c in enumerate(chosen)
-                if composed(*c, inflight[len(chosen) - 1 - r]) > memory_budget * (1 + 1e-6)]
+                (a, b, o) for r, (a, b, o) in enumerate(chosen)
+                if composed[o // M](a, b, o % M, inflight[len(chosen) - 1 - r]) > memory_budget * (1 + 1e-6)]
             if not over:
                 break
-            stage_time = stage_time.copy()
-            for first, last, m in over:
-                log.info("autoshard: layers %d..%d on %s: their plans joined overflow the stage's memory; cut "
-                         "again without that stage", first, last, costs[m].mesh)
-                stage_time[first, last, m] = np.inf
+            all_time = all_time.copy()
+            for first, last, o in over:
+                log.info("autoshard: layers %d..%d on %s%s: their plans joined overflow the stage's memory; cut "
+                         "again without that stage", first, last, costs[o % M].mesh,
+                         "" if len(variants) == 1 else f" ({describe(variants[o // M].mode)})")
+                all_time[first, last, o] = np.inf
         placement, dp_cost = list(sol.placement), sol.cost
         dp_seconds, dp_candidates = sol.stats.seconds, sol.stats.candidates
+        stage_variant = [variants[o // M] for _, _, o in chosen]
+        chosen = [(a, b, o % M) for a, b, o in chosen]
+        if modes is not None:
+            recompute, mixed = _per_stage_recompute(modes, lay, chosen, [v.mode for v in stage_variant])
+            if mixed is not lay.graph:
+                lay = stage_variant[0].lay if mixed is stage_variant[0].lay.graph else _aligned(
+                    _layered(mixed, split_step(mixed), num_layers, forced_boundaries), lay, "per stage")
+                graph, parts, layer_of_op = lay.graph, lay.parts, lay.layer_of_op
+                micro_ops, update_ops = lay.micro_ops, lay.update_ops
+            if len({v.mode for v in stage_variant}) > 1:
+                log.info("autoshard: recompute chosen per stage: %s", ", ".join(
+                    f"stage {s} {v.mode}" for s, v in enumerate(stage_variant)))
+        stage_prices = [v.prices for v in stage_variant]
+        stage_tables = [v.stage_time for v in stage_variant]
+    if uniform or interleaved:  # every stage in the graph's own mode (the lockstep SPMD program gains nothing
+        # from a cheaper one on some stages: each tick lasts as long as its slowest stage)
+        stage_prices, stage_tables = [prices] * len(chosen), [stage_time] * len(chosen)
+        if modes is not None:
+            recompute = modes.config(modes.graphs[-1][0])
     t_dp = time.perf_counter() - t_start
 
     # ---- the chosen stages re-planned whole ----
@@ -317,8 +382,8 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             # the stage's own budget: its update state once, its activations once per microbatch in flight
             # started from the layers' own plans, the layouts behind the stage DP's prices
             ells = range(first, last + 1)
-            layer_micro = [prices.parts[ell][m].micro for ell in ells]
-            layer_update = [prices.parts[ell][m].update for ell in ells]
+            layer_micro = [stage_prices[s].parts[ell][m].micro for ell in ells]
+            layer_update = [stage_prices[s].parts[ell][m].update for ell in ells]
             mine_micro, mine_update = [micro_ops[ell] for ell in ells], [update_ops[ell] for ell in ells]
             starts = ((layouts_of_layers(graph, layer_micro, mine_micro, mops),
                        assignment_of_layers(graph, layer_micro, mine_micro, mops)),
@@ -327,8 +392,9 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             budget = shares[keys[s]]
             part = plan_part(graph, mops, uops, costs[m], hardware, budget, seconds, float(held[s]),
                              microbatches=num_microbatches, starts=starts)
-            layer = prices.parts[first][m]
-            if first == last and layer.micro.feasible and layer.update.feasible and (
+            # the layer's plan, made on it or on an identical layer (``price_layers``), carried to its ops
+            layer = _reused(graph, stage_prices[s].parts[first][m], mops, uops) if first == last else None
+            if layer is not None and layer.micro.feasible and layer.update.feasible and (
                     not part.micro.feasible or not part.update.feasible
                     or (layer.time + layer.once < part.time + part.once
                         and (budget is None or layer.memory <= budget * (1 + 1e-6)))):
@@ -337,14 +403,19 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 part = layer
             done[keys[s]] = part
         planned[s] = part
+    # where the stages chose their recompute, each says what its blocks do
+    labels = [summary({b: (recompute or {}).get(b, "none") for ell in range(a, c + 1) for b in lay.blocks[ell]})
+              for a, c, _ in chosen]
+    if len(set(labels)) < 2:
+        labels = [""] * len(chosen)
     stages: list[StagePlan] = []
     for s, (first, last, m) in enumerate(chosen):
         shape = submeshes[m]
         mops, part = stage_ops[s][0], planned[s]
         log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
                  "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / link[m]),
-                 human_time(float(stage_time[first, last, m] - prices.update_time[first:last + 1, m].sum()
-                                  / num_microbatches)))
+                 human_time(float(stage_tables[s][first, last, m]
+                                  - stage_prices[s].update_time[first:last + 1, m].sum() / num_microbatches)))
         if part.micro.plan is None and mops:
             raise PipelineError(f"stage {s} (layers {first}..{last}) on {shape} did not plan "
                                 "within the memory budget when planned whole")
@@ -352,7 +423,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             layers=(first, last), submesh=shape, origin=placement[s],
             mesh=costs[m].mesh, micro_time=part.time + 2 * into[first] / link[m],
             update_time=part.once, memory=part.memory, specs=remap(part.micro),
-            update_specs=remap(part.update),
+            update_specs=remap(part.update), recompute=labels[s],
         ))
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
@@ -398,7 +469,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
         memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
         inputs=input_signature(graph), fused_ticks=fused, spmd=uniform, tail_split=split, tail_time=tail_time,
-        host_time=host_time,
+        host_time=host_time, **({} if recompute is None else {"recompute": recompute}),
     )
 
 
@@ -721,6 +792,96 @@ def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None,
 # of equals). GPipe is 1F1B's time with more microbatches in flight; interleaving needs a stage layout given.
 AUTO_SCHEDULES = ("1f1b", "zb-h1")
 MAX_RECUTS = 4  # stage DP runs after the first whose stages' joined plans overflow (then planned whole)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layered:
+    """A microbatch step cut into layers: each op's layer, each layer's microbatched and update ops, the
+    bytes crossing into each layer (``X(i)``) and the blocks each layer's forward ops belong to."""
+
+    graph: Graph
+    parts: Any
+    layer_of_op: list[int]
+    micro_ops: list[list[int]]
+    update_ops: list[list[int]]
+    into: np.ndarray
+    blocks: tuple[frozenset[str], ...]
+
+    @property
+    def layers(self) -> int:
+        return len(self.micro_ops)
+
+
+def _layered(graph: Graph, parts: Any, num_layers: int | None, forced: Sequence[int]) -> _Layered:
+    """``graph`` cut into layers (``partition.assign_layers``)."""
+    layer_of_op = assign_layers(graph, parts, num_layers, forced=forced)
+    layers = max(layer_of_op) + 1
+    micro_ops: list[list[int]] = [[] for _ in range(layers)]
+    update_ops: list[list[int]] = [[] for _ in range(layers)]
+    blocks: list[set[str]] = [set() for _ in range(layers)]
+    for op in graph.ops:
+        (update_ops if parts.kind[op.id] == UPDATE else micro_ops)[layer_of_op[op.id]].append(op.id)
+        if parts.kind[op.id] == FORWARD and op.layer:
+            blocks[layer_of_op[op.id]].add(op.layer)
+    return _Layered(graph, parts, layer_of_op, micro_ops, update_ops,
+                    _bytes_into_layers(graph, parts, layer_of_op, layers), tuple(frozenset(b) for b in blocks))
+
+
+def _aligned(lay: _Layered, like: _Layered, what: str) -> _Layered:
+    """``lay`` if its layers are ``like``'s (the same blocks' forward ops, the same bytes between them: a
+    recompute mode changes only what the backward replays), else a ``PipelineError``."""
+    if lay.blocks != like.blocks or not np.allclose(lay.into, like.into):
+        raise PipelineError(f"the step rewritten with recompute {what} cuts into other layers than as planned "
+                            f"({lay.layers} against {like.layers}); fix the recompute mode (recompute=...)")
+    return lay
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Variant:
+    """One recompute mode a stage may take: the step rewritten so, cut into layers, priced, its stage table."""
+
+    mode: str
+    lay: _Layered
+    prices: LayerPrices
+    stage_time: np.ndarray
+
+
+def _variants(modes: StageModes | None, lay: _Layered, prices: LayerPrices, stage_time: np.ndarray, priced: Any,
+              num_layers: int | None, forced: Sequence[int], num_microbatches: int, link: np.ndarray,
+              ) -> list[_Variant]:
+    """The recompute modes the stage DP chooses among per stage: those of ``modes`` whose rewrite cuts into the
+    same layers as ``lay`` (the last mode's graph), each priced (``priced``: memoised on its graph, so a mode
+    planned alone before costs nothing again), cheapest first; without ``modes``, ``lay`` alone."""
+    own = _Variant("" if modes is None else modes.graphs[-1][0], lay, prices, stage_time)
+    if modes is None:
+        return [own]
+    out = []
+    for mode, g in modes.graphs[:-1]:
+        other = _layered(g, split_step(g), num_layers, forced)
+        if other.blocks != lay.blocks or not np.allclose(other.into, lay.into):
+            log.info("autoshard: recompute %s cuts into other layers; not a per-stage option", mode)
+            continue
+        p = priced(other)
+        out.append(_Variant(mode, other, p, _stage_times(p.micro_time + p.update_time / num_microbatches,
+                                                         other.into, link)))
+    return [*out, own]
+
+
+def _per_stage_recompute(modes: StageModes, lay: _Layered, chosen: Sequence[tuple[int, int, int]],
+                         stage_modes: Sequence[str]) -> tuple[dict[str, str], Graph]:
+    """The recompute config (block -> mode) of stages ``chosen`` in ``stage_modes``, and the step rewritten
+    so (``modes.graph_of``): a block takes its stage's mode (a block cut across stages, the largest)."""
+    order = {m: k for k, m in enumerate(REMAT_MODES)}
+    mode_of: dict[str, str] = {}
+    for (first, last, _), mode in zip(chosen, stage_modes, strict=True):
+        for ell in range(first, last + 1):
+            for b in lay.blocks[ell]:
+                if order[mode] > order[mode_of.get(b, "none")]:
+                    mode_of[b] = mode
+    config = {b: mode_of.get(b, "none") for b in modes.blocks}
+    if not any(m != "none" for m in config.values()):
+        config = {}
+    return config, modes.graph_of(config)
 
 
 class _ComposedMemory:
