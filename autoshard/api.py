@@ -264,7 +264,10 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         the interleaved one on that shape (``pipeline.microbatches.interleaving``). ``mode``: the recompute
         mode it is planned with alone (``derived_recompute``; ``invariant``, which no user can fix, starts
         ``"auto"`` there instead); None: ``recompute``, ``"auto"`` starting where ``first_recompute`` says."""
+        t_in = time.perf_counter()
         micro = trace_microbatch(step_fn, args, graph, count, roles=roles)
+        if seconds is not None:  # tracing at microbatch size is part of the pipeline's seconds (GPT-15B: 9 s)
+            seconds = max(seconds - (time.perf_counter() - t_in), SHARES.min_solve * seconds)
         log.info("autoshard: planning a pipeline of %d microbatches%s", count,
                  "" if interleaved is None else f", interleaved on stages of {interleaved[0]}x{interleaved[1]}")
         schedule, stage_shape, chunks = options.schedule, options.stage_shape, options.num_chunks
@@ -296,7 +299,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             the_plan, planned_graph = _spmd_if_faster(
                 the_plan, planned_graph, lambda s: plan_pipeline_recomputing(
                     micro, lambda g, t, m: stages(g, t, m, True), recompute=rec, time_budget_s=s, start=start),
-                None if seconds is None else seconds - (time.perf_counter() - began))
+                None if seconds is None else _worth_a_plan(seconds - (time.perf_counter() - began), seconds))
         traced[id(the_plan)] = planned_graph
         return the_plan
 
@@ -364,6 +367,13 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
 BESIDE_MIN_OPS = 5000  # a step with fewer ops plans its intra-operator plan first, in this process: forking costs
 # more than it saves when each plan takes a few seconds
 HOST_SHARE = 0.1  # an MPMD plan whose host work is this share of its step is also planned as the SPMD program
+
+
+def _worth_a_plan(left: float, seconds: float) -> float:
+    """``left`` of ``seconds``, or 0 when under ``SHARES.min_solve`` of them: too few to plan a pipeline
+    without running past them (its layers' and stages' solves take a second each at least: GPT-15B on 1x8,
+    the SPMD program's plan given the last 5 s of a 120 s budget took 26 s)."""
+    return left if left >= SHARES.min_solve * seconds else 0.0
 
 
 def _spmd_if_faster(mpmd: PipelinePlan, graph: Graph, plan_spmd: Callable[[float | None], tuple[PipelinePlan, Graph]],

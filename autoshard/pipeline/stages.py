@@ -370,7 +370,15 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     # is so an upper bound for those holding fewer.
     keys = [(signature(graph, m) + signature(graph, u), c[2])
             for (m, u), c in zip(stage_ops, chosen, strict=True)]
-    seconds = max(SHARES.min_stage_seconds, SHARES.stage_plans * time_budget_s / (2 * len(set(keys))))
+    # their share of the budget, or what the pricing, the DP's re-cuts and the stages planned before left of
+    # it: a solve given t seconds takes ~1.3 t with its problem's build and seeds (GPT-15B's two stages on 1x8,
+    # 16.8 s solves took ~20 s each, past a 120 s budget)
+    per_solve = SHARES.stage_plans * time_budget_s / (2 * len(set(keys)))
+
+    def stage_seconds() -> float:
+        left = time_budget_s - (time.perf_counter() - t_start)
+        return max(SHARES.min_stage_seconds, min(per_solve, left / (1.3 * 2 * len(set(keys) - set(done)))))
+
     shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget)
     done: dict[Any, Part] = {}
     planned: dict[int, Part] = {}
@@ -390,7 +398,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                       (layouts_of_layers(graph, layer_update, mine_update, uops),
                        assignment_of_layers(graph, layer_update, mine_update, uops)))
             budget = shares[keys[s]]
-            part = plan_part(graph, mops, uops, costs[m], hardware, budget, seconds, float(held[s]),
+            part = plan_part(graph, mops, uops, costs[m], hardware, budget, stage_seconds(), float(held[s]),
                              microbatches=num_microbatches, starts=starts)
             # the layer's plan, made on it or on an identical layer (``price_layers``), carried to its ops
             layer = _reused(graph, stage_prices[s].parts[first][m], mops, uops) if first == last else None
