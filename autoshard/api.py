@@ -436,7 +436,9 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
                      *shape, piped.schedule, human_time(derived), human_time(ours))
             return piped
     try:
-        other = plan_one(count, left, shape, derived_recompute(piped.recompute))
+        # a base recomputing per stage (its first stages more) gives no one mode: ``recompute`` decides afresh
+        mode = derived_recompute(piped.recompute) if len(set(piped.recompute.values())) < 2 else None
+        other = plan_one(count, left, shape, mode)
     except AutoshardError as e:
         log.info("autoshard: no interleaved pipeline of %d microbatches on %dx%d stages (%s)", count, *shape,
                  str(e).splitlines()[0])
