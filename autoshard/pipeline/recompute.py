@@ -144,4 +144,3 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
         raise errors[0][1]
     raise PipelineDoesNotFit("no pipeline fits, recompute or not: "
                              + "; ".join(f"{describe(m)}: {e}" for m, e in errors)) from None
-
