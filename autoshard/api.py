@@ -292,13 +292,21 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                 log.info("autoshard: as traced, a stage's share of the step's activations would fill over half a "
                          "device (the step needs %.3g GB per device unpipelined): the pipeline of %d microbatches "
                          "is planned with %s recompute first", needs["none"] / 1e9, count, start)
+
+        def hopeless(m: str) -> bool:
+            """Whether no stage can hold the step as traced: in 1F1B's steady state every stage holds its
+            layers' parameters and a microbatch's activations at least, so some device holds ``need / count``
+            or more (GPT-1.3B at seq 16384 on 1x8, 8 microbatches: 109 GB a device)."""
+            return m == "none" and budget is not None and need("none") / count > budget
+
         began = time.perf_counter()
         the_plan, planned_graph = plan_pipeline_recomputing(micro, stages, recompute=rec, time_budget_s=seconds,
-                                                            start=start)
+                                                            start=start, hopeless=hopeless)
         if options.spmd_if_faster and the_plan.host_time >= HOST_SHARE * the_plan.predicted_step_time:
             the_plan, planned_graph = _spmd_if_faster(
                 the_plan, planned_graph, lambda s: plan_pipeline_recomputing(
-                    micro, lambda g, t, m: stages(g, t, m, True), recompute=rec, time_budget_s=s, start=start),
+                    micro, lambda g, t, m: stages(g, t, m, True), recompute=rec, time_budget_s=s, start=start,
+                    hopeless=hopeless),
                 None if seconds is None else _worth_a_plan(seconds - (time.perf_counter() - began), seconds))
         traced[id(the_plan)] = planned_graph
         return the_plan

@@ -4,6 +4,7 @@ must recompute to fit are the first ones; the others keep their blocks as traced
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from pathlib import Path
@@ -31,6 +32,13 @@ TOL = 1e-5
 def _step() -> tuple[Any, tuple[Any, ...]]:
     mod = load_module(GPT)
     return mod.train_step, jax.jit(lambda: mod.make("tiny", **CONFIG))()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """What ``plan_pipeline_recomputing`` reads of a plan."""
+
+    recompute: dict[str, str]
 
 
 def _modes_in_block_order(plan: PipelinePlan) -> list[str]:
@@ -86,3 +94,24 @@ def test_the_spmd_program_recomputes_alike_on_every_stage() -> None:
     plan = autoshard.plan(step, *args, hardware="auto", runtime="spmd", **PIPE)
     assert isinstance(plan, PipelinePlan) and plan.spmd
     assert len(set(plan.recompute.values())) == 1 and not any(st.recompute for st in plan.stages)
+
+
+def test_modes_the_first_recompute_rule_skips_are_options_unless_no_stage_can_hold_them() -> None:
+    from autoshard.pipeline.partition import trace_microbatch
+    from autoshard.pipeline.recompute import plan_pipeline_recomputing
+
+    step, args = _step()
+    micro = trace_microbatch(step, args, autoshard.trace(step, *args), 8)
+    offered: list[list[str] | None] = []
+
+    def plan(graph: Any, seconds: float | None, modes: Any) -> Any:
+        offered.append(None if modes is None else [m for m, _ in modes.graphs])
+        return _Planned(modes.config(modes.graphs[-1][0]) if modes is not None else {})
+
+    # planned with selective first: the step as traced is the per-stage option (float32: ``invariant``
+    # replays nothing, so it is none)
+    _, graph = plan_pipeline_recomputing(micro, plan, start="selective")
+    assert offered == [["none", "selective"]] and graph is not micro
+    offered.clear()
+    plan_pipeline_recomputing(micro, plan, start="selective", hopeless=lambda m: m == "none")
+    assert offered == [None]

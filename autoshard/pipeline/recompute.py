@@ -79,10 +79,11 @@ class StageModes:
 
 def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None, StageModes | None], PipelinePlan],
                               *, recompute: str = "auto", time_budget_s: float | None = None, start: str = "none",
-                              ) -> tuple[PipelinePlan, Graph]:
+                              hopeless: Callable[[str], bool] | None = None) -> tuple[PipelinePlan, Graph]:
     """``plan(graph, seconds, modes)`` (a pipeline planner bound to its target) on ``micro`` with the recompute
     setting ``recompute`` (module docstring); with ``"auto"``, the modes from ``start`` on are tried, and a
-    mode tried after others did not fit is planned with those as options per stage (``modes``).
+    mode tried after others did not fit is planned with those as options per stage (``modes``); a mode
+    ``start`` skips is no option where ``hopeless(mode)`` (no stage can hold it: pricing it is time lost).
     Returns the plan and the microbatch graph it is a plan of (rewritten when it recomputes)."""
     check_recompute(recompute)
     t0 = time.perf_counter()
@@ -98,6 +99,9 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
     made: list[Graph] = [micro]  # whose layer prices ``stages`` memoises for the modes planned after them
     offered: list[StageModes] = []
     for mode in skipped:
+        if hopeless is not None and hopeless(mode):
+            log.debug("autoshard: recompute %s fits no pipeline stage: not a per-stage option", mode)
+            continue
         graph = recomputed(micro, uniform(micro, mode), level=logging.DEBUG) if mode != "none" else micro
         if mode == "none" or graph is not micro:
             cheaper.append((mode, graph))
