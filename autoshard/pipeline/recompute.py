@@ -45,6 +45,11 @@ from autoshard.trace.remat import blocks, summary, uniform
 log = logging.getLogger("autoshard")
 
 
+def every_block(micro: Graph, mode: str) -> dict[str, str]:
+    """The recompute config with every block of ``micro`` in ``mode`` (empty for ``none``: as traced)."""
+    return {} if mode == "none" else uniform(micro, mode)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StageModes:
     """The recompute modes each stage of one pipeline chooses among (``stages``' stage DP).
@@ -58,8 +63,8 @@ class StageModes:
     _mixed: dict[tuple[tuple[str, str], ...], Graph] = dataclasses.field(default_factory=dict, repr=False)
 
     def config(self, mode: str) -> dict[str, str]:
-        """Every block in ``mode`` (empty for ``none``: the step as traced)."""
-        return {} if mode == "none" else uniform(self.plain, mode)
+        """Every block in ``mode`` (``every_block``)."""
+        return every_block(self.plain, mode)
 
     def graph_of(self, config: Mapping[str, str]) -> Graph:
         """The step with a mode per block (``config``): one of ``graphs`` where every block has its mode,
@@ -102,13 +107,13 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
         if hopeless is not None and hopeless(mode):
             log.debug("autoshard: recompute %s fits no pipeline stage: not a per-stage option", mode)
             continue
-        graph = recomputed(micro, uniform(micro, mode), level=logging.DEBUG) if mode != "none" else micro
+        graph = recomputed(micro, every_block(micro, mode), level=logging.DEBUG)
         if mode == "none" or graph is not micro:
             cheaper.append((mode, graph))
             made.append(graph)
     try:
         for n, mode in enumerate(modes):
-            config = uniform(micro, mode) if mode != "none" else {}
+            config = every_block(micro, mode)
             graph = recomputed(micro, config)
             made.append(graph)
             if mode == "invariant" and graph is micro:

@@ -835,10 +835,15 @@ def _layered(graph: Graph, parts: Any, num_layers: int | None, forced: Sequence[
                     _bytes_into_layers(graph, parts, layer_of_op, layers), tuple(frozenset(b) for b in blocks))
 
 
+def _same_layers(lay: _Layered, like: _Layered) -> bool:
+    """Whether ``lay``'s layers are ``like``'s: the same blocks' forward ops, the same bytes between them (a
+    recompute mode changes only what the backward replays)."""
+    return lay.blocks == like.blocks and bool(np.allclose(lay.into, like.into))
+
+
 def _aligned(lay: _Layered, like: _Layered, what: str) -> _Layered:
-    """``lay`` if its layers are ``like``'s (the same blocks' forward ops, the same bytes between them: a
-    recompute mode changes only what the backward replays), else a ``PipelineError``."""
-    if lay.blocks != like.blocks or not np.allclose(lay.into, like.into):
+    """``lay`` if its layers are ``like``'s (``_same_layers``), else a ``PipelineError``."""
+    if not _same_layers(lay, like):
         raise PipelineError(f"the step rewritten with recompute {what} cuts into other layers than as planned "
                             f"({lay.layers} against {like.layers}); fix the recompute mode (recompute=...)")
     return lay
@@ -866,7 +871,7 @@ def _variants(modes: StageModes | None, lay: _Layered, prices: LayerPrices, stag
     out = []
     for mode, g in modes.graphs[:-1]:
         other = _layered(g, split_step(g), num_layers, forced)
-        if other.blocks != lay.blocks or not np.allclose(other.into, lay.into):
+        if not _same_layers(other, lay):
             log.info("autoshard: recompute %s cuts into other layers; not a per-stage option", mode)
             continue
         p = priced(other)
