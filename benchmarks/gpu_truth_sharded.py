@@ -79,8 +79,18 @@ PROBE_TOPOLOGIES = ("1x1x8", "1x8x1")
 # (preset, overrides) of the sharded cases, cheapest first; --quick uses QUICK
 SHARDED_MODELS = [("350m", ["dtype=bfloat16", "batch=8"]), ("1.3b", ["dtype=bfloat16", "batch=8"])]
 QUICK = [("tiny", ["layers=4", "heads=8", "batch=8"])]
+# long-sequence cases (issue #46): the automatic plan on 8 devices of one sequence through the flash kernels.
+# ``sp-ulysses``: 16 heads, which the plan splits over the devices between sequence-split projections and MLP
+# (DeepSpeed-Ulysses sequence parallelism, its all-to-alls); ``cp-ring``: 4 heads (head_dim 128), fewer than
+# the devices, so the attention is split along the sequence as a zig-zag ring (context parallelism).
+LONG_CASES = {"sp-ulysses": ("350m", ["dtype=bfloat16", "batch=1", "seq_len=16384", "flash=true"]),
+              "cp-ring": ("350m", ["dtype=bfloat16", "batch=1", "seq_len=16384", "heads=4", "hidden=512",
+                                   "flash=true", "ring=true"])}
+QUICK_LONG = {"sp-ulysses": ("tiny", ["heads=8", "batch=1", "seq_len=64", "flash=true"]),
+              "cp-ring": ("tiny", ["heads=2", "batch=1", "seq_len=64", "flash=true", "ring=true"])}
+HARDWARE = "h100"  # the planner's preset (--hardware); h200 for an H200's times
 SCAN_MODELS = [("350m", ["dtype=bfloat16", "batch=8"]), ("1.3b", ["dtype=bfloat16", "batch=4"])]
-LAYOUTS = ("tp8", "zero3", "dp2xtp4", "auto", "pipeline", "spmd-pipeline")
+LAYOUTS = ("tp8", "zero3", "dp2xtp4", "auto", "pipeline", "spmd-pipeline", "sp-ulysses", "cp-ring")
 # rough GPU seconds per case (trace + plan + compile), for the printed estimate; measured rows replace them
 GPU_SECONDS = {"tiny": 3.0, "350m": 25.0, "1.3b": 35.0}
 
@@ -278,16 +288,18 @@ def _intra_plan(layout: str, graph: Any, time_budget: float) -> Any:
     from autoshard.planner.compare import price_layout
     from cost_models import CostModel
 
+    if layout in LONG_CASES:
+        return autoshard.plan(graph, mesh=(DEVICES,), hardware=HARDWARE, time_budget_s=time_budget)
     if layout == "auto":
-        return autoshard.plan(graph, mesh={"data": 2, "model": 4}, hardware="h100", time_budget_s=time_budget,
+        return autoshard.plan(graph, mesh={"data": 2, "model": 4}, hardware=HARDWARE, time_budget_s=time_budget,
                               recompute="none")
     shape, names = {"tp8": ((8,), ("model",)), "zero3": ((8,), ("data",)),
                     "dp2xtp4": ((2, 4), ("data", "model"))}[layout]
-    cost = CostModel.load("h100", mesh_shape=shape, axis_names=names)
+    cost = CostModel.load(HARDWARE, mesh_shape=shape, axis_names=names)
     hl = {"tp8": lambda: hand.megatron(graph, cost.mesh, "model"),
           "zero3": lambda: hand.zero(graph, cost.mesh, 3, "data"),
           "dp2xtp4": lambda: hand.hybrid(graph, cost.mesh, dp="data", tp="model")}[layout]()
-    return price_layout(graph, cost, hl, hardware="h100", time_budget_s=time_budget).plan
+    return price_layout(graph, cost, hl, hardware=HARDWARE, time_budget_s=time_budget).plan
 
 
 def _pipeline_plan(micro: Any, time_budget: float, stage_shape: tuple[int, int], devices: int = DEVICES) -> Any:
@@ -295,9 +307,25 @@ def _pipeline_plan(micro: Any, time_budget: float, stage_shape: tuple[int, int],
     from autoshard.pipeline.stages import plan_pipeline
     from autoshard.target import cost_model_for
 
-    cost = cost_model_for("h100", (devices,), ("x",))
-    return plan_pipeline(micro, cost, hardware="h100", num_microbatches=MICROBATCHES, schedule_name="1f1b",
+    cost = cost_model_for(HARDWARE, (devices,), ("x",))
+    return plan_pipeline(micro, cost, hardware=HARDWARE, num_microbatches=MICROBATCHES, schedule_name="1f1b",
                          time_budget_s=time_budget, stage_shape=stage_shape)
+
+
+def _layout_facts(graph: Any, plan: Any) -> dict[str, Any]:
+    """What a plan did that the row's numbers depend on: the share of LayerNorms laid out along the sequence
+    (``megatron.sequence_parallel``: Megatron SP), the layouts of the attention kernel calls' first results
+    ([b, s, h, d], counted: ``R·S(x)·R·R`` is a ring along the sequence, ``R·R·S(x)·R`` a head split), the
+    recompute modes, and the predicted step."""
+    from autoshard.megatron import sequence_parallel
+
+    calls: dict[str, int] = {}
+    for op in graph.ops:
+        if op.primitive == "custom_partitioning" and op.phase == "forward":
+            spec = plan.specs.get((), {}).get(op.outputs[0])
+            calls[str(spec)] = calls.get(str(spec), 0) + 1
+    return {"sequence_parallel": sequence_parallel(graph, plan), "attention_calls": calls or None,
+            "recompute": sorted(set(dict(plan.recompute).values())) or None}
 
 
 def _specs(plan: Any) -> dict[Any, dict[int, Any]]:
@@ -397,7 +425,7 @@ def sharded_rows(preset: str, overrides: list[str], layouts: Sequence[str], devi
         row = _base(preset, overrides, layout)
         t0 = time.perf_counter()
         try:
-            plan, row["plan_s"], row["plan_cached"] = cache.get(f"{preset}:{','.join(overrides)}:{layout}", digest,
+            plan, row["plan_s"], row["plan_cached"] = cache.get(f"{HARDWARE}:{preset}:{','.join(overrides)}:{layout}", digest,
                                                                 lambda lay=layout: _intra_plan(lay, graph, time_budget))
             g = rematerialize(graph, dict(plan.recompute)) if plan.recompute else graph
             shape, names = tuple(plan.mesh.shape), tuple(plan.mesh.axis_names)
@@ -405,6 +433,7 @@ def sharded_rows(preset: str, overrides: list[str], layouts: Sequence[str], devi
             row["mesh"] = "x".join(map(str, shape))
             row["predicted_step_s"] = plan.predicted_step_time
             row["trace_s"] = trace_s
+            row.update(_layout_facts(graph, plan))
             step = emit(g, _specs(plan), mesh)
             _compiled_row(row, lambda s=step: s.lowered(*ex.args), plan.peak_memory, plan_collectives(plan))
         except Exception as e:  # a failure is a row too
@@ -417,7 +446,7 @@ def sharded_rows(preset: str, overrides: list[str], layouts: Sequence[str], devi
     t0 = time.perf_counter()
     try:
         micro = trace_microbatch(ex.train_step, ex.args, graph, MICROBATCHES)
-        pplan, plan_s, cached = cache.get(f"{preset}:{','.join(overrides)}:pipeline-4x2", graph_digest(micro),
+        pplan, plan_s, cached = cache.get(f"{HARDWARE}:{preset}:{','.join(overrides)}:pipeline-4x2", graph_digest(micro),
                                           lambda: _pipeline_plan(micro, time_budget, (1, 2)))
     except Exception as e:
         row = _base(preset, overrides, "pipeline")
@@ -484,7 +513,8 @@ def _pipeline_stage_rows(preset: str, overrides: list[str], micro: Any, pplan: A
 
 
 def part_mock(models: Sequence[tuple[str, list[str]]], layouts: Sequence[str], cache: PlanCache,
-              time_budget: float, out: Path | None, rows: list[dict[str, Any]]) -> None:
+              time_budget: float, out: Path | None, rows: list[dict[str, Any]],
+              long_cases: dict[str, tuple[str, list[str]]] = LONG_CASES) -> None:
     import jax
 
     devices = jax.devices()
@@ -496,7 +526,12 @@ def part_mock(models: Sequence[tuple[str, list[str]]], layouts: Sequence[str], c
     print(f"mock: {len(models)} model(s) x {len(layouts)} layout(s), about {est:.0f} s on a GPU machine "
           f"(planning there adds ~{time_budget:.0f} s a plan unless --plans has it)", flush=True)
     for preset, overrides in models:
-        sharded_rows(preset, overrides, layouts, devices[:DEVICES], cache, time_budget, out, rows)
+        sharded_rows(preset, overrides, [x for x in layouts if x not in LONG_CASES], devices[:DEVICES], cache,
+                     time_budget, out, rows)
+    for case in [x for x in layouts if x in long_cases]:
+        if _late(GPU_SECONDS.get(long_cases[case][0], 30.0)):
+            return
+        sharded_rows(*long_cases[case], [case], devices[:DEVICES], cache, time_budget, out, rows)
 
 
 # ---- part: one device --------------------------------------------------------------------------------------
@@ -578,7 +613,9 @@ def scan_rows(models: Sequence[tuple[str, list[str]]], repeats: int, out: Path |
 def tick_rows(preset: str, overrides: list[str], cache: PlanCache, time_budget: float, repeats: int,
               out: Path | None, rows: list[dict[str, Any]]) -> None:
     """One tick of stage 0 of a 4-stage pipeline of one device a stage: its forward and backward programs
-    for one microbatch, run on zeros on the local device, beside the plan's ``micro_time``."""
+    for one microbatch, on random inputs (integers in [0, 1000)) on the local device, each timed alone and the
+    pair back to back, beside ``ticks.price``'s actions (``f = micro_time / 3``, ``b = 2·micro_time / 3``)
+    and the host seconds a program call takes to return (``ticks.DISPATCH_S`` prices one a step)."""
     import jax
     import jax.numpy as jnp
 
@@ -596,20 +633,35 @@ def tick_rows(preset: str, overrides: list[str], cache: PlanCache, time_budget: 
         graph = trace(ex.train_step, *ex.args)
         micro = trace_microbatch(ex.train_step, ex.args, graph, MICROBATCHES)
         pplan, row["plan_s"], row["plan_cached"] = cache.get(
-            f"{preset}:{','.join(overrides)}:pipeline-4x1", graph_digest(micro),
+            f"{HARDWARE}:{preset}:{','.join(overrides)}:pipeline-4x1", graph_digest(micro),
             lambda: _pipeline_plan(micro, time_budget, (1, 1), TICK_STAGES))
         devices = [jax.devices()[0]] * TICK_STAGES  # only stage 0's programs run, on the local device
         step = build_pipelined_step(micro, pplan, devices)
         st = pplan.stages[0]
-        row.update(layers=list(st.layers), stages=pplan.num_physical_stages, predicted_s=st.micro_time)
-        progs = [p for (s, kind, _), p in step.programs.items() if s == 0 and kind in ("forward", "backward")]
+        from autoshard.pipeline.ticks import DISPATCH_S
+
+        row.update(layers=list(st.layers), stages=pplan.num_physical_stages, predicted_s=st.micro_time,
+                   predicted_forward_s=st.micro_time / 3, predicted_backward_s=2 * st.micro_time / 3,
+                   predicted_dispatch_s=DISPATCH_S, hardware=HARDWARE)
+        progs = [(kind, p) for (s, kind, _), p in sorted(step.programs.items(), key=lambda kv: str(kv[0]))
+                 if s == 0 and kind in ("forward", "backward")]
         tensors = micro.tensors
         calls = []
-        for p in progs:
-            args = [jax.device_put(jnp.zeros(tensors[t].shape, tensors[t].dtype), sh)
-                    for t, sh in zip(p.segment.inputs, p.in_shardings, strict=True)]
+        key = jax.random.key(0)
+        for kind, p in progs:
+            args = []
+            for t, sh in zip(p.segment.inputs, p.in_shardings, strict=True):
+                key, sub = jax.random.split(key)
+                # integers (the tokens) drawn too: all-zero tokens make the embedding gradient's scatter-add
+                # hit one row, serialised atomics (56.6 ms for this backward on the H200, 2026-11-28)
+                x = (jax.random.normal(sub, tensors[t].shape, jnp.float32).astype(tensors[t].dtype) * 0.02
+                     if jnp.issubdtype(tensors[t].dtype, jnp.floating)
+                     else jax.random.randint(sub, tensors[t].shape, 0, 1000).astype(tensors[t].dtype))
+                args.append(jax.device_put(x, sh))
             compiled = p.jitted.lower(*args).compile()
             calls.append((compiled, args))
+            host, synced = _host_and_synced(lambda c=compiled, a=args: c(*a), 20)
+            row[f"{kind}_s"], row[f"{kind}_host_s"] = synced, host
 
         def tick() -> Any:
             return [c(*a) for c, a in calls]
@@ -630,11 +682,15 @@ def tick_rows(preset: str, overrides: list[str], cache: PlanCache, time_budget: 
 
 
 def part_one_device(quick: bool, cache: PlanCache, time_budget: float, repeats: int, out: Path | None,
-                    rows: list[dict[str, Any]]) -> None:
-    dispatch_rows(out, rows)
-    scan_rows([("tiny", ["layers=4"])] if quick else SCAN_MODELS, repeats, out, rows)
-    if not _late(40):
+                    rows: list[dict[str, Any]], which: Sequence[str] = ("dispatch", "tick", "scan"),
+                    scan_presets: Sequence[str] | None = None) -> None:
+    if "dispatch" in which:
+        dispatch_rows(out, rows)
+    if "tick" in which and not _late(40):  # the tick before the scanned stacks (issue #46's order)
         tick_rows(*(QUICK[0] if quick else SHARDED_MODELS[0]), cache, time_budget, repeats, out, rows)
+    if "scan" in which:
+        scan_rows([("tiny", ["layers=4"])] if quick else
+                  [m for m in SCAN_MODELS if not scan_presets or m[0] in scan_presets], repeats, out, rows)
 
 
 # ---- main ------------------------------------------------------------------------------------------------
@@ -655,8 +711,12 @@ def configure(parts: Sequence[str], topology: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DEADLINE, HARDWARE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="*", default=["mock"], choices=["probe", "mock", "one-device"])
+    ap.add_argument("--one", nargs="*", default=["dispatch", "tick", "scan"], choices=["dispatch", "tick", "scan"],
+                    help="the one-device part's rows")
+    ap.add_argument("--scan-models", nargs="*", help="presets of the scan rows (default 350m 1.3b)")
     ap.add_argument("--quick", action="store_true", help="the tiny GPT (a CPU smoke test of every path)")
     ap.add_argument("--models", nargs="*", help="presets of the mock part (default 350m 1.3b)")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
@@ -665,17 +725,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-only", action="store_true", help="fill --plans and compile nothing")
     ap.add_argument("--time-budget", type=float, default=10.0, help="solver seconds per plan")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hardware", default=HARDWARE, help="the planner's preset (h100, h200)")
+    ap.add_argument("--predict", type=Path, help="rows of the one-device part: the planner's step and peak beside "
+                    "each scan row (1-device mesh, --hardware), as JSON lines")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds from the start for all parts")
     ap.add_argument("--out", type=Path, help="append the rows (JSON lines) here")
     ap.add_argument("--md", type=Path, help="append the rows as a markdown table here")
     args = ap.parse_args(argv)
-    global DEADLINE
     DEADLINE = time.perf_counter() + args.deadline
+    HARDWARE = args.hardware
     configure(args.parts, args.topology)
     models = QUICK if args.quick else [m for m in SHARDED_MODELS if not args.models or m[0] in args.models]
     cache = PlanCache(args.plans)
+    if args.predict:
+        return predict_scan(args.predict, args.time_budget)
     if args.plan_only:
-        return plan_only(models, args.layouts, cache, args.time_budget)
+        return plan_only(models, args.layouts, cache, args.time_budget, QUICK_LONG if args.quick else LONG_CASES)
     rows: list[dict[str, Any]] = []
     write_row(args.out, env_row(), rows)
     for part in args.parts:
@@ -683,9 +748,11 @@ def main(argv: list[str] | None = None) -> int:
         if part == "probe":
             part_probe(args.out, rows)
         elif part == "mock":
-            part_mock(models, args.layouts, cache, args.time_budget, args.out, rows)
+            part_mock(models, args.layouts, cache, args.time_budget, args.out, rows,
+                      QUICK_LONG if args.quick else LONG_CASES)
         else:
-            part_one_device(args.quick, cache, args.time_budget, args.repeats, args.out, rows)
+            part_one_device(args.quick, cache, args.time_budget, args.repeats, args.out, rows, args.one,
+                            args.scan_models)
         print(f"part {part}: {time.perf_counter() - t0:.1f} s", flush=True)
     if args.md:
         with args.md.open("a") as f:
@@ -694,24 +761,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def predict_scan(rows_path: Path, time_budget: float) -> int:
+    """The planner's price of each measured ``scan`` row's step on one device (recompute none, no memory
+    limit), printed as the row with ``predicted_step_s`` and ``predicted_peak_bytes`` added."""
+    import autoshard
+    from autoshard._examples import load_example
+
+    for line in rows_path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("part") != "scan":
+            continue
+        ex = load_example(GPT, row["preset"], [*row["overrides"], f"scan_layers={str(row['scan_layers']).lower()}"],
+                          abstract=True)
+        plan = autoshard.plan(ex.train_step, *ex.args, mesh=(1,), hardware=HARDWARE, time_budget_s=time_budget,
+                              memory_budget=1e15, recompute="none")
+        row.update(predicted_step_s=plan.predicted_step_time, predicted_peak_bytes=plan.peak_memory,
+                   hardware=HARDWARE)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
 def plan_only(models: Sequence[tuple[str, list[str]]], layouts: Sequence[str], cache: PlanCache,
-              time_budget: float) -> int:
+              time_budget: float, long_cases: dict[str, tuple[str, list[str]]] = LONG_CASES) -> int:
     """Plan every case into ``cache`` (no compiling): run here, with the GPU's jax version, to spare its time."""
     from autoshard._examples import load_example
     from autoshard.pipeline.partition import trace_microbatch
     from autoshard.pipeline.pipeline_plan import graph_digest
     from autoshard.trace import trace
 
-    for preset, overrides in models:
+    cases = [(p, o, [x for x in layouts if x not in long_cases]) for p, o in models]
+    cases += [(*long_cases[x], [x]) for x in layouts if x in long_cases]
+    for preset, overrides, case_layouts in cases:
         ex = load_example(GPT, preset, overrides, abstract=True)
         graph = trace(ex.train_step, *ex.args)
-        for layout in [x for x in layouts if x not in ("pipeline", "spmd-pipeline")]:
-            _, s, hit = cache.get(f"{preset}:{','.join(overrides)}:{layout}", graph_digest(graph),
+        for layout in [x for x in case_layouts if x not in ("pipeline", "spmd-pipeline")]:
+            _, s, hit = cache.get(f"{HARDWARE}:{preset}:{','.join(overrides)}:{layout}", graph_digest(graph),
                                   lambda lay=layout, g=graph: _intra_plan(lay, g, time_budget))
             print(f"{preset} {layout}: {'cached' if hit else f'planned in {s:.1f} s'}", flush=True)
+        if not {"pipeline", "spmd-pipeline"} & set(case_layouts):
+            continue
         micro = trace_microbatch(ex.train_step, ex.args, graph, MICROBATCHES)
         for name, shape, n in (("pipeline-4x2", (1, 2), DEVICES), ("pipeline-4x1", (1, 1), TICK_STAGES)):
-            _, s, hit = cache.get(f"{preset}:{','.join(overrides)}:{name}", graph_digest(micro),
+            _, s, hit = cache.get(f"{HARDWARE}:{preset}:{','.join(overrides)}:{name}", graph_digest(micro),
                                   lambda sh=shape, n=n, m=micro: _pipeline_plan(m, time_budget, sh, n))
             print(f"{preset} {name}: {'cached' if hit else f'planned in {s:.1f} s'}", flush=True)
     return 0
