@@ -101,6 +101,7 @@ _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]")
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (.*?) (" + "|".join(KINDS) + r")(-start)?\(")
 
 DEADLINE = float("inf")  # perf_counter() by which every part stops (--deadline)
+HLO_DIR: Path | None = None  # --hlo-dir: each compiled program's optimized HLO, gzipped, for counting offline
 
 
 # ---- counting collectives --------------------------------------------------------------------------------
@@ -394,7 +395,14 @@ def _compiled_row(row: dict[str, Any], lower: Callable[[], Any], plan_peak: floa
     t2 = time.perf_counter()
     row.update(xla_memory(compiled))
     row["predicted_peak_bytes"] = float(plan_peak)
-    row["hlo_collectives"] = count_collectives(compiled.as_text())
+    text = compiled.as_text()
+    row["hlo_collectives"] = count_collectives(text)
+    if HLO_DIR is not None:  # the 2026-11-28 rows could not say which all-reduces XLA dropped: keep the text
+        import gzip
+
+        HLO_DIR.mkdir(parents=True, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{row.get('preset')}_{row.get('case')}")
+        (HLO_DIR / f"{name}.hlo.gz").write_bytes(gzip.compress(text.encode()))
     row["plan_collectives"] = plan_counts
     row["lower_s"], row["compile_s"] = t1 - t0, t2 - t1
     return row
@@ -711,7 +719,7 @@ def configure(parts: Sequence[str], topology: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global DEADLINE, HARDWARE
+    global DEADLINE, HARDWARE, HLO_DIR
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="*", default=["mock"], choices=["probe", "mock", "one-device"])
     ap.add_argument("--one", nargs="*", default=["dispatch", "tick", "scan"], choices=["dispatch", "tick", "scan"],
@@ -730,10 +738,12 @@ def main(argv: list[str] | None = None) -> int:
                     "each scan row (1-device mesh, --hardware), as JSON lines")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds from the start for all parts")
     ap.add_argument("--out", type=Path, help="append the rows (JSON lines) here")
+    ap.add_argument("--hlo-dir", type=Path, help="write each compiled program's optimized HLO here (gzipped)")
     ap.add_argument("--md", type=Path, help="append the rows as a markdown table here")
     args = ap.parse_args(argv)
     DEADLINE = time.perf_counter() + args.deadline
     HARDWARE = args.hardware
+    HLO_DIR = args.hlo_dir
     configure(args.parts, args.topology)
     models = QUICK if args.quick else [m for m in SHARDED_MODELS if not args.models or m[0] in args.models]
     cache = PlanCache(args.plans)
