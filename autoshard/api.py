@@ -214,7 +214,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             intra_error = e
         if intra is not None:
             intra = dataclasses.replace(intra, solver=dataclasses.replace(intra.solver, trace_seconds=t_trace))
-            _warn_if_far_from_bound(intra)
+            _warn_if_far_from_bound(intra, budget_given=time_budget_s is not None)
 
     def intra_plan() -> tuple[Plan, Graph]:
         return plan_recomputing(as_traced, cost, recompute=recompute, hardware=target.hardware,
@@ -459,20 +459,25 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
 FAR_FROM_BOUND = 10.0  # an unproven plan this many times its solver's lower bound gets a warning
 
 
-def _warn_if_far_from_bound(plan: Plan) -> bool:
+def _warn_if_far_from_bound(plan: Plan, *, budget_given: bool = True) -> bool:
     """Warn (and say so) when the solve stopped at its time budget with a plan ``FAR_FROM_BOUND`` times its
     lower bound or more: the budget was too short for the problem (GPT-39B on 8x8 with 25 s, of which
     building took 16: a mix of layouts priced 656 s a step against a bound of 7.9 s; 9.2 s with the default
     budget). The bound can be weak (every op and edge at its own cheapest: a tiny GPT's plan is 2.4x its
-    bound), so only a gross miss is flagged."""
+    bound), so only a gross miss is flagged. ``budget_given``: whether the user gave the time budget; the
+    advice to leave it out is for those who did."""
     s = plan.solver
     if s.optimal or not s.lower_bound or s.objective < FAR_FROM_BOUND * s.lower_bound:
         return False
+    advice = ("Give it more time (time_budget_s=..., --time-budget), or leave the budget out to have it scaled "
+              "to the problem." if budget_given else
+              "The budget was the default, scaled to the problem; give it more (time_budget_s=..., "
+              "--time-budget) to search further.")
     log.warning("autoshard: the plan on %s predicts %s a step, %.0fx the solver's lower bound (%s): its time "
-                "budget ran out (%.1f s of building, %.1f s of solving) before it found a good plan. Give it more "
-                "time (time_budget_s=..., --time-budget), or leave the budget out to have it scaled to the "
-                "problem.", plan.mesh, human_time(plan.predicted_step_time), s.objective / s.lower_bound,
-                human_time(s.lower_bound), s.build_seconds, s.seed_seconds + s.solve_seconds)
+                "budget ran out (%.1f s of building, %.1f s of solving) before it could tell how good the plan is "
+                "(the bound may be weak). %s", plan.mesh, human_time(plan.predicted_step_time),
+                s.objective / s.lower_bound, human_time(s.lower_bound), s.build_seconds,
+                s.seed_seconds + s.solve_seconds, advice)
     return True
 
 
