@@ -556,7 +556,11 @@ def load_plan(path: str | Path) -> Plan | PipelinePlan:
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"{path}: cannot read a plan ({e})") from None
     if isinstance(data, dict) and data.get("kind") == "pipeline":
-        return PipelinePlan.from_dict(data)
+        try:
+            return PipelinePlan.from_dict(data)
+        except (KeyError, TypeError, ValueError) as e:  # PlanError included: name the file
+            raise PlanError(f"{path}: not a pipeline plan that holds together ({type(e).__name__}: {e}); plan "
+                            "again (autoshard plan ... -o FILE)") from None
     return Plan.load(path)
 
 

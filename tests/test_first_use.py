@@ -1,0 +1,39 @@
+"""What a new user hit (issue 49): messages and files that must explain themselves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import autoshard
+from autoshard._examples import load_example
+from autoshard.api import load_plan
+from autoshard.planner.plan import Plan, PlanError
+from autoshard.planner.planning import plan_graph
+from cost_models import CostModel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    ex = load_example(ROOT / "examples" / "mlp.py", "tiny", abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
+    return graph, plan_graph(graph, cost, hardware="h100", time_budget_s=2)
+
+
+def test_a_plan_file_with_its_mesh_axes_renamed_by_hand_is_refused_naming_the_file(mlp_plan, tmp_path: Path) -> None:
+    """Valid JSON, but the mesh's axis names edited and the layouts not: a PlanError naming the file, the
+    layout and the axis, not a bare KeyError from deep in the plan (issue 49, item 5)."""
+    _, plan = mlp_plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    data["mesh"]["axis_names"] = ["a", "b"]
+    path.write_text(json.dumps(data))
+    for load in (Plan.load, load_plan):
+        with pytest.raises(PlanError, match=r"plan\.json does not hold together: .*mesh axis '[xy]'.*axes a, b"):
+            load(path)
