@@ -423,7 +423,7 @@ class _Progress(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.setFormatter(logging.Formatter("[%(relativeCreated)7.0f ms] %(message)s"))
+        self.setFormatter(logging.Formatter("[%(relativeCreated)7.0f ms] %(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         print(self.format(record), file=sys.stderr, flush=True)

@@ -37,3 +37,28 @@ def test_a_plan_file_with_its_mesh_axes_renamed_by_hand_is_refused_naming_the_fi
     for load in (Plan.load, load_plan):
         with pytest.raises(PlanError, match=r"plan\.json does not hold together: .*mesh axis '[xy]'.*axes a, b"):
             load(path)
+
+
+def test_log_messages_leave_the_logger_name_to_the_format(mlp_plan, caplog: pytest.LogCaptureFixture,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """No message carries its own "autoshard: " prefix: a format with ``%(name)s`` (``logging.basicConfig``'s
+    default) would print it twice (issue 49, item 7). The CLI's progress lines still read "autoshard: ..."."""
+    import ast
+    import logging
+
+    graph, _ = mlp_plan
+    with caplog.at_level(logging.INFO, logger="autoshard"):
+        autoshard.plan(graph, mesh=(2, 4), hardware="h100", time_budget_s=1)
+    assert caplog.records and not [r.getMessage() for r in caplog.records if r.getMessage().startswith("autoshard")]
+    prefixed = []
+    for path in (ROOT / "autoshard").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(
+            n, ast.Module | ast.ClassDef | ast.FunctionDef) and n.body and isinstance(n.body[0], ast.Expr)}
+        prefixed += [f"{path.name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                     and isinstance(n.value, str) and n.value.startswith("autoshard: ") and id(n) not in docstrings]
+    assert not prefixed
+    from autoshard.cli import _Progress
+
+    record = logging.LogRecord("autoshard", logging.INFO, __file__, 1, "planned %s", ("x",), None)
+    assert "] autoshard: planned x" in _Progress().format(record)

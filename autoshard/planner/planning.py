@@ -114,7 +114,7 @@ def plan_graph(
     solve_s = time_budget_s
     if includes_build:
         solve_s = max(time_budget_s - t_build, SHARES.min_solve * time_budget_s)
-    log.info("autoshard: built the problem on %s: %d nodes, %d edges in %.1f s; solving for %.1f s",
+    log.info("built the problem on %s: %d nodes, %d edges in %.1f s; solving for %.1f s",
              cost.mesh, problem.num_nodes, problem.num_edges, t_build, solve_s)
     try:
         problem.check_memory_lower_bound()  # every node at its least memory overflows: no seed can fit
@@ -125,7 +125,7 @@ def plan_graph(
             best = min(found, key=lambda x: x.objective, default=None)
             t_seeds = time.perf_counter() - t_start
             if best is not None:
-                log.info("autoshard: %d seeds in %.1f s, the best (%s) at %s", len(found), t_seeds, best.name,
+                log.info("%d seeds in %.1f s, the best (%s) at %s", len(found), t_seeds, best.name,
                          human_time(best.objective))
             sol = solve_intra_op(problem, time_budget_s=max(solve_s - t_seeds, (1 - SHARES.seeds) * solve_s),
                                  initial=None if best is None else best.choice)
@@ -182,7 +182,7 @@ def plan_graph(
     )
     plan.verify(graph)
     _Found.of(graph).add(key, cost, sol.choice, float(sol.cost), plan.peak_memory)
-    log.info("autoshard: planned %s: %s per step predicted, %s (%.1f s in all)", cost.mesh,
+    log.info("planned %s: %s per step predicted, %s (%.1f s in all)", cost.mesh,
              human_time(plan.predicted_step_time), sol.status, time.perf_counter() - t0)
     return plan
 

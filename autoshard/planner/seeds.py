@@ -124,7 +124,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         fits = limit is None or peak_memory_of(built, choice) <= limit * (1 + 1e-9)
         if math.isfinite(objective) and fits:
             out.append(Seed(name, choice, objective, True))
-            log.info("autoshard: start %r: %s", name, human_time(objective))
+            log.info("start %r: %s", name, human_time(objective))
         elif math.isfinite(objective):
             repair.append((name, choice))
     automatic = problem.num_nodes >= SHARES.seed_min_nodes and cost.mesh.num_devices > 1
@@ -163,7 +163,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         seed = _tied(name, pinned, classes, seconds, given, initial=initial)
         if seed is not None:
             out.append(seed)
-            log.info("autoshard: seed %r: %s", name, human_time(seed.objective))
+            log.info("seed %r: %s", name, human_time(seed.objective))
     if not second:
         return out
     top = sorted(out, key=lambda x: x.objective)[:SHARES.second_round]
@@ -174,7 +174,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         seed = _tied(f"tied, from {best.name}", problem, classes, seconds, False, initial=best.choice)
         if seed is not None:
             out.append(seed)
-            log.info("autoshard: seed %r: %s", seed.name, human_time(seed.objective))
+            log.info("seed %r: %s", seed.name, human_time(seed.objective))
     return out
 
 
@@ -207,7 +207,7 @@ def _replicated(built: BuiltProblem, problem: IntraOpProblem) -> list[Seed]:
     limit = problem.memory_limit
     if not math.isfinite(objective) or (limit is not None and peak_memory_of(built, choice) > limit * (1 + 1e-9)):
         return []
-    log.info("autoshard: seed 'replicated': %s", human_time(objective))
+    log.info("seed 'replicated': %s", human_time(objective))
     return [Seed("replicated", choice, objective, False)]
 
 
