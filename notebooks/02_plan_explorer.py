@@ -28,20 +28,19 @@
 
 # %%
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch, Rectangle
 
 import autoshard
-from autoshard._examples import load_example
+from autoshard._examples import load_example, repository_root
 from autoshard.pipeline import schedule
 from cost_models import dtype_bytes
 
 # %matplotlib inline
 plt.rcParams.update({"figure.dpi": 90, "axes.spines.top": False, "axes.spines.right": False})
-ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "examples" / "gpt.py").is_file())
+ROOT = repository_root()  # the checkout: from here, beside the autoshard package, or $AUTOSHARD_REPO
 GiB = 2**30
 TAB10 = plt.get_cmap("tab10")
 

@@ -62,3 +62,29 @@ def test_log_messages_leave_the_logger_name_to_the_format(mlp_plan, caplog: pyte
 
     record = logging.LogRecord("autoshard", logging.INFO, __file__, 1, "planned %s", ("x",), None)
     assert "] autoshard: planned x" in _Progress().format(record)
+
+
+def test_notebooks_find_the_repository_when_run_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook converted and run outside the checkout found it from the working directory only, and died
+    with a bare StopIteration (issue 49, item 8): it finds it beside the autoshard package, or says how."""
+    import subprocess
+    import sys
+
+    from autoshard import _examples
+    from autoshard.errors import ExampleError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(_examples.REPOSITORY_VARIABLE, raising=False)
+    assert _examples.repository_root() == ROOT
+    # the first cell of the tour, up to the line that finds the repository, from another directory
+    source = (ROOT / "notebooks" / "01_tour.py").read_text().split("ROOT = ", 1)
+    cell = source[0] + "ROOT = " + source[1].split("\n", 1)[0] + "\nprint(ROOT)\n"
+    out = subprocess.run([sys.executable, "-c", cell], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str(ROOT)
+    # installed elsewhere, with no checkout in sight: a message that says what to do
+    monkeypatch.setattr(_examples, "__file__", str(tmp_path / "site-packages" / "autoshard" / "_examples.py"))
+    with pytest.raises(ExampleError, match="AUTOSHARD_REPO"):
+        _examples.repository_root()
+    monkeypatch.setenv(_examples.REPOSITORY_VARIABLE, str(ROOT))
+    assert _examples.repository_root() == ROOT
