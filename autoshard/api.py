@@ -37,6 +37,7 @@ from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import StageModes, plan_pipeline_recomputing
+from autoshard.pipeline.report import one_stage_note
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.beside import Beside, can_fork
 from autoshard.planner.explain import explain_plan
@@ -364,6 +365,8 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     if intra is not None and options.pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
         solver = dataclasses.replace(intra.solver, pipeline_step_time=piped.predicted_step_time)
         return dataclasses.replace(intra, solver=solver), graph, micro
+    if options.pipeline and (note := one_stage_note(piped)):
+        log.warning("pipeline=True: %s", note)
     other: float | str | None = None
     if intra is not None:
         other = intra.predicted_step_time

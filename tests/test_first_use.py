@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,23 @@ def test_notebooks_find_the_repository_when_run_elsewhere(tmp_path: Path, monkey
         _examples.repository_root()
     monkeypatch.setenv(_examples.REPOSITORY_VARIABLE, str(ROOT))
     assert _examples.repository_root() == ROOT
+
+
+def test_a_one_stage_answer_to_pipeline_true_is_said_with_why_and_how_to_force_stages(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``pipeline=True`` answered with one stage (microbatch accumulation on the whole mesh) was silent
+    (issue 49, item 3): the log and the summary say so, why, and how to force stages."""
+    import logging
+
+    from autoshard.pipeline import PipelinePlan, format_pipeline_plan
+
+    ex = load_example(ROOT / "examples" / "mlp.py", "tiny", abstract=True)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        plan = autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), hardware="h100", microbatches=2, pipeline=True,
+                              max_stages=1, time_budget_s=2)
+    assert isinstance(plan, PipelinePlan) and len(plan.stages) == 1
+    warned = [r.getMessage() for r in caplog.records if "one stage" in r.getMessage()]
+    assert len(warned) == 1 and "pipeline=True" in warned[0]
+    for text in (warned[0], format_pipeline_plan(plan)):
+        assert "gradient accumulation" in text and "no cut of its 2 layers" in text
+        assert re.search(r"stage_shape=\(\d+, \d+\) \(--stage-shape \d+x\d+\) for 2 stages", text)
