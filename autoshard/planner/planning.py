@@ -173,7 +173,7 @@ def plan_graph(
         outputs=outputs,
         specs=specs,
         time_breakdown=breakdown,
-        predicted_step_time=math.fsum(v for k, v in breakdown.items() if k != "resharding"),
+        predicted_step_time=readback.step_time_of_breakdown(breakdown),
         peak_memory=readback.peak_memory_of(built, sol.choice),
         held_memory=readback.held_memory_of(built, sol.choice),
         solver=report,
