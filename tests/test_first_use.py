@@ -139,3 +139,17 @@ def test_explain_prices_a_saved_plan_as_it_was_planned(tmp_path: Path) -> None:
     assert not explain_tensor(again, Plan.load(tmp_path / "plan.json"), None, name).notes
     other = Target.of("8x8", "a100", None).cost
     assert any("rebuilt problem" in n for n in explain_tensor(again, plan, other, name).notes)
+
+
+def test_a_plan_for_cpu_devices_says_its_times_are_not_wall_clock(mlp_plan) -> None:
+    """On CPU, ``hardware="auto"`` picks the CPU profile, whose predictions were 5-7.5x off the simulated
+    mesh (issue 49, item 9): the summary says they are for comparing plans, not step times."""
+    from autoshard.planner.summary import format_plan
+    from autoshard.target import cost_model_for
+
+    graph, h100 = mlp_plan
+    assert "CPU devices" not in format_plan(h100)
+    for hardware in ("cpu", str(ROOT / "cost_models" / "profiles" / "cpu-8dev-2026-11-21.json")):
+        cost = cost_model_for(hardware, (2, 4), ("x", "y"))
+        plan = plan_graph(graph, cost, hardware=hardware, time_budget_s=1)
+        assert "CPU devices: these predicted times are not meaningful as wall-clock" in format_plan(plan), hardware

@@ -4,7 +4,7 @@ the bubble) and ``explain_pipeline`` (that, with the step time split into stage 
 from __future__ import annotations
 
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.planner.summary import human_time, mfu_line
+from autoshard.planner.summary import cpu_note, human_time, mfu_line
 from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
 
@@ -39,6 +39,7 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
     per_stage = any(st.recompute for st in plan.stages)
     lines = [
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
+        *([cpu] if (cpu := cpu_note(plan.mesh, plan.hardware)) else []),
         f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
         f"{plan.schedule}{chosen}, {plan.num_layers} layers",
         *([note] if (note := one_stage_note(plan)) else []),
