@@ -94,7 +94,9 @@ def test_on_a_transformer_auto_is_never_worse_than_the_best_grid_layout() -> Non
     graph = autoshard.trace(ex.train_step, *ex.args)
     cost = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("x", "y"))
     c = compare(graph, cost, hardware="h100", time_budget_s=4, seeded=False)
-    assert not c.auto.solver.seeds
+    # of the seeds, only those needing no solve (the replicated program) and the textbook fallbacks
+    # (``layouts.fallbacks``: data parallel and ZeRO-3), when they get their least time between them
+    assert set(c.auto.solver.seeds) <= {"replicated", *(lay.name for lay in layouts.fallbacks(graph, cost.mesh))}
     assert c.best_hand is not None and c.auto_vs_best <= 1 + 1e-6, c.text()
 
 
