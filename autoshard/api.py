@@ -171,6 +171,7 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = _choose(step_fn, args, graph, t0, t_trace, target, options,
                                        time_budget_s=time_budget_s, roles=roles, recompute=recompute)
+    _warn_if_overrun(the_plan, time_budget_s, time.perf_counter() - t0, t_trace)
     return dataclasses.replace(the_plan, model_flops=flops), planned, micro
 
 
@@ -481,6 +482,26 @@ def _warn_if_far_from_bound(plan: Plan, *, budget_given: bool = True) -> bool:
                 "(the bound may be weak). %s", plan.mesh, human_time(plan.predicted_step_time),
                 s.objective / s.lower_bound, human_time(s.lower_bound), s.build_seconds,
                 s.seed_seconds + s.solve_seconds, advice)
+    return True
+
+
+OVERRUN = 1.5  # a call that took this many times its time budget (and 2 s more) says so
+
+
+def _warn_if_overrun(plan: Plan | PipelinePlan, budget: float | None, took: float, t_trace: float | None) -> bool:
+    """Say (and return) when planning ran well past the user's time budget: the budget was shorter than what
+    any plan of the step needs (``autoshard plan examples/gpt.py --preset 1.3b --mesh 2x4 --time-budget 5``:
+    24.7 s, the step does not fit as traced and its pipeline's least times, tracing at the microbatch size
+    and a least time per layer solve, add up past the budget). The overrun itself is not cured here."""
+    if budget is None or took <= OVERRUN * budget or took <= budget + 2.0:
+        return False
+    why = ("the step was planned as a pipeline, whose tracing at the microbatch size and least time per layer and "
+           "stage solve add up past it" if isinstance(plan, PipelinePlan) else
+           "building the solver's problem and its least solving time add up past it")
+    log.warning("planning took %.1f s, %.1fx its %.3g s time budget (tracing %s): the budget is shorter than what "
+                "a plan of this step needs: %s. Give it more time (time_budget_s=..., --time-budget), or leave it "
+                "out to have it scaled to the step.", took, took / budget, budget,
+                "none" if t_trace is None else f"{t_trace:.1f} s", why)
     return True
 
 

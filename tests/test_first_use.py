@@ -153,3 +153,17 @@ def test_a_plan_for_cpu_devices_says_its_times_are_not_wall_clock(mlp_plan) -> N
         cost = cost_model_for(hardware, (2, 4), ("x", "y"))
         plan = plan_graph(graph, cost, hardware=hardware, time_budget_s=1)
         assert "CPU devices: these predicted times are not meaningful as wall-clock" in format_plan(plan), hardware
+
+
+def test_a_call_far_past_its_time_budget_says_so(mlp_plan, caplog: pytest.LogCaptureFixture) -> None:
+    """A 5 s budget that planning overran five-fold said nothing (issue 49, item 2; the overrun itself is
+    not cured): the call says by how much, and why."""
+    import logging
+
+    from autoshard.api import _warn_if_overrun
+
+    _, plan = mlp_plan
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        assert _warn_if_overrun(plan, 5.0, 24.7, 3.0)
+        assert not _warn_if_overrun(plan, 5.0, 6.5, 3.0) and not _warn_if_overrun(plan, None, 100.0, 3.0)
+    assert "planning took 24.7 s, 4.9x its 5 s time budget (tracing 3.0 s)" in caplog.text
