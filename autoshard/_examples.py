@@ -21,6 +21,29 @@ from typing import Any
 
 from autoshard.errors import ExampleError
 
+REPOSITORY_VARIABLE = "AUTOSHARD_REPO"  # where ``repository_root`` looks first: a checkout of autoshard
+
+
+def repository_root(start: str | Path | None = None) -> Path:
+    """The autoshard checkout whose ``examples/`` the notebooks load: ``$AUTOSHARD_REPO`` when set, else the
+    first of ``start`` (default: the working directory) and its parents that holds ``examples/gpt.py``,
+    else the checkout this ``autoshard`` package was imported from. A notebook converted and run
+    elsewhere (``jupyter nbconvert --execute /tmp/tour.ipynb``) runs in another directory, where the
+    working directory alone finds nothing."""
+    import os
+
+    here = Path.cwd() if start is None else Path(start).resolve()
+    env = os.environ.get(REPOSITORY_VARIABLE)
+    candidates = [Path(env)] if env else []
+    candidates += [here, *here.parents, Path(__file__).resolve().parents[1]]
+    for p in candidates:
+        if (p / "examples" / "gpt.py").is_file():
+            return p
+    raise ExampleError(
+        f"cannot find autoshard's examples/ (looked in {'$' + REPOSITORY_VARIABLE + ', ' if env else ''}{here} and "
+        f"its parents, and beside the autoshard package at {Path(__file__).resolve().parents[1]}): run the "
+        f"notebook from a checkout of autoshard, or set {REPOSITORY_VARIABLE}=/path/to/autoshard")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Example:

@@ -37,6 +37,7 @@ from autoshard.pipeline.microbatches import search as search_microbatches
 from autoshard.pipeline.partition import batch_rows
 from autoshard.pipeline.pipeline_plan import cluster_of
 from autoshard.pipeline.recompute import StageModes, plan_pipeline_recomputing
+from autoshard.pipeline.report import one_stage_note
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.beside import Beside, can_fork
 from autoshard.planner.explain import explain_plan
@@ -166,10 +167,11 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
         graph = trace(step_fn, *args, roles=roles)
     t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
     if t_trace is not None and traced is None:
-        log.info("autoshard: traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
+        log.info("traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = _choose(step_fn, args, graph, t0, t_trace, target, options,
                                        time_budget_s=time_budget_s, roles=roles, recompute=recompute)
+    _warn_if_overrun(the_plan, time_budget_s, time.perf_counter() - t0, t_trace)
     return dataclasses.replace(the_plan, model_flops=flops), planned, micro
 
 
@@ -214,7 +216,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             intra_error = e
         if intra is not None:
             intra = dataclasses.replace(intra, solver=dataclasses.replace(intra.solver, trace_seconds=t_trace))
-            _warn_if_far_from_bound(intra)
+            _warn_if_far_from_bound(intra, budget_given=time_budget_s is not None)
 
     def intra_plan() -> tuple[Plan, Graph]:
         return plan_recomputing(as_traced, cost, recompute=recompute, hardware=target.hardware,
@@ -236,7 +238,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             # a child stuck (on a lock another thread held at the fork) is stopped after twice its budget
             patience = 2 * (intra_s or SHARES.auto_seconds(len(graph.ops))) + 30
             pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan", patience=patience)
-            log.info("autoshard: planning the intra-operator plan in process %s, beside the pipeline search",
+            log.info("planning the intra-operator plan in process %s, beside the pipeline search",
                      pending.pid)
         else:
             settle(intra_plan)
@@ -252,7 +254,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         # none of which fit, ended at 167 s)
         pipe_s = time_budget_s - (time.perf_counter() - t0)
         if pipe_s < SHARES.min_solve * left:
-            log.info("autoshard: %.0f s of the %.0f s time budget left: too little to search for a pipeline "
+            log.info("%.0f s of the %.0f s time budget left: too little to search for a pipeline "
                      "(microbatches= or --microbatches plans one); using the intra-operator plan",
                      max(pipe_s, 0.0), time_budget_s)
             return intra, graph, None
@@ -268,7 +270,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         micro = trace_microbatch(step_fn, args, graph, count, roles=roles)
         if seconds is not None:  # tracing at microbatch size is part of the pipeline's seconds (GPT-15B: 9 s)
             seconds = max(seconds - (time.perf_counter() - t_in), SHARES.min_solve * seconds)
-        log.info("autoshard: planning a pipeline of %d microbatches%s", count,
+        log.info("planning a pipeline of %d microbatches%s", count,
                  "" if interleaved is None else f", interleaved on stages of {interleaved[0]}x{interleaved[1]}")
         schedule, stage_shape, chunks = options.schedule, options.stage_shape, options.num_chunks
         if interleaved is not None:
@@ -284,12 +286,12 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         rec, start = recompute, "none"
         if mode is not None:
             rec, start = (mode, "none") if mode in RECOMPUTE_CHOICES else ("auto", mode)
-            log.info("autoshard: the pipeline of %d microbatches is planned %s, as the plan it is derived from",
+            log.info("the pipeline of %d microbatches is planned %s, as the plan it is derived from",
                      count, describe(mode))
         elif recompute == "auto":
             start = first_recompute(need, cluster_of(cost.mesh)[0], count, budget)
             if start != "none":
-                log.info("autoshard: as traced, a stage's share of the step's activations would fill over half a "
+                log.info("as traced, a stage's share of the step's activations would fill over half a "
                          "device (the step needs %.3g GB per device unpipelined): the pipeline of %d microbatches "
                          "is planned with %s recompute first", needs["none"] / 1e9, count, start)
 
@@ -348,7 +350,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         if not options.microbatches:
             e = PlanningError("no pipeline fits: " + "; ".join(f"{c} microbatches: {x}" for c, x in tried))
         if intra is not None and options.pipeline is None:
-            log.warning("autoshard: no pipelined plan (%s); using the intra-operator plan", e)
+            log.warning("no pipelined plan (%s); using the intra-operator plan", e)
             return intra, graph, None
         if intra_error is not None:
             message = f"neither plan fits.\nintra-operator: {intra_error}\npipeline: {e}"
@@ -357,13 +359,15 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             raise PlanError(message) from None
         raise e
     if len(tried) > 1:
-        log.info("autoshard: microbatches chosen: %d (%s)", piped.num_microbatches,
+        log.info("microbatches chosen: %d (%s)", piped.num_microbatches,
                  ", ".join(f"{c}: {x.predicted_step_time:.3f} s" if isinstance(x, PipelinePlan) else f"{c}: no plan"
                            for c, x in tried))
     micro = traced[id(piped)]
     if intra is not None and options.pipeline is None and intra.predicted_step_time <= piped.predicted_step_time:
         solver = dataclasses.replace(intra.solver, pipeline_step_time=piped.predicted_step_time)
         return dataclasses.replace(intra, solver=solver), graph, micro
+    if options.pipeline and (note := one_stage_note(piped)):
+        log.warning("pipeline=True: %s", note)
     other: float | str | None = None
     if intra is not None:
         other = intra.predicted_step_time
@@ -392,17 +396,17 @@ def _spmd_if_faster(mpmd: PipelinePlan, graph: Graph, plan_spmd: Callable[[float
     ``seconds``: what is left of the count's planning time (None: each plan scales its own); with none
     left, the MPMD plan stands. A step with no uniform cut the program runs keeps the MPMD plan."""
     if seconds is not None and seconds <= 0:
-        log.info("autoshard: no time left to plan the SPMD program beside the MPMD runtime's plan, whose host "
+        log.info("no time left to plan the SPMD program beside the MPMD runtime's plan, whose host "
                  "work is %s of its %s step", human_time(mpmd.host_time), human_time(mpmd.predicted_step_time))
         return mpmd, graph
     try:
         spmd, spmd_graph = plan_spmd(seconds)
     except AutoshardError as e:
-        log.info("autoshard: the MPMD runtime's plan stands (%s of host work in its %s step); the SPMD "
+        log.info("the MPMD runtime's plan stands (%s of host work in its %s step); the SPMD "
                  "program's: %s", human_time(mpmd.host_time), human_time(mpmd.predicted_step_time),
                  str(e).splitlines()[0])
         return mpmd, graph
-    log.info("autoshard: %d microbatches: the SPMD program %s a step, the MPMD runtime %s (%s of it the host "
+    log.info("%d microbatches: the SPMD program %s a step, the MPMD runtime %s (%s of it the host "
              "issuing its programs)", mpmd.num_microbatches, human_time(spmd.predicted_step_time),
              human_time(mpmd.predicted_step_time), human_time(mpmd.host_time))
     return (spmd, spmd_graph) if spmd.predicted_step_time < mpmd.predicted_step_time else (mpmd, graph)
@@ -439,7 +443,7 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     if piped.spmd:  # the SPMD program's lockstep ticks: priced from the base's stage times first
         ours, derived = interleaved_lockstep(piped, count, batch)
         if derived >= ours:
-            log.info("autoshard: no interleaved pipeline of %d microbatches on %dx%d stages: priced from the %s "
+            log.info("no interleaved pipeline of %d microbatches on %dx%d stages: priced from the %s "
                      "plan's stage times, its lockstep ticks take %s to its %s (exchanges left out)", count,
                      *shape, piped.schedule, human_time(derived), human_time(ours))
             return piped
@@ -448,10 +452,10 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
         mode = derived_recompute(piped.recompute) if len(set(piped.recompute.values())) < 2 else None
         other = plan_one(count, left, shape, mode)
     except AutoshardError as e:
-        log.info("autoshard: no interleaved pipeline of %d microbatches on %dx%d stages (%s)", count, *shape,
+        log.info("no interleaved pipeline of %d microbatches on %dx%d stages (%s)", count, *shape,
                  str(e).splitlines()[0])
         return piped
-    log.info("autoshard: interleaved, %d microbatches on %dx%d stages: %s a step (%s: %s)", count, *shape,
+    log.info("interleaved, %d microbatches on %dx%d stages: %s a step (%s: %s)", count, *shape,
              human_time(other.predicted_step_time), piped.schedule, human_time(piped.predicted_step_time))
     return other if other.predicted_step_time < piped.predicted_step_time else piped
 
@@ -459,20 +463,45 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
 FAR_FROM_BOUND = 10.0  # an unproven plan this many times its solver's lower bound gets a warning
 
 
-def _warn_if_far_from_bound(plan: Plan) -> bool:
+def _warn_if_far_from_bound(plan: Plan, *, budget_given: bool = True) -> bool:
     """Warn (and say so) when the solve stopped at its time budget with a plan ``FAR_FROM_BOUND`` times its
     lower bound or more: the budget was too short for the problem (GPT-39B on 8x8 with 25 s, of which
     building took 16: a mix of layouts priced 656 s a step against a bound of 7.9 s; 9.2 s with the default
     budget). The bound can be weak (every op and edge at its own cheapest: a tiny GPT's plan is 2.4x its
-    bound), so only a gross miss is flagged."""
+    bound), so only a gross miss is flagged. ``budget_given``: whether the user gave the time budget; the
+    advice to leave it out is for those who did."""
     s = plan.solver
     if s.optimal or not s.lower_bound or s.objective < FAR_FROM_BOUND * s.lower_bound:
         return False
-    log.warning("autoshard: the plan on %s predicts %s a step, %.0fx the solver's lower bound (%s): its time "
-                "budget ran out (%.1f s of building, %.1f s of solving) before it found a good plan. Give it more "
-                "time (time_budget_s=..., --time-budget), or leave the budget out to have it scaled to the "
-                "problem.", plan.mesh, human_time(plan.predicted_step_time), s.objective / s.lower_bound,
-                human_time(s.lower_bound), s.build_seconds, s.seed_seconds + s.solve_seconds)
+    advice = ("Give it more time (time_budget_s=..., --time-budget), or leave the budget out to have it scaled "
+              "to the problem." if budget_given else
+              "The budget was the default, scaled to the problem; give it more (time_budget_s=..., "
+              "--time-budget) to search further.")
+    log.warning("the plan on %s predicts %s a step, %.0fx the solver's lower bound (%s): its time "
+                "budget ran out (%.1f s of building, %.1f s of solving) before it could tell how good the plan is "
+                "(the bound may be weak). %s", plan.mesh, human_time(plan.predicted_step_time),
+                s.objective / s.lower_bound, human_time(s.lower_bound), s.build_seconds,
+                s.seed_seconds + s.solve_seconds, advice)
+    return True
+
+
+OVERRUN = 1.5  # a call that took this many times its time budget (and 2 s more) says so
+
+
+def _warn_if_overrun(plan: Plan | PipelinePlan, budget: float | None, took: float, t_trace: float | None) -> bool:
+    """Say (and return) when planning ran well past the user's time budget: the budget was shorter than what
+    any plan of the step needs (``autoshard plan examples/gpt.py --preset 1.3b --mesh 2x4 --time-budget 5``:
+    24.7 s, the step does not fit as traced and its pipeline's least times, tracing at the microbatch size
+    and a least time per layer solve, add up past the budget). The overrun itself is not cured here."""
+    if budget is None or took <= OVERRUN * budget or took <= budget + 2.0:
+        return False
+    why = ("the step was planned as a pipeline, whose tracing at the microbatch size and least time per layer and "
+           "stage solve add up past it" if isinstance(plan, PipelinePlan) else
+           "building the solver's problem and its least solving time add up past it")
+    log.warning("planning took %.1f s, %.1fx its %.3g s time budget (tracing %s): the budget is shorter than what "
+                "a plan of this step needs: %s. Give it more time (time_budget_s=..., --time-budget), or leave it "
+                "out to have it scaled to the step.", took, took / budget, budget,
+                "none" if t_trace is None else f"{t_trace:.1f} s", why)
     return True
 
 
@@ -509,7 +538,7 @@ def _warn_undivided_batch(graph: Graph, target: Target) -> None:
         rows = t.shape[0]
         if all(rows % n for n in target.shape if n > 1):
             sizes = sorted({n for n in target.shape if n > 1})
-            log.warning("autoshard: batch input %s has %d rows, which no mesh axis (sizes %s) divides: it cannot "
+            log.warning("batch input %s has %d rows, which no mesh axis (sizes %s) divides: it cannot "
                         "be split by rows, so every device works on every row (split along another dimension, "
                         "such as a long sequence, at most). Use a batch size divisible by %s.",
                         t.name, rows, ", ".join(map(str, sizes)), " or ".join(map(str, sizes)))
@@ -551,7 +580,11 @@ def load_plan(path: str | Path) -> Plan | PipelinePlan:
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"{path}: cannot read a plan ({e})") from None
     if isinstance(data, dict) and data.get("kind") == "pipeline":
-        return PipelinePlan.from_dict(data)
+        try:
+            return PipelinePlan.from_dict(data)
+        except (KeyError, TypeError, ValueError) as e:  # PlanError included: name the file
+            raise PlanError(f"{path}: not a pipeline plan that holds together ({type(e).__name__}: {e}); plan "
+                            "again (autoshard plan ... -o FILE)") from None
     return Plan.load(path)
 
 
@@ -578,7 +611,7 @@ def _on_mesh(plan: Plan | PipelinePlan, mesh: jax.sharding.Mesh) -> Plan | Pipel
             f"mesh names its axis {moved[0]!r} after another of the plan's axes, so matching the axes by position "
             f"would be ambiguous. Name the mesh's axes {tuple(plan.mesh.axis_names)} (or names the plan does not "
             "use), or plan again for this mesh")
-    log.info("autoshard: the plan's mesh axes %s run on the mesh's axes %s (matched by position)",
+    log.info("the plan's mesh axes %s run on the mesh's axes %s (matched by position)",
              ", ".join(plan.mesh.axis_names), ", ".join(mesh.axis_names))
     return plan.with_axis_names(mesh.axis_names) if isinstance(plan, Plan) else plan
 

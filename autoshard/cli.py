@@ -144,6 +144,9 @@ def _stage_shape(text: str | None) -> tuple[int, int] | None:
     return (shape[0], shape[1])
 
 
+MEGATRON_SECONDS = 30.0  # compare --megatron: seconds per plan of the grid when --time-budget is not given
+
+
 def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None, per_plan: bool = False) -> None:
     """The logical mesh, hardware and budgets, as ``plan`` and ``compare`` take them."""
     p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
@@ -153,7 +156,9 @@ def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None
     p.add_argument("--memory-budget", default="auto",
                    help="bytes per device ('16e9', '80GiB', '512MB'), 'auto' (capacity less 10%%) or 'none'")
     p.add_argument("--time-budget", type=_seconds, default=time_budget,
-                   help=("solver seconds per plan" if per_plan else
+                   help=("seconds for the whole comparison, shared by the plans it makes (default: scaled to the "
+                         "step, the time `plan` gives one plan times the plans, printed first); with --megatron, "
+                         f"seconds per plan (default {MEGATRON_SECONDS:.0f})" if per_plan else
                          "wall-clock seconds for tracing, building and solving (default: scaled to the model)"))
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
@@ -295,7 +300,7 @@ def _plan_traces(plan: Plan | PipelinePlan, args: argparse.Namespace) -> tuple[G
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
     _add_example_arguments(p)
-    _add_mesh_arguments(p, time_budget=30.0, per_plan=True)
+    _add_mesh_arguments(p, time_budget=None, per_plan=True)
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     p.add_argument("--recompute", nargs="+", choices=["auto", "none", "selective", "full"], metavar="MODE",
                    help="rematerialise the repeated blocks' activations: one of auto (the default: only when the step "
@@ -321,7 +326,7 @@ def _compare_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from autoshard._examples import load_example
-    from autoshard.planner.compare import compare
+    from autoshard.planner.compare import compare, compare_budget
     from autoshard.trace import trace
 
     target = _target(args)
@@ -336,8 +341,13 @@ def _compare_run(args: argparse.Namespace) -> int:
                             "give one (auto, the default, recomputes only when the step does not fit without it), "
                             "or add --megatron to price each setting in the grid")
     graph = trace(example.train_step, *example.args)
+    total, plans = compare_budget(graph, target.cost)
+    if args.time_budget is not None:
+        total = args.time_budget
+    print(f"time budget {total:.0f} s for {plans} plans ({total / plans:.1f} s each"
+          f"{'' if args.time_budget is not None else ', scaled to the step; --time-budget sets it'})", flush=True)
     result = compare(graph, target.cost, hardware=target.hardware, memory_budget=target.memory_budget,
-                     time_budget_s=args.time_budget, recompute=modes[0],
+                     total_budget_s=total, recompute=modes[0],
                      log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
     print(result.text())
     if args.json:
@@ -362,7 +372,8 @@ def _megatron_run(args: argparse.Namespace, target: Target, example: Example) ->
     points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
                            microbatches=args.microbatches, recompute=args.recompute or ["none", "selective"],
                            schedules=args.schedules,
-                           num_chunks=args.chunks, time_budget_s=args.time_budget, runtime=args.runtime, log=say)
+                           num_chunks=args.chunks, runtime=args.runtime, log=say,
+                           time_budget_s=MEGATRON_SECONDS if args.time_budget is None else args.time_budget)
     print(grid_table(points, auto, t_auto, sp_auto))
     if args.json:
         rows = [{"stage_shape": p.stage_shape, "microbatches": p.microbatches, "schedule": p.schedule,
@@ -423,7 +434,7 @@ class _Progress(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.setFormatter(logging.Formatter("[%(relativeCreated)7.0f ms] %(message)s"))
+        self.setFormatter(logging.Formatter("[%(relativeCreated)7.0f ms] %(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         print(self.format(record), file=sys.stderr, flush=True)

@@ -96,7 +96,7 @@ def detect_hardware() -> str:
             return name
     if jax.devices()[0].platform == "cpu":
         return "cpu-8dev-2026-11-21.json"
-    log.warning("autoshard: no preset for device kind %r; planning with the h100 preset", kind)
+    log.warning("no preset for device kind %r; planning with the h100 preset", kind)
     return "h100"
 
 

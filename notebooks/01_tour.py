@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 
 import autoshard
-from autoshard._examples import load_example, load_module
+from autoshard._examples import load_example, load_module, repository_root
 from autoshard.emit import global_rel_error
 from autoshard.planner.summary import format_plan
 
-ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "examples" / "gpt.py").is_file())
+ROOT = repository_root()  # the checkout: from here, beside the autoshard package, or $AUTOSHARD_REPO
 print(f"jax {jax.__version__}, {len(jax.devices())} devices: {jax.devices()[0].platform}")
 
 # %% [markdown]

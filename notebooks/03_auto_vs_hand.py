@@ -26,20 +26,19 @@
 
 # %%
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 
 import autoshard
-from autoshard._examples import load_example
+from autoshard._examples import load_example, repository_root
 from autoshard.planner import layouts
 from autoshard.planner.compare import SEEDED, compare, diff_plans
 from autoshard.target import cost_model_for
 
 # %matplotlib inline
 plt.rcParams.update({"figure.dpi": 90, "axes.spines.top": False, "axes.spines.right": False})
-ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "examples" / "gpt.py").is_file())
+ROOT = repository_root()  # the checkout: from here, beside the autoshard package, or $AUTOSHARD_REPO
 GiB = 2**30
 SOLVER_S = 5  # seconds per solve; the default is 30-60 s, this keeps the notebook to a minute or two
 

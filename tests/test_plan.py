@@ -78,7 +78,8 @@ def test_large_plans_start_from_the_best_uniform_plan_and_every_textbook_layout(
     plan = plan_graph(graph, cost, hardware="h100", time_budget_s=10)
     seeds = plan.solver.seeds
     first = {k: v for k, v in seeds.items() if not k.startswith("tied, from ")}
-    assert set(first) == {"tied", *(lay.name for lay in layouts.grid(graph, cost.mesh))}
+    # (and the replicated program, which needs no solve: ``seeds.replicated_choice``)
+    assert set(first) == {"replicated", "tied", *(lay.name for lay in layouts.grid(graph, cost.mesh))}
     # the two best of them are solved again, tied but free of their layouts: never worse than where they began
     best = sorted(first, key=first.get)[:2]
     assert set(seeds) - set(first) == {f"tied, from {name}" for name in best}

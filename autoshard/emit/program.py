@@ -148,10 +148,10 @@ class EmittedStep:
         lowered.compile()
         t2 = time.perf_counter()
         assert self._unlogged is not None
-        log.info("autoshard: emitted the step in %.1f s (%d ops bound again, %d sharding constraints, lowered "
+        log.info("emitted the step in %.1f s (%d ops bound again, %d sharding constraints, lowered "
                  "to StableHLO)", self._unlogged + t1 - t0, len(self.graph.ops),
                  sum(self.interpreter.constraints.values()))
-        log.info("autoshard: compiled the step in %.1f s (XLA, %d devices)", t2 - t1, self.mesh.devices.size)
+        log.info("compiled the step in %.1f s (XLA, %d devices)", t2 - t1, self.mesh.devices.size)
         self._unlogged = None
 
     def place(self, *args: Any) -> tuple[Any, ...]:

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from autoshard.pipeline.partition import PipelineError
-from autoshard.planner.plan import InputSignature, PlanError, check_inputs, specs_from_json, specs_to_json
+from autoshard.planner.plan import (
+    InputSignature,
+    PlanError,
+    check_axes,
+    check_inputs,
+    specs_from_json,
+    specs_to_json,
+)
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
@@ -162,6 +169,9 @@ class PipelinePlan:
             if (st.submesh, st.origin) != (first.submesh, first.origin):
                 raise PlanError(f"virtual stage {u} runs on submesh {st.submesh} at {st.origin}; as chunk "
                                 f"{u // S} of stage {u % S} it must run on {first.submesh} at {first.origin}")
+        for s, st in enumerate(self.stages):
+            check_axes(st.specs, st.mesh, f"stage {s}: ")
+            check_axes(st.update_specs, st.mesh, f"stage {s}'s update: ")
         used = sum(st.num_devices for st in self.stages[:S])
         if used > math.prod(self.mesh.shape):
             raise PlanError(f"the stages use {used} devices; the mesh has {math.prod(self.mesh.shape)}")

@@ -105,7 +105,7 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
     offered: list[StageModes] = []
     for mode in skipped:
         if hopeless is not None and hopeless(mode):
-            log.debug("autoshard: recompute %s fits no pipeline stage: not a per-stage option", mode)
+            log.debug("recompute %s fits no pipeline stage: not a per-stage option", mode)
             continue
         graph = recomputed(micro, every_block(micro, mode), level=logging.DEBUG)
         if mode == "none" or graph is not micro:
@@ -135,7 +135,7 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
                     raise
                 errors.append((mode, e))
                 cheaper.append((mode, graph))
-                log.info("autoshard: no pipeline fits with recompute %s; trying more", mode)
+                log.info("no pipeline fits with recompute %s; trying more", mode)
                 continue
             if per_stage is not None:
                 graph = per_stage.graph_of(the_plan.recompute)
@@ -143,7 +143,7 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
             elif config:
                 the_plan = dataclasses.replace(the_plan, recompute=config)
             if config:
-                log.info("autoshard: recompute %s makes the pipeline fit", summary(config))
+                log.info("recompute %s makes the pipeline fit", summary(config))
             return the_plan, graph
     finally:
         for g in [*made, *(g for o in offered for g in o.planned())]:

@@ -4,9 +4,29 @@ the bubble) and ``explain_pipeline`` (that, with the step time split into stage 
 from __future__ import annotations
 
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.planner.summary import human_time, mfu_line
+from autoshard.planner.summary import cpu_note, human_time, mfu_line
 from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
+
+
+def one_stage_note(plan: PipelinePlan) -> str | None:
+    """For a pipelined plan of one stage, what it is, why, and how to force stages; else None. A pipeline
+    asked for (``pipeline=True``) and answered with one stage is microbatch accumulation over the whole
+    mesh, which a user reading "pipeline" would not expect (a Llama-style model of 4 blocks on 2x4 CPU
+    devices: one stage, 2.1x slower than ``jax.jit``)."""
+    if len(plan.stages) != 1:
+        return None
+    hosts, devices = plan.cluster
+    shape = (hosts // 2, devices) if hosts % 2 == 0 else (hosts, devices // 2) if devices % 2 == 0 else None
+    force = (f"give stage_shape={shape} (--stage-shape {shape[0]}x{shape[1]}) for 2 stages, or any other "
+             "submesh shape" if shape is not None else "give stage_shape=(hosts, devices) (--stage-shape HxD)")
+    why = ("the step was cut into one layer" if plan.num_layers == 1 else
+           f"no cut of its {plan.num_layers} layers into stages, on the submesh shapes and stage counts allowed, "
+           "priced faster on this cost model")
+    return ("one stage: the microbatches run one after another on the whole mesh (gradient accumulation, no "
+            f"pipeline), because {why}. "
+            f"To force stages, {force}; the intra-operator plan (microbatches=None, pipeline left to the "
+            "planner) is usually faster than one stage.")
 
 
 def format_pipeline_plan(plan: PipelinePlan) -> str:
@@ -19,8 +39,10 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
     per_stage = any(st.recompute for st in plan.stages)
     lines = [
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
+        *([cpu] if (cpu := cpu_note(plan.mesh, plan.hardware)) else []),
         f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
         f"{plan.schedule}{chosen}, {plan.num_layers} layers",
+        *([note] if (note := one_stage_note(plan)) else []),
         "runs as one SPMD program over a stage axis (any number of processes; lockstep ticks priced)" if plan.spmd
         else "runs a program per stage from one process (the MPMD runtime; one host)"
         + (f": {human_time(plan.host_time)} of host work a step issuing them" if plan.host_time else ""),

@@ -243,7 +243,7 @@ def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[
                 if spec is not None and len(spec.dims) == len(small.tensors[y].shape):
                     specs[y] = _fitted(spec, small.tensors[y].shape, sizes)
     else:
-        log.info("autoshard: the tail traces to %d ops at %d rows and %d at %d: XLA lays out its slices",
+        log.info("the tail traces to %d ops at %d rows and %d at %d: XLA lays out its slices",
                  len(ops1), R, len(ops2), r)
     return Spread(split=G, graph=small, cut=scut, send=tuple(send), batch=tuple(batch), outside=tuple(outside),
                   pre=tuple(pre), once=once, cot=tuple(scut.tail_cot), specs={(): specs})
@@ -334,7 +334,7 @@ class SpmdPipelineStep:
         aliased = sorted(set(full.output_aliases.values()))
         self.donate_argnums = tuple(aliased)
         self._jitted = jax.jit(self._program, in_shardings=self.in_shardings, donate_argnums=self.donate_argnums)
-        log.info("autoshard: SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks%s "
+        log.info("SPMD pipeline: %d stages of %d block(s) on %s, %d microbatches, %s, %d ticks%s "
                  "(built in %.2f s)", S, len(self.cut.blocks) // S, dict(mesh.shape), M, schedule_name,
                  self.ticks.num_ticks, f", the tail spread over {G} stages" if G > 1 else "",
                  time.perf_counter() - t0)
@@ -808,7 +808,7 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
                          f"it over {got}")
     step.predicted = _priced(plan, step)
     if step.predicted is not None:
-        log.info("autoshard: the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "
+        log.info("the SPMD program: %.4g s a step predicted (%d ticks in lockstep, %.3g s of them "
                  "exchanging; the plan's %s schedule priced %.4g s)", step.predicted.step, step.predicted.ticks,
                  step.predicted.exchange, plan.schedule, plan.predicted_step_time)
     return step

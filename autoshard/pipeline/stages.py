@@ -270,7 +270,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     # a cut's activations cross on every device's own link at once (each sends and receives its shard)
     link = np.array([slow * a * b for a, b in submeshes])
     stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, link)
-    log.info("autoshard: priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
+    log.info("priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
     fused, split, tail_time = False, 1, 0.0
@@ -330,7 +330,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 break
             all_time = all_time.copy()
             for first, last, o in over:
-                log.info("autoshard: layers %d..%d on %s%s: their plans joined overflow the stage's memory; cut "
+                log.info("layers %d..%d on %s%s: their plans joined overflow the stage's memory; cut "
                          "again without that stage", first, last, costs[o % M].mesh,
                          "" if len(variants) == 1 else f" ({describe(variants[o // M].mode)})")
                 all_time[first, last, o] = np.inf
@@ -346,7 +346,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 graph, parts, layer_of_op = lay.graph, lay.parts, lay.layer_of_op
                 micro_ops, update_ops = lay.micro_ops, lay.update_ops
             if len({v.mode for v in stage_variant}) > 1:
-                log.info("autoshard: recompute chosen per stage: %s", ", ".join(
+                log.info("recompute chosen per stage: %s", ", ".join(
                     f"stage {s} {v.mode}" for s, v in enumerate(stage_variant)))
         stage_prices = [v.prices for v in stage_variant]
         stage_tables = [v.stage_time for v in stage_variant]
@@ -420,7 +420,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     for s, (first, last, m) in enumerate(chosen):
         shape = submeshes[m]
         mops, part = stage_ops[s][0], planned[s]
-        log.info("autoshard: stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
+        log.info("stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
                  "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / link[m]),
                  human_time(float(stage_tables[s][first, last, m]
                                   - stage_prices[s].update_time[first:last + 1, m].sum() / num_microbatches)))
@@ -446,7 +446,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     pipe, bubble = priced[chosen_schedule]
     host_time = 0.0 if uniform else host[chosen_schedule].seconds
     if len(names) > 1:
-        log.info("autoshard: schedule %s chosen (%s)", chosen_schedule,
+        log.info("schedule %s chosen (%s)", chosen_schedule,
                  ", ".join(f"{name}: {human_time(t)} of pipeline" for name, (t, _) in priced.items()))
     per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
     step_time = pipe + max(sum(stages[u].update_time for u in us) for us in per_stage)
@@ -572,7 +572,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
                 continue
             total = price(spread_times(t, tail, g), [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link,
                           inner=size, dispatch=0.0, tail=tail).loop
-            log.debug("autoshard: %d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
+            log.debug("%d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
                       name, " fused" if fused else "", g, total, tail)
             if best is None or total < best.time:
                 origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
@@ -583,7 +583,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     if best is None:
         raise _no_uniform_cut(K, tried, chunks)
     S = len(best.stages) // chunks
-    log.info("autoshard: uniform stages for the SPMD program: %d stages of %d block(s)%s on %s, %s%s%s", S, K // S,
+    log.info("uniform stages for the SPMD program: %d stages of %d block(s)%s on %s, %s%s%s", S, K // S,
              f" in {chunks} chunks" if chunks > 1 else "", costs[best.stages[0][2]].mesh, best.schedule,
              ", fused ticks" if best.fused else "",
              f", the tail spread over {best.tail_split} stages" if best.tail_split > 1 else "")
@@ -872,7 +872,7 @@ def _variants(modes: StageModes | None, lay: _Layered, prices: LayerPrices, stag
     for mode, g in modes.graphs[:-1]:
         other = _layered(g, split_step(g), num_layers, forced)
         if not _same_layers(other, lay):
-            log.info("autoshard: recompute %s cuts into other layers; not a per-stage option", mode)
+            log.info("recompute %s cuts into other layers; not a per-stage option", mode)
             continue
         p = priced(other)
         out.append(_Variant(mode, other, p, _stage_times(p.micro_time + p.update_time / num_microbatches,

@@ -118,7 +118,7 @@ class Beside(Generic[T]):
                 warnings.simplefilter("ignore")  # JAX's warning that forking a process with JAX is unsafe
                 pid = os.fork()
         except OSError as e:
-            log.info("autoshard: could not fork to plan the %s beside the rest (%s): planning it after", self._what, e)
+            log.info("could not fork to plan the %s beside the rest (%s): planning it after", self._what, e)
             return
         if pid == 0:  # the child: run, send the outcome, leave without running the parent's exit handlers
             os.close(read)
@@ -170,7 +170,7 @@ class Beside(Generic[T]):
             wait = None if self._deadline is None or chunks else max(self._deadline - time.monotonic(), 0.0)
             ready, _, _ = select.select([self._fd], [], [], wait)
             if not ready:
-                log.warning("autoshard: the %s, planned in process %d, sent nothing in the time it was given: "
+                log.warning("the %s, planned in process %d, sent nothing in the time it was given: "
                             "stopped, and planned in this process instead", self._what, self._pid)
                 self.cancel(keep_work=True)
                 return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from autoshard.planner.plan import Plan, PlanError, decode_choice
 from autoshard.planner.planning import ProblemCache, plan_graph
 from autoshard.planner.readback import memory_at_peak
 from autoshard.planner.recompute import plan_recomputing
+from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time, tensor_class
 from autoshard.trace import remat
 from autoshard.trace.graph import Graph
@@ -279,19 +281,33 @@ class Comparison:
 
 def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | None = None, hardware: str = "",
             memory_budget: float | None = None, time_budget_s: float = 30.0, auto: Plan | None = None,
-            seeded: bool = True, log: Any = None, recompute: str = "auto") -> Comparison:
+            seeded: bool = True, log: Any = None, recompute: str = "auto",
+            total_budget_s: float | None = None) -> Comparison:
     """The automatic plan (``auto``, or planned here) beside each hand layout (``layouts.grid`` by default),
-    all on ``cost`` within ``memory_budget``; each solve gets ``time_budget_s``. With ``seeded``, one more
-    automatic solve starts from the best of those plans (the ``auto + grid starts`` row).
+    all on ``cost`` within ``memory_budget``; each solve gets ``time_budget_s``, or, with ``total_budget_s``
+    (seconds for the whole comparison, ``compare_budget`` scales one to the step), an equal share of what
+    is left of it when it starts. With ``seeded``, one more automatic solve starts from the best of those
+    plans (the ``auto + grid starts`` row).
 
     ``recompute`` is the automatic plan's setting, as ``autoshard.plan`` takes it (``planner.recompute``:
     ``"auto"`` recomputes the step's blocks only when no layout fits without it); when the plan recomputes,
     the hand layouts are priced on the same rewritten step, so that the rows differ only in their layouts.
     A given ``auto`` plan must be of ``graph`` as it is."""
     problems = ProblemCache(graph)
+    start = time.perf_counter()
+    count = (auto is None) + len(grid(graph, cost.mesh) if layouts is None else layouts) + seeded
+
+    def seconds() -> float:
+        """Per solve: ``time_budget_s``, or the share of ``total_budget_s`` left for each plan still to make."""
+        nonlocal count
+        count -= 1
+        if total_budget_s is None:
+            return time_budget_s
+        return max(MIN_SOLVE_SECONDS, (start + total_budget_s - time.perf_counter()) / (count + 1))
+
     if auto is None:
         auto, planned = plan_recomputing(graph, cost, recompute=recompute, hardware=hardware,
-                                         memory_budget=memory_budget, time_budget_s=time_budget_s, problems=problems)
+                                         memory_budget=memory_budget, time_budget_s=seconds(), problems=problems)
         if planned is not graph:
             graph, problems = planned, ProblemCache(planned)
         if log:
@@ -301,7 +317,7 @@ def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | No
     priced = []
     for lay in layouts:
         p = price_layout(graph, cost, lay, hardware=hardware, memory_budget=memory_budget,
-                         time_budget_s=time_budget_s, problems=problems)
+                         time_budget_s=seconds(), problems=problems)
         priced.append(dataclasses.replace(p, plan=_recomputing_as(auto, p.plan)))
         if log:
             log(f"{lay.name}: {human_time(p.step_time)}{'' if p.feasible else ' (does not fit)'}")
@@ -309,10 +325,22 @@ def compare(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | No
     if seeded:
         starts = [auto, *(p.plan for p in priced if p.feasible)]
         again = _recomputing_as(auto, plan_graph(graph, cost, hardware=hardware, memory_budget=memory_budget,
-                                                 time_budget_s=time_budget_s, problems=problems, starts=starts))
+                                                 time_budget_s=seconds(), problems=problems, starts=starts))
         if log:
             log(f"{SEEDED}: {human_time(again.predicted_step_time)}")
     return Comparison(auto=auto, priced=tuple(priced), memory_budget=memory_budget, seeded=again)
+
+
+MIN_SOLVE_SECONDS = 0.5  # a plan of the comparison gets at least this, however little of its budget is left
+
+
+def compare_budget(graph: Graph, cost: CostModel, *, layouts: Sequence[HandLayout] | None = None,
+                   seeded: bool = True) -> tuple[float, int]:
+    """(seconds, plans): the default budget of a whole comparison, scaled to the step as ``autoshard.plan``
+    scales one plan's (``SHARES.auto_seconds``), times the plans it makes (the automatic plan, each hand
+    layout, the seeded one). The tiny GPT: 12 plans of 5.8 s, where 30 s each took 5 min 52 s."""
+    plans = 1 + len(grid(graph, cost.mesh) if layouts is None else layouts) + seeded
+    return plans * SHARES.auto_seconds(len(graph.ops)), plans
 
 
 def recompute_note(plan: Plan) -> str:

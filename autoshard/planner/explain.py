@@ -34,7 +34,7 @@ import numpy as np
 from autoshard.planner.build import MEMORY_TIE_BREAK, BuiltProblem, TensorKey
 from autoshard.planner.plan import Plan, PlanError, TensorLayout, decode_choice
 from autoshard.planner.planning import ProblemCache
-from autoshard.planner.readback import peak_memory_of, step_time_of
+from autoshard.planner.readback import breakdown, peak_memory_of, step_time_of, step_time_of_breakdown
 from autoshard.planner.summary import human_time, tensor_class
 from autoshard.target import cost_model_for
 from autoshard.trace.graph import Graph
@@ -436,7 +436,8 @@ def explain_tensor(
     hold = MEMORY_TIE_BREAK / cost.memory_bandwidth
     budget = plan.memory_budget
     notes = []
-    total = step_time_of(built, choice)
+    # priced as the plan was: its breakdown (collectives as issued), not the solver's sum (``step_time_of``)
+    total = step_time_of_breakdown(breakdown(built, choice, cost))
     if not math.isclose(total, plan.predicted_step_time, rel_tol=1e-6, abs_tol=1e-12):
         notes.append(f"the rebuilt problem prices this plan at {human_time(total)}, the plan says "
                      f"{human_time(plan.predicted_step_time)}: the graph or cost model differ from the ones it was "

@@ -334,3 +334,11 @@ def grid(graph: Graph, mesh: LogicalMesh, *, rules: Sequence[tuple[str, Parallel
         for z in ((0, 1, 3) if dp else (0,)):
             out.append(hybrid(graph, mesh, dp=dp, tp=tp, zero=z, rules=rules))
     return out
+
+
+def fallbacks(graph: Graph, mesh: LogicalMesh) -> list[HandLayout]:
+    """The layouts no automatic plan may lose to, as seeds keep them when time is short: data parallel and
+    ZeRO-3 over every axis (named as ``grid`` names them)."""
+    if not _axes(mesh, None):
+        return []
+    return [data_parallel(graph, mesh), zero(graph, mesh, 3)]

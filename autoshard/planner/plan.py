@@ -149,6 +149,7 @@ class Plan:
                 raise PlanError(f"plan layout of {t.name} {list(t.shape)}: {e}") from None
         if not math.isfinite(self.predicted_step_time) or self.predicted_step_time < 0:
             raise PlanError(f"predicted step time {self.predicted_step_time} is not a finite, non-negative time")
+        check_axes(self.specs, self.mesh)
         if graph is None:
             return
         names = [graph.tensors[i].name for i in graph.inputs]
@@ -258,10 +259,21 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """The plan saved at ``path``, checked (``verify``): a file edited by hand that no longer holds
+        together (a mesh axis renamed in the mesh but not in the layouts) is refused here, naming what."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            plan = cls.from_dict(json.loads(Path(path).read_text()))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise PlanError(f"{path}: {e}") from None
             raise PlanError(f"{path} is not an autoshard plan ({type(e).__name__}: {e})") from None
+        try:
+            plan.verify()
+        except PlanError as e:
+            raise PlanError(f"{path} does not hold together: {e}. Was it edited? Plan again (autoshard plan ... "
+                            "-o FILE), or rename mesh axes with Plan.with_axis_names, which renames them in every "
+                            "layout too.") from None
+        return plan
 
 
 # one input leaf of a planned step: (name, shape, dtype), as ``Plan.inputs`` and ``PipelinePlan.inputs`` record it
@@ -291,6 +303,19 @@ def check_inputs(planned: Sequence[InputSignature], graph: Graph, *, note: str =
         "input leaves differ (same names, another model size or batch?):\n" + "\n".join(lines) + note
         + "\nPlan again for this step (autoshard.parallelize without plan=, autoshard.plan, or `autoshard "
         "plan`) and save that plan; a plan's layouts and times hold only for the shapes it was made for.")
+
+
+def check_axes(specs: Mapping[Scope, Mapping[int, ShardingSpec]], mesh: LogicalMesh, where: str = "") -> None:
+    """Every layout of ``specs`` names only axes of ``mesh`` (a plan file's mesh renamed by hand leaves its
+    layouts on the old names)."""
+    names = set(mesh.axis_names)
+    for scope, table in specs.items():
+        for tid, spec in table.items():
+            unknown = sorted(spec.axes_used - names)
+            if unknown:
+                raise PlanError(f"{where}the layout {spec} of tensor {tid}{f' in scope {list(scope)}' if scope else ''} "
+                                f"uses mesh axis {unknown[0]!r}, which is not in the plan's mesh {mesh} "
+                                f"(axes {', '.join(mesh.axis_names)})")
 
 
 def specs_to_json(specs: Mapping[Scope, Mapping[int, ShardingSpec]]) -> list[dict[str, Any]]:

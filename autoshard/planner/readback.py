@@ -8,6 +8,7 @@ per node (``choice``); the objective sums and memory sweeps are the solver probl
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -112,6 +113,13 @@ def breakdown(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[
     for key, seconds, times, _ in issued(built, choice, cost):
         out[key] += seconds * times
     return dict(out)
+
+
+def step_time_of_breakdown(by_category: Mapping[str, float]) -> float:
+    """A plan's predicted step time from its ``breakdown``: every category but ``resharding`` (already
+    inside the collectives'). It prices the collectives as issued (a gradient's all-reduce at its share of
+    the combined one), so it differs from ``step_time_of``, the solver's sum of node and edge costs."""
+    return math.fsum(v for k, v in by_category.items() if k != "resharding")
 
 
 def collective_counts(built: BuiltProblem, choice: np.ndarray, cost: CostModel) -> dict[str, int]:

@@ -101,7 +101,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             bound = estimate(graph, mode, nbytes=least_bytes(cost.mesh)).peak_bytes
             if bound > budget:
                 needs[mode] = bound
-                log.info("autoshard: the step %s cannot fit: at least %s per device with every value split "
+                log.info("the step %s cannot fit: at least %s per device with every value split "
                          "as far as the mesh's axes divide it", describe(mode), _gb(bound))
                 continue
         config = uniform(graph, mode) if mode != "none" else {}
@@ -116,7 +116,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
                                       memo.setdefault(mode, {}))
             config = mix(names, mode, prev, k)
             if k < len(names):
-                log.info("autoshard: recompute %s on the first %d of %d blocks (%s on the rest) leaves %.0f%% of "
+                log.info("recompute %s on the first %d of %d blocks (%s on the rest) leaves %.0f%% of "
                          "the budget to the layouts, every value split its furthest", mode, k, len(names), prev,
                          100 * (1 - HEADROOM))
         if target is None:
@@ -124,7 +124,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
         if mode != "none" and target is graph:
             if recompute == "auto":
                 break  # nothing to recompute: the step as traced was the only candidate
-            log.warning("autoshard: recompute=%r: the step has no repeated blocks to recompute; planned as "
+            log.warning("recompute=%r: the step has no repeated blocks to recompute; planned as "
                         "traced", recompute)
         # what is left once the step is rewritten (1-2 s on GPT-39B, charged to the budget like the build)
         left = None if time_budget_s is None else max(time_budget_s - (time.perf_counter() - t0),
@@ -136,7 +136,7 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
             except DoesNotFit:
                 if mode == "none" or k == len(names or ()):
                     raise
-                log.info("autoshard: recompute %s on %d of %d blocks does not fit; planning it on all of them",
+                log.info("recompute %s on %d of %d blocks does not fit; planning it on all of them",
                          mode, k, len(names or ()))
                 config = uniform(graph, mode)
                 target = recomputed(graph, config)
@@ -148,10 +148,10 @@ def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", 
                 raise
             first = first or e
             needs[mode] = e.needed
-            log.info("autoshard: the step does not fit with recompute %s; trying more", mode)
+            log.info("the step does not fit with recompute %s; trying more", mode)
             continue
         if mode != "none":
-            log.info("autoshard: recompute %s on %d blocks makes the step fit", mode,
+            log.info("recompute %s on %d blocks makes the step fit", mode,
                      sum(m == mode for m in config.values()))
         if recompute == "auto" and mode != "none" and budget is not None:
             prev = modes[modes.index(mode) - 1]
@@ -219,12 +219,12 @@ def _fewer_blocks(graph: Graph, cost: CostModel, names: list[str], mode: str, pr
             plan = plan_graph(target, cost, **{**kw, "time_budget_s": None if deadline is None else took,
                                                "starts": (start,)})
         except DoesNotFit:
-            log.info("autoshard: recompute %s on the first %d of %d blocks (%s on the rest) does not fit",
+            log.info("recompute %s on the first %d of %d blocks (%s on the rest) does not fit",
                      mode, k, total, prev)
             a = k + 1
             continue
         faster = plan.predicted_step_time < best_plan.predicted_step_time
-        log.info("autoshard: recompute %s on the first %d of %d blocks (%s on the rest): %s per step, %s",
+        log.info("recompute %s on the first %d of %d blocks (%s on the rest): %s per step, %s",
                  mode, k, total, prev, human_time(plan.predicted_step_time),
                  f"faster than {human_time(best_plan.predicted_step_time)}" if faster else "no faster")
         if faster:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from autoshard.planner.build import BuiltProblem
-from autoshard.planner.layouts import grid
+from autoshard.planner.layouts import fallbacks, grid
 from autoshard.planner.pins import fixed_ids, pin
 from autoshard.planner.plan import Plan, PlanError, decode_choice
 from autoshard.planner.readback import peak_memory_of
@@ -80,8 +80,17 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
       8x8 its short solve gave a 381 s plan where the layouts' gave 10-11 s; first, it overran its share
       and left the layouts nothing when building had eaten most of the budget (a loaded machine).
 
+    Before both rounds, and on graphs of any size, the *replicated* seed (``replicated_choice``): every
+    node at its cheapest strategy that reads and writes every tensor whole, no solve at all. It is the
+    plain single-device program on every device, which no plan should lose to: no collective, no
+    resharding. Small steps on large meshes are best that way or close (the examples' tiny GPT on 8x8
+    H100: 11 us, where a 4 s solve that left the grid out for time returned 4.35 ms, and compare priced
+    data parallel at 229 us).
+
     The layouts of the grid and ``tied`` are left out when each would get under
-    ``SHARES.min_grid_seed_seconds`` of the first round: GPT with 4 blocks on 2x4 (1,480 nodes, a 366-node
+    ``SHARES.min_grid_seed_seconds`` of the first round, all but the textbook fallbacks first
+    (``layouts.fallbacks``: data parallel and ZeRO-3 over every axis), which are kept when they get
+    that time between them: GPT with 4 blocks on 2x4 (1,480 nodes, a 366-node
     tied core), 4 s: eleven tied seeds of 0.10-0.12 s priced 4,955-6,886 us (their least-memory starts,
     barely moved), the second round 900-978 us, and the final solve, left 1.7 s, ended at 122.9-135.2 us;
     given the whole 4 s it reaches 73.0 us.
@@ -90,15 +99,16 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     started from each of the ``SHARES.second_round`` best of the first round (``tied, from <name>``): a layout's
     global structure, with every tensor free to leave it (a ZeRO-sharded optimizer state here, a
     replicated bias there), uniformly over the blocks. Graphs under ``SHARES.seed_min_nodes`` nodes get only the
-    user's starts, in one round. Measured on GPT-6.7B over 8x8 (30 s budget): the best layout's first-round
+    replicated seed and the user's starts, in one round. Measured on GPT-6.7B over 8x8 (30 s budget): the best layout's first-round
     seed costs 231 ms, its second-round seed 225 ms, the final untied solve from it 222 ms."""
-    if problem.num_nodes < SHARES.seed_min_nodes and not starts:
-        return []
     start = time.perf_counter()
+    fallback = _replicated(built, problem)
+    if problem.num_nodes < SHARES.seed_min_nodes and not starts:
+        return fallback
     classes = equivalence_classes(problem)
     limit = built.problem.memory_limit
     layouts: list[tuple[str, Mapping[str, ShardingSpec], bool]] = []
-    out: list[Seed] = []
+    out: list[Seed] = list(fallback)
     repair: list[tuple[str, np.ndarray]] = []
     for n, user in enumerate(starts):
         if isinstance(user, Assignment):
@@ -114,12 +124,15 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         fits = limit is None or peak_memory_of(built, choice) <= limit * (1 + 1e-9)
         if math.isfinite(objective) and fits:
             out.append(Seed(name, choice, objective, True))
-            log.info("autoshard: start %r: %s", name, human_time(objective))
+            log.info("start %r: %s", name, human_time(objective))
         elif math.isfinite(objective):
             repair.append((name, choice))
     automatic = problem.num_nodes >= SHARES.seed_min_nodes and cost.mesh.num_devices > 1
+    essential: set[str] = set()
     if automatic and not pins:
-        layouts += [(lay.name, lay.specs, False) for lay in grid(graph, cost.mesh)]
+        essential = {lay.name for lay in fallbacks(graph, cost.mesh)}
+        layouts += sorted(((lay.name, lay.specs, False) for lay in grid(graph, cost.mesh)),
+                          key=lambda x: x[0] not in essential)  # the fallbacks first: they are kept longest
     jobs: list[tuple[str, IntraOpProblem | None, bool, np.ndarray | None]] = [
         (f"{name}, repaired", problem, True, choice) for name, choice in repair]
     for name, specs, given in layouts:
@@ -133,8 +146,12 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     second = automatic and len(jobs) > 1
     first_round = (SHARES.first_round if second else 1.0) * budget_s
     if automatic and first_round / len(jobs) < SHARES.min_grid_seed_seconds:
-        # too short for the grid's tied solves to leave their start: the final solve gets their time
-        jobs = [job for job in jobs if job[2]]
+        # too short for the grid's tied solves to leave their start: the final solve gets their time, but
+        # for the textbook fallbacks' when they get that much between them (a plan must not lose to them)
+        kept = [job for job in jobs if job[2] or job[0] in essential]
+        if first_round / max(len(kept), 1) < SHARES.min_grid_seed_seconds:
+            kept = [job for job in jobs if job[2]]
+        jobs = kept
         second = False
         first_round = budget_s
     deadline = start + first_round
@@ -146,7 +163,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         seed = _tied(name, pinned, classes, seconds, given, initial=initial)
         if seed is not None:
             out.append(seed)
-            log.info("autoshard: seed %r: %s", name, human_time(seed.objective))
+            log.info("seed %r: %s", name, human_time(seed.objective))
     if not second:
         return out
     top = sorted(out, key=lambda x: x.objective)[:SHARES.second_round]
@@ -157,8 +174,41 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         seed = _tied(f"tied, from {best.name}", problem, classes, seconds, False, initial=best.choice)
         if seed is not None:
             out.append(seed)
-            log.info("autoshard: seed %r: %s", seed.name, human_time(seed.objective))
+            log.info("seed %r: %s", seed.name, human_time(seed.objective))
     return out
+
+
+def replicated_choice(built: BuiltProblem) -> np.ndarray | None:
+    """Per node of ``built``, its cheapest strategy that reads and produces every tensor whole (split over
+    no axis, no pending sum): the single-device program run on every device. None when some node has no
+    such strategy."""
+    choice = np.zeros(len(built.nodes), dtype=np.int64)
+    for i, node in enumerate(built.nodes):
+        whole = [s for s in range(node.k)
+                 if all(_whole(spec) for _, spec in node.produces[s]) and all(_whole(spec) for _, spec in node.reads[s])
+                 and math.isfinite(built.problem.node_costs[i][s])]
+        if not whole:
+            return None
+        choice[i] = min(whole, key=lambda s: built.problem.node_costs[i][s])
+    return choice
+
+
+def _whole(spec: ShardingSpec) -> bool:
+    return not spec.partial and not any(spec.dims)
+
+
+def _replicated(built: BuiltProblem, problem: IntraOpProblem) -> list[Seed]:
+    """The replicated seed (``seeds``), when every node has a replicated strategy, ``problem`` allows them
+    (its pins) and they fit its memory limit."""
+    choice = replicated_choice(built)
+    if choice is None:
+        return []
+    objective = problem.cost_of(choice)
+    limit = problem.memory_limit
+    if not math.isfinite(objective) or (limit is not None and peak_memory_of(built, choice) > limit * (1 + 1e-9)):
+        return []
+    log.info("seed 'replicated': %s", human_time(objective))
+    return [Seed("replicated", choice, objective, False)]
 
 
 def _tied(name: str, problem: IntraOpProblem, classes: np.ndarray, seconds: float, given: bool,

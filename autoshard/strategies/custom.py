@@ -197,7 +197,7 @@ def factor_candidates(op: Op, ctx: RuleContext, rule: FactorRule) -> list[Candid
 
 def _warn(op: Op, what: str, why: str, hint: str) -> None:
     """One warning per ``what`` (a primitive, or a primitive's kernel) per process (``trace.unruled``)."""
-    unruled.warn_once(what, "autoshard: %s (first seen at %s): %s; its operands and results are replicated. %s",
+    unruled.warn_once(what, "%s (first seen at %s): %s; its operands and results are replicated. %s",
                       what, op.source or "an unknown location", why, hint)
 
 

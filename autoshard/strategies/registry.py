@@ -332,11 +332,11 @@ def strategies_for(op: Op, ctx: RuleContext, cost: CostModel, warned: set[str] |
         if rule is None and warned is not None and op.primitive not in warned:
             warned.add(op.primitive)
             if op.primitive in FALLBACK:
-                log.debug("autoshard: %r is replicated by design (registry.FALLBACK)", op.primitive)
+                log.debug("%r is replicated by design (registry.FALLBACK)", op.primitive)
             else:
                 unruled.warn_once(
                     op.primitive,
-                    "autoshard: no sharding rule for primitive %r (first seen at %s); its operands and results "
+                    "no sharding rule for primitive %r (first seen at %s); its operands and results "
                     "are replicated",
                     op.primitive,
                     op.source or "an unknown location",

@@ -184,7 +184,7 @@ def rematerialize(graph: Graph, modes: Mapping[str, str], *, level: int = loggin
         out = _Rewrite(graph).run(plan)
     finally:
         gc.unfreeze()
-    log.log(level, "autoshard: recompute: %s replay %d ops in their backward pass", summary(modes),
+    log.log(level, "recompute: %s replay %d ops in their backward pass", summary(modes),
             sum(len(r) for r, _ in plan.values()))
     return out
 

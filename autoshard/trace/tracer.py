@@ -205,7 +205,7 @@ class _Builder:
             flops = 0.0
             unruled.warn_once(
                 name,
-                "autoshard: no cost rule for primitive %r (first seen at %s); it counts 0 flops, and unless a "
+                "no cost rule for primitive %r (first seen at %s); it counts 0 flops, and unless a "
                 "sharding rule exists its operands and results are replicated",
                 name,
                 source or "an unknown location",

@@ -189,6 +189,6 @@ def unroll_layer_stacks(graph: Graph) -> Graph:
     roles = [graph.tensors[t].role for t in graph.inputs]
     out = graph_of_jaxpr(closed, names, roles, graph.output_names, graph.output_aliases, graph.in_tree,
                          graph.out_tree)
-    log.info("autoshard: %d layer-stack scan(s) unrolled into %d numbered blocks for the pipeline", len(stacks),
+    log.info("%d layer-stack scan(s) unrolled into %d numbered blocks for the pipeline", len(stacks),
              len({o.layer for o in out.ops if o.layer}))
     return out
