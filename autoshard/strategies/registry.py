@@ -267,10 +267,15 @@ def _indexed_bytes(op: Op, cand: Candidate, ctx: RuleContext) -> float:
     def share(tid: int, spec: ShardingSpec) -> float:
         return g.tensors[tid].nbytes / max(1, spec.num_shards(ctx.mesh))
 
-    if op.primitive == "gather":
-        return share(op.inputs[1], cand.in_specs[1]) + 2 * share(op.outputs[0], cand.out_specs[0])
-    # scatter(operand, indices, updates)
-    return share(op.inputs[1], cand.in_specs[1]) + 3 * share(op.inputs[2], cand.in_specs[2])
+    def moved(tid: int, spec: ShardingSpec) -> float:  # what reaches memory: nothing for a fused value
+        return 0.0 if tid in ctx.fused else share(tid, spec)
+
+    if op.primitive == "gather":  # read the picked rows, write them
+        out = share(op.outputs[0], cand.out_specs[0])
+        return moved(op.inputs[1], cand.in_specs[1]) + out + moved(op.outputs[0], cand.out_specs[0])
+    # scatter(operand, indices, updates): read the updates, read and write what they touch
+    upd = share(op.inputs[2], cand.in_specs[2])
+    return moved(op.inputs[1], cand.in_specs[1]) + moved(op.inputs[2], cand.in_specs[2]) + 2 * upd
 
 
 BITCASTS: frozenset[str] = frozenset({"reshape", "squeeze", "expand_dims"})
