@@ -83,10 +83,18 @@ class Run:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Structure:
-    """The step's runs of blocks in forward order and, per op id, its block tag (None outside blocks)."""
+    """The step's runs of blocks in forward order and, per op id, its block tag (None outside blocks) and
+    its segment: the forward ops' stretches in order (what precedes the first block, each block, what lies
+    between runs, what follows the last), a backward op its forward's (module docstring); -1 for the ops of
+    neither pass."""
 
     runs: tuple[Run, ...]
     layer: tuple[str | None, ...]
+    segment: tuple[int, ...] = ()
+
+    def segment_of_block(self, tag: str) -> int:
+        return self.segment[next(b[0] for r in self.runs for b, t in zip(r.blocks, r.tags, strict=True)
+                                 if t == tag)]
 
     @property
     def tags(self) -> list[str]:
@@ -137,7 +145,7 @@ def _find(graph: Graph) -> Structure:
     n = len(fwd)
     layer: list[str | None] = [None] * len(graph.ops)
     if n < 2:
-        return Structure((), tuple(layer))
+        return Structure((), tuple(layer), tuple([-1] * len(graph.ops)))
     pos = {op_id: k for k, op_id in enumerate(fwd)}
     ids: dict[tuple, int] = {}
     a = np.array([ids.setdefault(_signature(graph, graph.ops[i]), len(ids)) for i in fwd], dtype=np.int64)
@@ -172,8 +180,8 @@ def _find(graph: Graph) -> Structure:
         for tag, block in zip(run.tags, run.blocks, strict=True):
             for i in block:
                 layer[i] = tag
-    _assign_backward(graph, fwd, pos, runs, layer)
-    return Structure(tuple(runs), tuple(layer))
+    segment = _assign_backward(graph, fwd, pos, runs, layer)
+    return Structure(tuple(runs), tuple(layer), tuple(segment))
 
 
 def _best_repeat(a: np.ndarray, offset: int = 0) -> tuple[int, int, int, int] | None:
@@ -305,10 +313,8 @@ def _tags(graph: Graph, blocks: Sequence[Sequence[int]], r: int, runs: int) -> t
 
 
 def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs: Sequence[Run],
-                     layer: list[str | None]) -> None:
-    """Tag the backward ops of each block by what they read (module docstring)."""
-    if not runs:
-        return
+                     layer: list[str | None]) -> list[int]:
+    """Tag the backward ops of each block by what they read (module docstring); every op's segment."""
     n_ops = len(graph.ops)
     seg = [-1] * n_ops  # forward op -> its segment
     tag_of_seg: dict[int, str] = {}
@@ -345,6 +351,7 @@ def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs
         read = [owner[t] for t in op.inputs if t in owner]
         if read:
             bseg[op.id] = max(read)
+    strong = {op.id for op in backward if bseg[op.id] >= 0}
     # a weight gradient's own ops (a bias's: the cotangent summed over the batch, read by no other backward
     # op): the block whose backward runs next in the schedule (jax emits each block's backward in one
     # stretch, the transposes of its forward ops in reverse)
@@ -360,11 +367,18 @@ def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs
     for op_id, s_ in chain.items():
         bseg[op_id] = s_
     weak: dict[int, list[Op]] = {}
-    for op in backward:  # the rest: the first segment among its operands' producers
+    for op in backward:  # the rest: the first segment among its operands' producers ...
         if bseg[op.id] < 0:
             prods = [bseg[q] for t in op.inputs if (q := graph.tensors[t].producer) is not None and bseg[q] >= 0]
             if prods:
                 bseg[op.id] = min(prods)
+                if not any(graph.tensors[t].producer in strong for t in op.inputs):
+                    # ... or, reading only what other such ops hand on, its readers' one block when they read
+                    # the forward pass (a replay's anchor: the cotangent the block receives, reduced to a
+                    # scalar for its barriers)
+                    users = {bseg[c] for t in op.outputs for c in graph.tensors[t].consumers if c in strong}
+                    if len(users) == 1 and (u := users.pop()) in tag_of_seg:
+                        bseg[op.id] = u
                 weak.setdefault(bseg[op.id], []).append(op)
     _even_out(graph, bseg, weak, [[seg[b[0]] for b in r.blocks] for r in runs])
     for op in reversed(backward):  # made from constants alone (zeros, a mask made again): its first reader's
@@ -374,6 +388,7 @@ def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs
                 bseg[op.id] = min(users)
     for op in backward:
         layer[op.id] = tag_of_seg.get(bseg[op.id])
+    return [seg[i] if seg[i] >= 0 else bseg[i] for i in range(n_ops)]
 
 
 def _even_out(graph: Graph, bseg: list[int], weak: dict[int, list[Op]], runs: Sequence[Sequence[int]]) -> None:
