@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -54,6 +55,8 @@ from autoshard.trace.jaxpr_compat import REMAT
 from autoshard.trace.tracer import trace
 from autoshard.trace.unroll import unroll_layer_stacks
 from solvers.inter_op import ClusteringProblem, cluster_layers
+
+log = logging.getLogger("autoshard")
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 WEIGHT = "weight"  # the weight-gradient part of a backward, run as its own program (zero-bubble schedules)
@@ -134,7 +137,45 @@ def split_step(graph: Graph) -> StepParts:
             raise PipelineError(f"the step returns its batch input {graph.tensors[t].name!r}; a pipelined step "
                                 "cannot return per-example values")
     positions = tuple(i for i, t in enumerate(graph.inputs) if t in batch)
+    _warn_if_normalised_by_the_batch(graph, accumulated, batch)
     return StepParts(kind=tuple(kind), accumulated=tuple(accumulated), batch_inputs=positions)
+
+
+def _warn_if_normalised_by_the_batch(graph: Graph, accumulated: Sequence[int], batch: set[int]) -> None:
+    """Warn (once per graph) when an accumulated scalar, the loss, is divided by a count made from the batch
+    (``jnp.sum(mask)``, the tokens that are not padding): averaging equal microbatches weighs each alike, so a
+    microbatch with fewer tokens counts more than in the unpipelined step."""
+    memo = graph.memo("pipeline.partition.normalised")
+    if memo:
+        return
+    memo["done"] = True
+    from_batch: dict[int, bool] = {}
+
+    def reads_batch(t: int) -> bool:
+        todo, seen = [t], set()
+        while todo:
+            x = todo.pop()
+            if x in batch:
+                return True
+            p = graph.tensors[x].producer
+            if p is None or p in seen:
+                continue
+            seen.add(p)
+            todo.extend(graph.ops[p].inputs)
+        return False
+
+    for t in accumulated:
+        p = graph.tensors[t].producer
+        if graph.tensors[t].shape or p is None or graph.ops[p].primitive != "div":
+            continue
+        den = graph.ops[p].inputs[1]
+        if graph.tensors[den].producer is not None and from_batch.setdefault(den, reads_batch(den)):
+            op = graph.ops[p]
+            log.warning("%s divides the step's %r by a count made from the batch (a number of tokens that are not "
+                        "padding, say): the pipeline averages equal microbatches, weighing each alike, so its "
+                        "loss and gradients differ from the step's where microbatches hold different counts. "
+                        "Normalise by a number fixed ahead (the tokens of a full batch) or per example to make "
+                        "the pipelined step exact", op.where(), graph.tensors[t].name)
 
 
 # ---- layers ----------------------------------------------------------------------------------------------
