@@ -66,10 +66,10 @@ class Config:
 
 PRESETS: dict[str, Config] = {
     "tiny": Config(learning_rate=1e-3),
-    "7b": Config(vocab=32000, seq_len=4096, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, batch=64,
-                 dtype="bfloat16"),
-    "70b": Config(vocab=32000, seq_len=4096, hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, batch=1024,
-                  dtype="bfloat16", flash=True),
+    "7b": Config(vocab=32000, seq_len=4096, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008,
+                 batch=64, dtype="bfloat16"),
+    "70b": Config(vocab=32000, seq_len=4096, hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672,
+                  batch=1024, dtype="bfloat16", flash=True),
 }
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -160,7 +160,8 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
         c = self.config
-        x = x + Attention(c, name="self_attn")(RMSNorm(c.eps, c.dtype, name="input_layernorm")(x), cos, sin, mask)
+        h = RMSNorm(c.eps, c.dtype, name="input_layernorm")(x)
+        x = x + Attention(c, name="self_attn")(h, cos, sin, mask)
         return x + MLP(c, name="mlp")(RMSNorm(c.eps, c.dtype, name="post_attention_layernorm")(x))
 
 
@@ -222,7 +223,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainSta
 def _build(config: Config, seed: int | jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
     init_key, data_key, len_key = jax.random.split(jax.random.key(seed, impl="rbg"), 3)
     tokens = jax.random.randint(data_key, (config.batch, config.seq_len + 1), 0, config.vocab, jnp.int32)
-    lengths = jax.random.randint(len_key, (config.batch, 1), config.seq_len // 2, config.seq_len + 1, jnp.int32)
+    lengths = jax.random.randint(len_key, (config.batch, 1), config.seq_len // 2, config.seq_len + 1,
+                                 jnp.int32)
     mask = (jnp.arange(config.seq_len, dtype=jnp.int32)[None] < lengths).astype(jnp.int32)
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "attention_mask": mask}
     model = Llama(config)
@@ -237,8 +239,8 @@ def make(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     config = dataclasses.replace(PRESETS[preset], **overrides)
     if config.hidden % config.heads or config.heads % config.kv_heads or (config.hidden // config.heads) % 2:
-        raise ValueError(f"llama: hidden ({config.hidden}) must be a multiple of heads ({config.heads}), heads of "
-                         f"kv_heads ({config.kv_heads}), and the head size even (RoPE rotates pairs)")
+        raise ValueError(f"llama: hidden ({config.hidden}) must be a multiple of heads ({config.heads}), heads "
+                         f"of kv_heads ({config.kv_heads}), and the head size even (RoPE rotates pairs)")
     if abstract:  # shapes and dtypes only: nothing is allocated
         return jax.eval_shape(functools.partial(_build, config, seed))
     return jax.jit(_build, static_argnums=0)(config, seed)

@@ -23,7 +23,8 @@ def llama():
 
 
 def _loss_and_grads(state, batch):
-    return jax.jit(jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch, method="loss")))(state.params)
+    loss = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch, method="loss"))
+    return jax.jit(loss)(state.params)
 
 
 def test_padding_is_masked() -> None:
