@@ -14,7 +14,7 @@ before the layers and read by every one, and the batch's ``attention_mask`` read
 
 The mask: a token attends to the earlier tokens of its own segment, the real tokens (mask 1) or the padding
 (mask 0). For every real token that is the usual key-padding mask; padding attends to padding, so that no row
-of scores is empty. The loss counts the real tokens only.
+of scores is empty. The loss counts the real tokens only, each row's mean weighing alike (``Llama.loss``).
 
 With ``flash=True`` attention runs through jax's Pallas flash-attention kernel (the mask as its segment ids),
 split over batch and heads by ``autoshard.splittable`` and priced by the rules ``examples/gpt.py`` registers,
@@ -195,11 +195,13 @@ class Llama(nn.Module):
         return logits.astype(jnp.float32)
 
     def loss(self, batch: dict[str, jax.Array]) -> jax.Array:
-        """Mean next-token cross-entropy over the real (unpadded) tokens."""
+        """Next-token cross-entropy over each row's real (unpadded) tokens, averaged over the rows: every
+        sequence weighs alike, so the loss of a batch is the mean of its microbatches' (a pipeline's
+        accumulation is exact; dividing by the batch's token count would weigh microbatches by their tokens)."""
         logits = self(batch["input_ids"], batch["attention_mask"])
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
         mask = batch["attention_mask"].astype(jnp.float32)
-        return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        return jnp.mean(jnp.sum(losses * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
 
 
 def param_count(config: Config) -> int:
