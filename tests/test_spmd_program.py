@@ -80,7 +80,7 @@ def test_uniform_stages_stack_the_blocks_and_keep_head_and_tail_apart(stages: in
 
 def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None:
     micro, _ = _micro()
-    with pytest.raises(PipelineError, match=r"4 numbered blocks .* 3 stages cannot share evenly; use a stage count"):
+    with pytest.raises(PipelineError, match=r"4 repeated blocks .* 3 stages cannot share evenly; use a stage count"):
         uniform_stages(micro, 3)
     # a layer stack written as one scan, not unrolled (``trace_microbatch`` unrolls it; a graph traced
     # otherwise reaches the cut whole)
@@ -489,7 +489,7 @@ def test_blocks_no_uniform_cut_divides_are_refused_by_name_before_any_layer_is_p
     pipeline is refused, saying what to change, without pricing a layer on any submesh."""
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=3"], abstract=True)
     with caplog.at_level(logging.INFO, logger="autoshard"), pytest.raises(
-            PipelineError, match=r"no uniform cut of the step's 3 numbered blocks .*stage_shape"):
+            PipelineError, match=r"no uniform cut of the step's 3 repeated blocks .*stage_shape"):
         autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
                        time_budget_s=10)
     assert "autoshard: priced" not in caplog.text

@@ -10,7 +10,7 @@ from autoshard.planner.utilization import ModelFlops
 from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
 
-_LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)")
+_LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)|(?<=\.)\d+(?=\.)")  # block_3, [3], layers.3
 
 
 def human_time(seconds: float) -> str:
@@ -30,7 +30,8 @@ def mfu_line(mfu: float, flops: ModelFlops | None) -> str:
 
 def tensor_class(name: str) -> str:
     """A parameter's class: its name with layer indices folded, ``state.params.block_*.mlp.fc.kernel``."""
-    return _LAYER_INDEX.sub(lambda m: "_*" if m.group(0).startswith("_") else "[*]", name)
+    return _LAYER_INDEX.sub(lambda m: "_*" if m.group(0).startswith("_") else "[*]" if m.group(0).startswith("[")
+                            else "*", name)
 
 
 def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
