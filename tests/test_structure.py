@@ -138,3 +138,12 @@ def test_a_pipeline_that_needs_recompute_without_blocks_says_what_was_tried() ->
 
     with pytest.raises(PipelineDoesNotFit, match=r"no repeated blocks to recompute.*larger memory budget"):
         plan_pipeline_recomputing(graph, plan, start="full", hopeless=lambda m: True)
+
+
+def test_two_stacks_are_refused_by_the_spmd_program_with_what_to_do() -> None:
+    from autoshard.pipeline.partition import PipelineError
+    from autoshard.pipeline.uniform import uniform_stages
+
+    graph = _graph(style_models.OTHERS["encoder_decoder"])
+    with pytest.raises(PipelineError, match=r"2 kinds .*encoder and a decoder.*runtime='mpmd'"):
+        uniform_stages(graph, 2)

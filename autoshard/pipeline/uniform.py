@@ -47,7 +47,6 @@ from autoshard.pipeline.partition import (
 )
 from autoshard.pipeline.ticks import cannot_run
 from autoshard.trace.graph import Graph, Role
-from autoshard.trace.structure import structure
 
 # ---- what runs where (pure: tensor ids) ------------------------------------------------------------------
 
@@ -120,15 +119,19 @@ def _block_order(graph: Graph, parts: StepParts) -> list[str]:
     return seen
 
 
-def _one_run(graph: Graph, blocks: Sequence[str]) -> None:
-    """Refuse a step whose blocks form several runs (an encoder stack and a decoder stack): the program
-    stacks one run of identical blocks per stage."""
-    runs = structure(graph).runs
-    if len(runs) > 1 and {t for r in runs for t in r.tags} >= set(blocks):
-        sizes = " and ".join(f"{len(r.blocks)} blocks of {r.period} forward ops ({r.tags[0]} ..)" for r in runs)
-        raise cannot_run(f"its blocks form {len(runs)} different stacks ({sizes}), and the program stacks one kind "
-                         "of block per stage; run it with runtime='mpmd' (one process), which places any layers on "
-                         "any stage")
+def _one_run(graph: Graph, parts: StepParts, blocks: Sequence[str]) -> None:
+    """Refuse a step whose blocks are of several kinds (an encoder stack and a decoder stack: two runs of
+    ``trace.structure``), told apart by their forward ops' count: the program stacks one kind per stage."""
+    size: dict[str, int] = dict.fromkeys(blocks, 0)
+    for i in parts.ops(FORWARD):
+        if graph.ops[i].layer in size:
+            size[graph.ops[i].layer] += 1
+    kinds = sorted(set(size.values()))
+    if len(kinds) > 1:
+        runs = " and ".join(f"{sum(1 for b in blocks if size[b] == n)} of {n} forward ops" for n in kinds)
+        raise cannot_run(f"its blocks are of {len(kinds)} kinds ({runs}: an encoder and a decoder, say), and the "
+                         "program stacks one kind of block per stage; run it with runtime='mpmd' (one process), "
+                         "which places any layers on any stage")
 
 
 def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None) -> UniformStages:
@@ -151,7 +154,7 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         raise cannot_run("no repeated blocks were found in the model's forward pass (a run of layers that compute "
                          "the same thing on weights of their own, each reading the one before): the program stacks "
                          "identical blocks per stage; run it with runtime='mpmd' (one process)")
-    _one_run(graph, blocks)
+    _one_run(graph, parts, blocks)
     if K < S or K % S:
         raise cannot_run(f"the model has {K} repeated blocks ({', '.join(blocks[:3])}{', ...' if K > 3 else ''}), which "
                     f"{S} stages cannot share evenly; use a stage count dividing {K} (max_stages=, stage_shape=)")

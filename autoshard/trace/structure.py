@@ -351,7 +351,6 @@ def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs
         read = [owner[t] for t in op.inputs if t in owner]
         if read:
             bseg[op.id] = max(read)
-    strong = {op.id for op in backward if bseg[op.id] >= 0}
     # a weight gradient's own ops (a bias's: the cotangent summed over the batch, read by no other backward
     # op): the block whose backward runs next in the schedule (jax emits each block's backward in one
     # stretch, the transposes of its forward ops in reverse)
@@ -372,11 +371,11 @@ def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs
             prods = [bseg[q] for t in op.inputs if (q := graph.tensors[t].producer) is not None and bseg[q] >= 0]
             if prods:
                 bseg[op.id] = min(prods)
-                if not any(graph.tensors[t].producer in strong for t in op.inputs):
-                    # ... or, reading only what other such ops hand on, its readers' one block when they read
-                    # the forward pass (a replay's anchor: the cotangent the block receives, reduced to a
-                    # scalar for its barriers)
-                    users = {bseg[c] for t in op.outputs for c in graph.tensors[t].consumers if c in strong}
+                readers = [c for t in op.outputs for c in graph.tensors[t].consumers]
+                if readers and all(graph.ops[c].primitive == "optimization_barrier" for c in readers):
+                    # ... or, read only by a block's replay barriers (``trace.remat``'s anchor: the cotangent
+                    # the block receives, reduced to a scalar), that block's
+                    users = {bseg[c] for c in readers if bseg[c] >= 0}
                     if len(users) == 1 and (u := users.pop()) in tag_of_seg:
                         bseg[op.id] = u
                 weak.setdefault(bseg[op.id], []).append(op)
@@ -394,8 +393,9 @@ def _assign_backward(graph: Graph, fwd: Sequence[int], pos: dict[int, int], runs
 def _even_out(graph: Graph, bseg: list[int], weak: dict[int, list[Op]], runs: Sequence[Sequence[int]]) -> None:
     """Where the dataflow leaves a tie (an op reading only the cotangent a block's backward hands on), keep
     the blocks of a run alike: an op a block has beyond what every other block of its run has (by
-    signature) is no part of it (the position table's gradient, summed over the batch from the first block's
-    input cotangent: the head's). It runs with its readers instead, when they are outside the blocks."""
+    signature) is no part of it: the position table's gradient, summed over the batch from the first block's
+    input cotangent, is the head's, and runs with its readers; the cast of the final norm's input cotangent,
+    read by the last block, is the tail's, and runs with what made its operand."""
     blocks = {s for r in runs for s in r}
     for segs in runs:
         counts = {s: collections.Counter(_signature(graph, op) for op in weak.get(s, [])) for s in segs}
@@ -407,6 +407,11 @@ def _even_out(graph: Graph, bseg: list[int], weak: dict[int, list[Op]], runs: Se
                 if not extra[sig]:
                     continue
                 users = [bseg[c] for t in op.outputs for c in graph.tensors[t].consumers if bseg[c] >= 0]
-                if users and min(users) not in blocks:
+                makers = [bseg[q] for t in op.inputs if (q := graph.tensors[t].producer) is not None and bseg[q] >= 0]
+                if users and not blocks.intersection(users):
                     bseg[op.id] = min(users)
-                    extra[sig] -= 1
+                elif makers and not blocks.intersection(makers):
+                    bseg[op.id] = min(makers)
+                else:
+                    continue
+                extra[sig] -= 1
