@@ -20,14 +20,15 @@ from flax.training.train_state import TrainState
 from autoshard._examples import load_example, load_module
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-NAMES = ["mlp", "gpt", "moe", "wide_resnet"]
-BIGGEST = {"mlp": "wide", "gpt": "39b", "moe": "70b", "wide_resnet": "13b"}
+NAMES = ["mlp", "gpt", "moe", "wide_resnet", "llama"]
+BIGGEST = {"mlp": "wide", "gpt": "39b", "moe": "70b", "wide_resnet": "13b", "llama": "70b"}
 # A name every layer of the unrolled tiny model carries in its equations' name stacks.
 LAYER_TAGS = {
     "mlp": ["dense_0", "dense_1", "dense_2"],
     "gpt": ["block_0", "block_1"],
     "moe": ["block_0", "block_1"],
     "wide_resnet": [f"stage_{i}_block_0" for i in range(4)],
+    "llama": ["layers", "0", "1", "2", "3"],  # layers/0 … layers/3
 }
 
 

@@ -32,6 +32,7 @@ from autoshard.pipeline.spmd_program import SpmdPipelineStep, stage_mesh
 from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
 from autoshard.pipeline.uniform import uniform_stages
 from autoshard.trace import trace
+from autoshard.trace.structure import structure
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "workers"
@@ -79,7 +80,7 @@ def test_uniform_stages_stack_the_blocks_and_keep_head_and_tail_apart(stages: in
 
 def test_stages_that_cannot_be_uniform_are_refused_with_what_to_change() -> None:
     micro, _ = _micro()
-    with pytest.raises(PipelineError, match=r"4 numbered blocks .* 3 stages cannot share evenly; use a stage count"):
+    with pytest.raises(PipelineError, match=r"4 repeated blocks .* 3 stages cannot share evenly; use a stage count"):
         uniform_stages(micro, 3)
     # a layer stack written as one scan, not unrolled (``trace_microbatch`` unrolls it; a graph traced
     # otherwise reaches the cut whole)
@@ -207,6 +208,32 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
 
 
+@pytest.mark.parametrize("form,name", [
+    ("llama", "1f1b"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"), ("style:unnumbered", "1f1b"),
+    pytest.param("style:numbered", "zb-h1", marks=pytest.mark.slow),
+    pytest.param("style:numbered", "interleaved-1f1b", marks=pytest.mark.slow),
+    pytest.param("style:unnumbered", "zb-h1", marks=pytest.mark.slow),
+    pytest.param("style:flax_default", "1f1b", marks=pytest.mark.slow),
+    pytest.param("style:nnx_list", "1f1b", marks=pytest.mark.slow)])
+def test_models_written_as_users_write_them_run_as_one_program(form: str, name: str) -> None:
+    """Blocks found by what they compute (``trace.structure``), not by a naming convention: Llama's
+    ``layers/0`` with a padding mask made from the batch and RoPE tables read by every block (each stage
+    makes the mask from its microbatch), ordinal names, GPT-2's ``h/0``; the program equals ``jax.jit``."""
+    fn, args, batch = make(form)
+    want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
+    shape = (1, 4) if name == "interleaved-1f1b" else (1, 2)
+    step = autoshard.parallelize(fn, mesh=(2, 4), microbatches=4, pipeline=True, schedule=name, stage_shape=shape,
+                                 time_budget_s=8, runtime="spmd")
+    got, want = list(args), list(want_args)
+    for _ in range(3):
+        *got, m1 = step(*got, batch)
+        *want, m2 = jax.jit(fn)(*want, batch)
+        assert global_rel_error(m2["loss"], m1["loss"]) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+    assert type(step._last.step).__name__ == "SpmdPipelineStep" and step.plan.schedule == name
+    assert len(structure(step._last.step.micro).tags) == 4
+
+
 def _computations(hlo: str) -> dict[str, list[str]]:
     """The compiled module's computations: name -> their instruction lines."""
     comps: dict[str, list[str]] = {}
@@ -302,7 +329,14 @@ def _free_port() -> int:
 @pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"),
                                        pytest.param("optax", "interleaved-1f1b", marks=pytest.mark.slow),
                                        pytest.param("optax:scan", "1f1b", marks=pytest.mark.slow),
-                                       ("optax:heavy", "zb-h1")])
+                                       ("optax:heavy", "zb-h1"),
+                                       # models written as users write them (trace.structure finds their
+                                       # blocks): Llama's layers/0.. reading a padding mask and RoPE tables
+                                       # beside the stream, GPT-2's h/0, ordinal names
+                                       ("llama", "1f1b"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
+                                       ("style:numbered", "zb-h1"), ("style:unnumbered", "interleaved-1f1b"),
+                                       pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
+                                       pytest.param("style:unnumbered", "1f1b", marks=pytest.mark.slow)])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -455,7 +489,7 @@ def test_blocks_no_uniform_cut_divides_are_refused_by_name_before_any_layer_is_p
     pipeline is refused, saying what to change, without pricing a layer on any submesh."""
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=3"], abstract=True)
     with caplog.at_level(logging.INFO, logger="autoshard"), pytest.raises(
-            PipelineError, match=r"no uniform cut of the step's 3 numbered blocks .*stage_shape"):
+            PipelineError, match=r"no uniform cut of the step's 3 repeated blocks .*stage_shape"):
         autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
                        time_budget_s=10)
     assert not any(r.getMessage().startswith("priced") for r in caplog.records)

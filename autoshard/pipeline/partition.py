@@ -21,8 +21,8 @@ layer among its consumers (or 0). The rule keeps every backward dependency point
 equal layer to a lower one, so backward programs of stage ``s`` only wait on stages ``≥ s``.
 
 The *replay rule* comes first for the op where a block's recompute starts in the backward pass (the
-``optimization_barrier`` of ``trace.remat``'s replay, or a ``remat``/``checkpoint`` op) inside a numbered
-block (``op.layer``, e.g. ``block_3``) whose forward ops start in layer ``f``: ``layer(v) = min({f} ∪
+``optimization_barrier`` of ``trace.remat``'s replay, or a ``remat``/``checkpoint`` op) inside a
+block (``op.layer``: ``trace.structure``'s) whose forward ops start in layer ``f``: ``layer(v) = min({f} ∪
 { layer(producer(t)) : t ∈ inputs(v), produced by a non-forward op })``; the block's backward, which
 reads the replay's values, then follows by the min rule. The replay reads
 the block's input, produced by the layer before, and the min rule would put it, and with it the whole
@@ -30,8 +30,8 @@ backward of block ``k+1`` that reads its values, in layer ``k`` (GPT-1T under fu
 layer held two blocks' backward, the last none); the rule keeps a block's backward with its forward, as
 Megatron does. Reading a lower layer's forward value is a forward-direction dependency (stage ``s``
 received it in its forward), and the cotangents still come from layers ``>=`` its own, so the invariant
-holds. And a backward op inside a numbered block takes at most the last layer of the forward ops of
-its own scope (the min rule capped): the op where the cotangent enters a block (the input gradient of
+holds. And a backward op of a block takes at most the last layer of its block's forward ops (the min
+rule capped): the op where the cotangent enters a block (the input gradient of
 its last matmul reads only that cotangent and a parameter) would otherwise run a layer up, beside the
 next block.
 """
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -54,6 +55,8 @@ from autoshard.trace.jaxpr_compat import REMAT
 from autoshard.trace.tracer import trace
 from autoshard.trace.unroll import unroll_layer_stacks
 from solvers.inter_op import ClusteringProblem, cluster_layers
+
+log = logging.getLogger("autoshard")
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 WEIGHT = "weight"  # the weight-gradient part of a backward, run as its own program (zero-bubble schedules)
@@ -134,7 +137,45 @@ def split_step(graph: Graph) -> StepParts:
             raise PipelineError(f"the step returns its batch input {graph.tensors[t].name!r}; a pipelined step "
                                 "cannot return per-example values")
     positions = tuple(i for i, t in enumerate(graph.inputs) if t in batch)
+    _warn_if_normalised_by_the_batch(graph, accumulated, batch)
     return StepParts(kind=tuple(kind), accumulated=tuple(accumulated), batch_inputs=positions)
+
+
+def _warn_if_normalised_by_the_batch(graph: Graph, accumulated: Sequence[int], batch: set[int]) -> None:
+    """Warn (once per graph) when an accumulated scalar, the loss, is divided by a count made from the batch
+    (``jnp.sum(mask)``, the tokens that are not padding): averaging equal microbatches weighs each alike, so a
+    microbatch with fewer tokens counts more than in the unpipelined step."""
+    memo = graph.memo("pipeline.partition.normalised")
+    if memo:
+        return
+    memo["done"] = True
+    from_batch: dict[int, bool] = {}
+
+    def reads_batch(t: int) -> bool:
+        todo, seen = [t], set()
+        while todo:
+            x = todo.pop()
+            if x in batch:
+                return True
+            p = graph.tensors[x].producer
+            if p is None or p in seen:
+                continue
+            seen.add(p)
+            todo.extend(graph.ops[p].inputs)
+        return False
+
+    for t in accumulated:
+        p = graph.tensors[t].producer
+        if graph.tensors[t].shape or p is None or graph.ops[p].primitive != "div":
+            continue
+        den = graph.ops[p].inputs[1]
+        if graph.tensors[den].producer is not None and from_batch.setdefault(den, reads_batch(den)):
+            op = graph.ops[p]
+            log.warning("%s divides the step's %r by a count made from the batch (a number of tokens that are not "
+                        "padding, say): the pipeline averages equal microbatches, weighing each alike, so its "
+                        "loss and gradients differ from the step's where microbatches hold different counts. "
+                        "Normalise by a number fixed ahead (the tokens of a full batch) or per example to make "
+                        "the pipelined step exact", op.where(), graph.tensors[t].name)
 
 
 # ---- layers ----------------------------------------------------------------------------------------------
@@ -200,8 +241,8 @@ MAX_DEFAULT_LAYERS = 160
 
 
 def default_num_layers(graph: Graph, parts: StepParts) -> int:
-    """One layer per numbered block the model's scopes name (``block_3``, ``layers_0``), plus one for the
-    ops around them, between 2 and ``MAX_DEFAULT_LAYERS``; 8 when the scopes name no blocks."""
+    """One layer per repeated block (``trace.structure``), plus one for the ops around them, between 2 and
+    ``MAX_DEFAULT_LAYERS``; 8 when the step has no blocks."""
     tags = {graph.ops[i].layer for i in parts.ops(FORWARD) if graph.ops[i].layer}
     return max(2, min(MAX_DEFAULT_LAYERS, len(tags) + 1)) if tags else 8
 
@@ -281,14 +322,14 @@ def propagate_layers(graph: Graph, fwd: Sequence[int], fwd_layer: Sequence[int])
     module docstring)."""
     layer = [-1] * len(graph.ops)
     forward = set(fwd)
-    block_start: dict[str, int] = {}  # a numbered block -> the first layer of its forward ops
-    scope_end: dict[str, int] = {}  # a scope inside a block -> the last layer of its forward ops
+    block_start: dict[str, int] = {}  # a block -> the first layer of its forward ops
+    block_end: dict[str, int] = {}  # a block -> the last layer of its forward ops
     for k, op_id in enumerate(fwd):
         layer[op_id] = int(fwd_layer[k])
         op = graph.ops[op_id]
         if op.layer:
             block_start[op.layer] = min(block_start.get(op.layer, layer[op_id]), layer[op_id])
-            scope_end[op.scope] = max(scope_end.get(op.scope, layer[op_id]), layer[op_id])
+            block_end[op.layer] = max(block_end.get(op.layer, layer[op_id]), layer[op_id])
     for op in graph.ops:
         if layer[op.id] >= 0:
             continue
@@ -299,8 +340,8 @@ def propagate_layers(graph: Graph, fwd: Sequence[int], fwd_layer: Sequence[int])
                                 *(layer[p] for p in producers if p not in forward and layer[p] >= 0)])
             continue
         srcs = [s for s in (layer[p] for p in producers) if s >= 0]
-        if op.phase == "backward" and op.scope in scope_end:  # never above its own forward
-            srcs.append(scope_end[op.scope])
+        if op.phase == "backward" and op.layer in block_end:  # never above its own block's forward
+            srcs.append(block_end[op.layer])
         if srcs:
             layer[op.id] = min(srcs)
     for op in reversed(graph.ops):  # ops fed only by step inputs and constants: their earliest consumer
@@ -499,7 +540,7 @@ def microbatch_args(args: Sequence[Any], graph: Graph, parts: StepParts | None =
 def trace_microbatch(fn: Callable[..., Any], args: Sequence[Any], graph: Graph, num_microbatches: int, *,
                      roles: Mapping[str | int, Any] | None = None) -> Graph:
     """``fn`` traced at microbatch size (``microbatch_args``; ``graph``: its trace at full size), with a layer
-    stack written as one scan unrolled into numbered blocks (``trace.unroll``): the graph every pipeline
+    stack written as one scan unrolled into blocks (``trace.unroll``): the graph every pipeline
     pass (stage DP, uniform cut, runtimes) reads."""
     micro = trace(fn, *microbatch_args(args, graph, None, num_microbatches), roles=roles)
     return unroll_layer_stacks(micro)

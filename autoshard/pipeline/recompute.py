@@ -148,7 +148,14 @@ def plan_pipeline_recomputing(micro: Graph, plan: Callable[[Graph, float | None,
     finally:
         for g in [*made, *(g for o in offered for g in o.planned())]:
             g.memo("pipeline.stages.layer_prices").clear()
-    assert errors
+    if not errors:  # no mode was planned: the cheap ones fit no stage, and there is no block to recompute
+        tried = [m for m in (*skipped, *modes) if m in ("none", "invariant")] or ["none"]
+        raise PipelineDoesNotFit(
+            f"no pipeline stage can hold its layers with recompute {' or '.join(map(describe, tried))}, and the step "
+            "has no repeated blocks to recompute (autoshard finds blocks as a run of layers that compute the same "
+            "thing on weights of their own, each reading the one before; none repeats here): give it a larger "
+            "memory budget or more devices, more microbatches, or recompute inside the model (jax.checkpoint or "
+            "flax's nn.remat around its layers)")
     if len(errors) == 1:
         raise errors[0][1]
     raise PipelineDoesNotFit("no pipeline fits, recompute or not: "

@@ -404,11 +404,12 @@ class SpmdPipelineStep:
 
         stacked = [per_stage([cut.chunk_f[u].inputs[j] for u in range(V)]) for j in f_stacked]
         stacked += [per_stage([cut.chunk_b[u].inputs[j] for u in range(V)]) for j in b_stacked]
-        loop_groups = (cut.head_f, cut.head_b, cut.tail_f, cut.tail_b)
+        loop_groups = (cut.head_f, cut.head_b, cut.tail_f, cut.tail_b, cut.side)
+        side_made = set(cut.side.outputs) | {t for i in cut.side.ops for t in g.ops[i].outputs}
         whole_ids = sorted({t for grp in loop_groups for t in grp.inputs if t in env or t in g.constants}
                            | {cut.chunk_f[0].inputs[j] for j, k in enumerate(cut.f_kinds) if k == "shared"}
                            | {cut.chunk_b[0].inputs[j] for j, k in enumerate(cut.b_kinds) if k == "shared"})
-        whole_ids = [t for t in whole_ids if t not in set(batch_t)]
+        whole_ids = [t for t in whole_ids if t not in set(batch_t) and t not in side_made]
         whole = [value(t) for t in whole_ids]
         sp = self.spread
         if sp is not None and sp.pre:  # the values before the loop that the spread tail reads at its shapes
@@ -547,6 +548,8 @@ class SpmdPipelineStep:
             e = dict(outer)
             for t, x in zip(self._batch_t, batch, strict=True):
                 e[t] = jax.lax.dynamic_index_in_dim(x, m, 0, keepdims=False)
+            if cut.side.ops:  # side inputs (a padding mask): every stage makes them from its microbatch
+                run(cut.side, e)
             return e
 
         def run(group: Any, e: dict[int, Any], by: Interpreter | None = None) -> None:

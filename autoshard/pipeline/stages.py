@@ -208,7 +208,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
     cluster = cluster_of(cost.mesh)
     parts = split_step(graph)
-    if uniform:  # a layer ends where each numbered block starts, and after the last one: the uniform cut falls
+    if uniform:  # a layer ends where each repeated block starts, and after the last one: the uniform cut falls
         # between blocks, and the tail (what follows the last block) is a layer of its own, which the SPMD
         # program may spread over stages (``_uniform``)
         fwd, _, _ = forward_sequence(graph, parts)
@@ -506,7 +506,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
              tail_first: int = 0, chunks: int = 1) -> _UniformCut:
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``V = v·S`` virtual stages (``v = chunks`` model chunks a stage, 1 but for the interleaved
-    schedule) of ``K / V`` of the step's ``K`` numbered blocks each, the layers before the first block with
+    schedule) of ``K / V`` of the step's ``K`` repeated blocks each, the layers before the first block with
     virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S``. Over
     every submesh option ``m`` whose stage count ``S = N / n_m`` makes ``V`` divide ``K`` (and is at most
     ``limit``), with the stage DP's tables ``t'[a_u, b_u, m]`` (``a_u, b_u``: virtual stage u's layers) as
@@ -591,7 +591,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
 
 
 def _block_spans(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> tuple[list[str], dict[str, list[int]]]:
-    """The numbered blocks in forward order, and each one's first and last layer."""
+    """The repeated blocks in forward order, and each one's first and last layer."""
     tags: list[str] = []
     span: dict[str, list[int]] = {}
     for i in parts.ops(FORWARD):
@@ -638,25 +638,25 @@ def _tick_forms(pricing: str, S: int, M: int, chunks: int, splits: Sequence[int]
 
 
 def _last_block_layer(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> int:
-    """The last layer holding a numbered block's forward ops (the layers after it are the tail)."""
+    """The last layer holding a repeated block's forward ops (the layers after it are the tail)."""
     return max(layer_of_op[i] for i in parts.ops(FORWARD) if graph.ops[i].layer)
 
 
 def _no_uniform_cut(blocks: int, tried: Sequence[str], chunks: int = 1) -> PipelineDoesNotFit:
-    """The error for ``blocks`` numbered blocks no uniform cut fits, ``tried`` saying why for each shape tried."""
+    """The error for ``blocks`` repeated blocks no uniform cut fits, ``tried`` saying why for each shape tried."""
     why = "; ".join(tried) or "no submesh shape gives a stage count dividing them" + (
         f" {chunks} chunks a stage" if chunks > 1 else "")
     needs = "a stage count dividing the block count" if chunks == 1 else \
         f"{chunks} chunks times the stage count to divide the block count"
     return PipelineDoesNotFit(
-        f"no uniform cut of the step's {blocks} numbered blocks into equal stages ({why}): the SPMD pipeline "
+        f"no uniform cut of the step's {blocks} repeated blocks into equal stages ({why}): the SPMD pipeline "
         f"needs {needs}; pass stage_shape=(hosts, devices) whose stage count divides it, more microbatches, "
         "or recompute")
 
 
 def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int, limit: int, chunks: int = 1) -> int:
     """The number of equal stages of ``shape`` that tile ``cluster`` when ``chunks`` times it divides ``blocks``
-    numbered blocks and it is between 2 and ``limit``; else 0 (no uniform cut on that shape)."""
+    repeated blocks and it is between 2 and ``limit``; else 0 (no uniform cut on that shape)."""
     size, n_devices = shape[0] * shape[1], cluster[0] * cluster[1]
     S = n_devices // size
     if (n_devices % size or S < 2 or limit < S or not blocks or blocks % (chunks * S) or cluster[0] % shape[0]

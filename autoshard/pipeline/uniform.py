@@ -2,12 +2,14 @@
 
 The step, traced at microbatch size and split by ``partition.split_step``, is cut by what its ops are:
 
-- **blocks**: the forward ops of the numbered blocks (``op.layer``: ``block_0``, ``layers_3``), ``K`` of them,
-  and the backward ops the layer rules of ``partition.propagate_layers`` give each block;
+- **blocks**: the forward ops of the repeated blocks (``op.layer``, found by ``trace.structure``), ``K`` of
+  them, one run of identical blocks, and the backward ops ``trace.structure`` gives each block by dataflow;
 - **head** (layer 0): the other forward ops no block output reaches (the embedding), and their backward;
 - **tail** (layer ``K+1``): the forward ops after the blocks (final norm, LM head, loss), and their backward;
 - **pre**: forward ops that read no batch value and are in no block (position tables, masks): run once
   per step, before the loop;
+- **side**: head ops that make a value every block reads from the batch alone (a padding mask, position
+  ids): run again by every stage on its microbatch, so that only the stream passes between stages;
 - **update**: the optimizer (``UPDATE``), run once per step after the loop on the means of the values
   the microbatched part hands it (``partition``'s accumulated tensors).
 
@@ -96,6 +98,7 @@ class UniformStages:
     head_act: tuple[int, ...]  # per stream channel: the head's tensor that chunk 0 reads
     tail_cot: tuple[int, ...]  # per cotangent channel: the tail's tensor that the last chunk reads
     head_res: tuple[int, ...]  # head forward values its backward reads
+    side: Group = Group((), (), ())  # head ops every stage runs on its microbatch: side inputs (a mask)
 
     def from_last_block(self) -> set[int]:
         """What the tail may read of the last chunk: its outputs and its stream inputs."""
@@ -107,12 +110,28 @@ def _last_block_values(last: Group, f_kinds: Sequence[str]) -> set[int]:
 
 
 def _block_order(graph: Graph, parts: StepParts) -> list[str]:
+    """The blocks (``trace.structure``: ``Op.layer``) in forward order."""
     seen: list[str] = []
     for i in parts.ops(FORWARD):
         tag = graph.ops[i].layer
         if tag and tag not in seen:
             seen.append(tag)
     return seen
+
+
+def _one_run(graph: Graph, parts: StepParts, blocks: Sequence[str]) -> None:
+    """Refuse a step whose blocks are of several kinds (an encoder stack and a decoder stack: two runs of
+    ``trace.structure``), told apart by their forward ops' count: the program stacks one kind per stage."""
+    size: dict[str, int] = dict.fromkeys(blocks, 0)
+    for i in parts.ops(FORWARD):
+        if graph.ops[i].layer in size:
+            size[graph.ops[i].layer] += 1
+    kinds = sorted(set(size.values()))
+    if len(kinds) > 1:
+        runs = " and ".join(f"{sum(1 for b in blocks if size[b] == n)} of {n} forward ops" for n in kinds)
+        raise cannot_run(f"its blocks are of {len(kinds)} kinds ({runs}: an encoder and a decoder, say), and the "
+                         "program stacks one kind of block per stage; run it with runtime='mpmd' (one process), "
+                         "which places any layers on any stage")
 
 
 def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None) -> UniformStages:
@@ -132,10 +151,12 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
                     "SPMD pipeline cuts only unrolled: trace the step with pipeline.trace_microbatch (it unrolls a "
                     "scan that slices parameters per iteration), or write the blocks unrolled")
     if K == 0:
-        raise cannot_run("the model has no numbered blocks to stack per stage: name the repeated blocks (block_0, "
-                    "block_1, ...), as flax does for submodules in a list")
+        raise cannot_run("no repeated blocks were found in the model's forward pass (a run of layers that compute "
+                         "the same thing on weights of their own, each reading the one before): the program stacks "
+                         "identical blocks per stage; run it with runtime='mpmd' (one process)")
+    _one_run(graph, parts, blocks)
     if K < S or K % S:
-        raise cannot_run(f"the model has {K} numbered blocks ({', '.join(blocks[:3])}{', ...' if K > 3 else ''}), which "
+        raise cannot_run(f"the model has {K} repeated blocks ({', '.join(blocks[:3])}{', ...' if K > 3 else ''}), which "
                     f"{S} stages cannot share evenly; use a stage count dividing {K} (max_stages=, stage_shape=)")
     block_of = {tag: k for k, tag in enumerate(blocks)}
     n_ops = len(graph.ops)
@@ -171,26 +192,36 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
             fwd_layer.append(K + 2)
             pre.append(i)
     layer = list(propagate_layers(graph, fwd, fwd_layer))
+    # a backward op runs with the block ``trace.structure`` assigns it by dataflow; one outside the blocks
+    # with the tail if it runs before the last block's backward begins, with the head if after the first
+    # block's has ended (jax emits the backward pass in reverse: the tail's, the blocks' last to first, the
+    # head's)
+    bwd_span: dict[str, list[int]] = {}
     for op in graph.ops:
-        # a block's backward op that the min rule pulled to the layer before (a weight gradient of a first
-        # matmul reading the block's input: the head's output for the first block, the block before's for
-        # the others) runs with its own block, so that every stage's blocks hold the same ops: the block's
-        # input is the stage's stream, which its backward has
+        if parts.kind[op.id] == BACKWARD and op.layer in block_of:
+            bwd_span.setdefault(op.layer, [op.id, op.id])[1] = op.id
+    tail_before = bwd_span[blocks[-1]][0] if blocks[-1] in bwd_span else -1
+    head_after = bwd_span[blocks[0]][1] if blocks[0] in bwd_span else len(graph.ops)
+    for op in graph.ops:
+        if parts.kind[op.id] != BACKWARD:
+            continue
         own = block_of.get(op.layer)
-        if own is not None and parts.kind[op.id] == BACKWARD and op.phase == "backward" and layer[op.id] == own:
+        if own is not None:
             layer[op.id] = own + 1
+        elif 1 <= layer[op.id] <= K:
+            if op.id < tail_before:
+                layer[op.id] = K + 1
+            elif op.id > head_after:
+                layer[op.id] = 0
     pre_set = set(pre)
     for op in reversed(graph.ops):  # an op that reads only pre values runs with its first reader
         if layer[op.id] > K + 1 and op.id not in pre_set and parts.kind[op.id] != UPDATE:
             users = [layer[c] for t in op.outputs for c in graph.tensors[t].consumers if layer[c] <= K + 1]
             layer[op.id] = min(users) if users else 0
     for op in graph.ops:
-        # the backward of a value made outside the blocks (the position table's gradient, read from the first
-        # block's input cotangent) runs with the head: the stage that holds that cotangent
         if parts.kind[op.id] == BACKWARD and op.layer not in block_of and 1 <= layer[op.id] <= K:
-            if layer[op.id] != 1:
-                raise cannot_run(f"{op.where()} is outside the blocks but reads block {layer[op.id] - 1}'s gradients")
-            layer[op.id] = 0
+            raise cannot_run(f"{op.where()} belongs to no block but runs amid the blocks' backward pass, reading "
+                             f"block {layer[op.id] - 1}'s gradients; run it with runtime='mpmd' (one process)")
     by: dict[tuple[str, int], list[int]] = {}
     for op in graph.ops:
         kind = parts.kind[op.id]
@@ -240,6 +271,30 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         p = graph.tensors[t].producer
         return p is None or p not in per_mb
 
+    head_f_set = set(head_f.ops)
+    side: set[int] = set()
+
+    def side_input(t: int) -> bool:
+        """Whether ``t`` is a side input every stage can make from its microbatch: made by the head's forward
+        from the batch, constants and values made before the loop alone, no parameter among them (so no
+        gradient flows back through it): a padding mask, position ids. Its ops join ``side``."""
+        todo, seen = [t], set()
+        while todo:
+            x = todo.pop()
+            p = graph.tensors[x].producer
+            if p is None:
+                if graph.tensors[x].role is Role.PARAM:
+                    return False
+                continue
+            if p not in per_mb or p in seen:
+                continue
+            if p not in head_f_set:
+                return False
+            seen.add(p)
+            todo.extend(graph.ops[p].inputs)
+        side.update(seen)
+        return True
+
     # chunk forward outputs: the stream (read by the next chunk) and residuals (read by its own backward)
     act_out: list[int] = []
     for k, t in enumerate(chunk_f[0].outputs):
@@ -261,10 +316,10 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
                 raise cannot_run(f"block input {graph.tensors[t0].name!r} does not come from the block before")
             f_kinds.append(f"act:{act_out.index(k)}")
         elif all(c == t0 for c in col):
-            if not outside(t0):
+            if not outside(t0) and not side_input(t0):
                 raise cannot_run(f"every block reads {graph.tensors[t0].name!r}, which is computed per microbatch "
-                            "outside the blocks; only the residual stream passes between stages (compute it "
-                            "inside each block, or from parameters and constants only)")
+                            "outside the blocks from the model's weights; only the residual stream passes between "
+                            "stages (compute it inside each block, or from the batch and constants only)")
             f_kinds.append("shared")
         elif all(outside(c) for c in col):
             f_kinds.append("stacked")
@@ -300,7 +355,7 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
                 raise cannot_run(f"a block's backward reads {graph.tensors[t0].name!r} from the block after it in "
                             "different ways at different stages")
             b_kinds.append(f"cot:{cot_out.index(k)}")
-        elif all(c == t0 for c in col) and outside(t0):
+        elif all(c == t0 for c in col) and (outside(t0) or side_input(t0)):
             b_kinds.append("shared")
         elif all(outside(c) for c in col):
             b_kinds.append("stacked")
@@ -353,7 +408,7 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         update=Group.of(graph, parts.ops(UPDATE)), post=Group.of(graph, post), accumulated=frozenset(accumulated),
         f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
         act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
-        head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res)
+        head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res, side=Group.of(graph, side))
 
 
 # ---- a weight pass (ZB-H1) ------------------------------------------------------------------------------

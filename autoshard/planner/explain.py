@@ -42,7 +42,7 @@ from autoshard.trace.summary import human_bytes
 from cost_models import CostModel, LogicalMesh, dtype_bytes
 from solvers import InfeasibleError, solve_intra_op
 
-_LAYER = re.compile(r"(?:_\d+|\[\d+\])$")
+_LAYER = re.compile(r"(?:_\d+|\[\d+\]|^\d+)$")  # block_3, [3], or a list's 3 (layers.3)
 _INDEX = re.compile(r"(\d+)\]?$")
 _OP_ID = re.compile(r"\w+ \(op \d+\)")
 GRADIENTS_NOTE = ("gradients: estimated as one gradient per parameter, in the parameter's dtype and layout,\n"

@@ -12,7 +12,7 @@ from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
 from cost_models import LogicalMesh
 
-_LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)")
+_LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)|(?<=\.)\d+(?=\.)")  # block_3, [3], layers.3
 
 
 def human_time(seconds: float) -> str:
@@ -32,7 +32,8 @@ def mfu_line(mfu: float, flops: ModelFlops | None) -> str:
 
 def tensor_class(name: str) -> str:
     """A parameter's class: its name with layer indices folded, ``state.params.block_*.mlp.fc.kernel``."""
-    return _LAYER_INDEX.sub(lambda m: "_*" if m.group(0).startswith("_") else "[*]", name)
+    return _LAYER_INDEX.sub(lambda m: "_*" if m.group(0).startswith("_") else "[*]" if m.group(0).startswith("[")
+                            else "*", name)
 
 
 def cpu_note(mesh: LogicalMesh, hardware: str) -> str | None:

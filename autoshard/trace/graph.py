@@ -65,7 +65,7 @@ class Op:
     bytes_out: int
     source: str  # "file.py:line (function)" of the user code that made it, or ""
     scope: str  # the name stack without transform wrappers, e.g. "GPT/block_3/attn"
-    layer: str | None  # the scope up to its first numbered component, e.g. "GPT/block_3"
+    layer: str | None  # its repeated block's tag (``trace.structure``), e.g. "GPT/block_3"; None outside blocks
     phase: str  # "forward", "backward" or "other" (optimizer update, code outside grad)
     params: tuple[tuple[str, str], ...]  # short printable digest of the equation's non-jaxpr params
     bodies: tuple[Graph, ...] = ()  # scan/remat: (body,); while: (cond, body); cond: branches

@@ -40,10 +40,10 @@ from autoshard.trace import roles as _roles
 from autoshard.trace import unruled
 from autoshard.trace.costs import op_flops
 from autoshard.trace.graph import Graph, Op, Role, Tensor, links
+from autoshard.trace.structure import tag_blocks
 
 _INHERITED_ROLES = frozenset({Role.PARAM, Role.OPT_STATE, Role.BATCH, Role.STATE, Role.CONST})
 _WRAPPER = re.compile(r"[A-Za-z_][\w]*\(([^()]*)\)")
-_NUMBERED = re.compile(r".*_\d+$")
 
 try:  # source locations; jax keeps these helpers private, so degrade to "" if they move
     from jax._src import source_info_util as _siu
@@ -216,11 +216,6 @@ class _Builder:
             outs.append(tid)
             if not _is_dropvar(v):
                 env[v] = tid
-        layer = None
-        for i, part in enumerate(scope):
-            if _NUMBERED.match(part):
-                layer = "/".join(scope[: i + 1])
-                break
         self.ops.append(
             dict(
                 primitive=name,
@@ -231,7 +226,7 @@ class _Builder:
                 bytes_out=sum(self.t_nbytes[i] for i in outs),
                 source=source,
                 scope="/".join(scope),
-                layer=layer,
+                layer=None,  # set by trace.structure once the step is whole
                 phase=phase,
                 params=params_digest(eqn.params),
                 bodies=bodies,
@@ -464,4 +459,4 @@ def graph_of_jaxpr(closed: ClosedJaxpr, in_names: Sequence[str], roles: Sequence
         inputs.append(env[v])
     b.walk(closed.jaxpr, env, _Ctx())
     outputs = [b.read(env, v) for v in closed.jaxpr.outvars]
-    return b.finish(inputs, outputs, out_names, aliases, closed, in_tree, out_tree)
+    return tag_blocks(b.finish(inputs, outputs, out_names, aliases, closed, in_tree, out_tree))

@@ -2,10 +2,12 @@
 ``(train_step, state_args, batch)`` with ``train_step(*state_args, batch) -> (*new_state, metrics)``.
 ``state``: the example's flax ``TrainState`` step; ``optax``: ``step(params, opt_state, batch)`` over
 plain optax, the optimizer closed over; either with ``:scan`` (``state:scan``): the blocks written as one
-``nn.scan`` (``scan_layers=true``)."""
+``nn.scan`` (``scan_layers=true``). ``llama``: ``examples/llama.py`` (tiny); ``style:NAME``: the example GPT
+with 4 blocks written in another style (``tests/style_models.py``: ``numbered``, ``unnumbered``, ...)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def make(form: str, **overrides: Any) -> tuple[Any, tuple[Any, ...], Any]:
+    if form == "llama":  # examples/llama.py: layers/0.., a padding mask and RoPE tables read by every block
+        ex = load_example(ROOT / "examples" / "llama.py", "tiny", [], abstract=False)
+        state, batch = ex.args
+        return ex.train_step, (state,), batch
+    if form.startswith("style:"):  # the example GPT written in another style (tests/style_models.py)
+        sys.path.insert(0, str(ROOT / "tests"))
+        import style_models
+
+        model = style_models.STYLES[form[len("style:"):]]
+        state, batch = model.make("tiny", layers=4)
+        return model.train_step, (state,), batch
     form, _, how = form.partition(":")  # "state:scan": the blocks written as one nn.scan (scan_layers=true)
     if how == "scan":
         overrides["scan_layers"] = "true"
