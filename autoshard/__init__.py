@@ -8,6 +8,7 @@ is deliberately small.
 
 from autoshard._version import __version__
 from autoshard.api import explain, parallelize, plan
+from autoshard.cache import set_cache_dir
 from autoshard.kernels import ring_attention, splittable
 from autoshard.pipeline.partition import pipeline_stage
 from autoshard.pipeline.pipeline_plan import PipelinePlan
@@ -33,6 +34,7 @@ __all__ = [
     "plan",
     "register_rule",
     "ring_attention",
+    "set_cache_dir",
     "splittable",
     "trace",
 ]
