@@ -95,9 +95,10 @@ def _user_cache_dir() -> Path:
 
 def graph_digest(graph: Graph) -> str:
     """SHA-256 of what a plan of ``graph`` depends on: tensors (name, shape, dtype, role), ops (primitive,
-    parameters, operands, results, scope, trip count) and nested bodies, in order. Costs (flops, bytes) are
-    functions of these and left out; source lines are left out too, so an edit that moves code misses
-    nothing."""
+    parameters, operands, results, scope, trip count, flops and bytes: a kernel's flops registered anew with
+    ``register_rule`` change the key) and nested bodies, in order. Source lines are left out, so an edit
+    that only moves code still hits. Not seen: a custom op's layout rule changed under the same flops
+    (``autoshard cache clear`` after editing one)."""
     h = hashlib.sha256()
 
     def go(g: Graph) -> None:
@@ -106,7 +107,7 @@ def graph_digest(graph: Graph) -> str:
             h.update(repr((t.name, t.shape, t.dtype, t.role.value)).encode())
         for op in g.ops:
             h.update(repr((op.primitive, op.params, op.inputs, op.outputs, op.scope, op.trip_count,
-                           len(op.bodies))).encode())
+                           op.flops, op.bytes_in, op.bytes_out, len(op.bodies))).encode())
             for b in op.bodies:
                 go(b)
 

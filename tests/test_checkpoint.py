@@ -64,7 +64,7 @@ def _bit_equal(a: list[np.ndarray], b: object) -> bool:
                for x, y in zip(a, jax.tree.leaves(b), strict=True))
 
 
-@pytest.mark.parametrize("form", ["4x2", "8", "spmd-pipeline"])
+@pytest.mark.parametrize("form", ["4x2", pytest.param("8", marks=pytest.mark.slow), "spmd-pipeline"])
 def test_restored_under_another_plan_trains_on_as_if_never_stopped(
         form: str, saved: tuple[Path, list[np.ndarray], list[float]], reference: list[float]) -> None:
     directory, leaves, first = saved

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -137,3 +138,43 @@ def test_the_cli_fills_the_cache_that_a_job_reads_and_lists_and_clears_it(
     assert main(["cache", "clear"]) == 0
     assert "removed 1 cached plan(s)" in capsys.readouterr().out
     assert not list(cache_dir.glob("*.json"))
+
+
+@pytest.mark.slow
+def test_two_processes_share_the_cache_through_process_0(tmp_path: Path) -> None:
+    """Two launches of 2 processes x 4 devices: the first plans on process 0 and writes one entry; the
+    second finds it (process 0 neither plans nor writes again) and runs the same plan."""
+    import signal
+    import socket
+    import subprocess
+
+    worker = Path(__file__).parent / "workers" / "parallelize_worker.py"
+    root = tmp_path / "plans"
+
+    def launch(out: Path) -> list[dict]:
+        out.mkdir()
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {cache.ENV: str(root)}
+        procs = [subprocess.Popen([sys.executable, "-u", str(worker), str(port), str(r), "2", str(out), "run",
+                                   "mlp.py", "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for r in range(2)]
+        try:
+            outs = [p.communicate(timeout=400) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+            assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
+        return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+
+    first = launch(tmp_path / "first")
+    (entry,) = root.glob("*.json")
+    written = entry.stat().st_mtime_ns
+    second = launch(tmp_path / "second")
+    assert list(root.glob("*.json")) == [entry] and entry.stat().st_mtime_ns == written  # found, not rewritten
+    plans = [json.loads((tmp_path / d / "plan.json").read_text()) for d in ("first", "second")]
+    assert plans[0] == plans[1] == json.loads(entry.read_text())["plan"]
+    assert first[0]["losses"] == second[0]["losses"]
