@@ -124,9 +124,12 @@ class Key:
 
 
 def key(graph: Graph, target: Target, options: PipelineOptions, *, time_budget_s: float | None,
-        recompute: str, name: str = "") -> Key:
-    """The cache key of planning ``graph`` on ``target`` with these options (module docstring). ``name``:
-    the step's name, shown by ``autoshard cache list`` (not part of the key)."""
+        recompute: str, name: str = "") -> Key | None:
+    """The cache key of planning ``graph`` on ``target`` with these options (module docstring), or None
+    when the cache is off (nothing is digested then). ``name``: the step's name, shown by ``autoshard cache
+    list`` (not part of the key)."""
+    if cache_dir() is None:
+        return None
     cost = target.cost
     # numbers as floats: ``time_budget_s=3`` in Python and ``--time-budget 3`` (3.0) are one option
     time_budget_s = None if time_budget_s is None else float(time_budget_s)
@@ -159,13 +162,13 @@ def key(graph: Graph, target: Target, options: PipelineOptions, *, time_budget_s
 Traces = tuple[Plan | PipelinePlan, Graph, Graph | None]  # as ``api.plan_for`` returns them
 
 
-def lookup(k: Key, step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: Graph,
+def lookup(k: Key | None, step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: Graph,
            roles: Mapping[str | int, Any] | None = None) -> Traces | None:
     """The cached plan for ``k`` checked against the step (``verified``) with the traces ``plan_for``
     returns, or None: no cache, no entry, or an entry that cannot be read or does not fit the step (a
     warning says which; the caller plans again and overwrites it)."""
     path = _path(k)
-    if path is None or not path.exists():
+    if path is None or k is None or not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
@@ -203,11 +206,11 @@ def verified(the_plan: Plan | PipelinePlan, step_fn: Callable[..., Any] | Graph,
     return the_plan, graph, micro
 
 
-def store(k: Key, the_plan: Plan | PipelinePlan) -> Path | None:
+def store(k: Key | None, the_plan: Plan | PipelinePlan) -> Path | None:
     """Write ``the_plan`` under ``k`` (atomically: a reader never sees half a file); None when the cache is
     off. A directory that cannot be written is a warning, not an error: the plan is in hand."""
     path = _path(k)
-    if path is None:
+    if path is None or k is None:
         return None
     entry = {"format": FORMAT, "key": k.digest, "about": dict(k.about),
              "saved": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -226,9 +229,9 @@ def store(k: Key, the_plan: Plan | PipelinePlan) -> Path | None:
     return path
 
 
-def _path(k: Key) -> Path | None:
+def _path(k: Key | None) -> Path | None:
     root = cache_dir()
-    return None if root is None else root / f"{k.digest[:40]}.json"
+    return None if root is None or k is None else root / f"{k.digest[:40]}.json"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
