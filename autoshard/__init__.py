@@ -6,6 +6,7 @@ runtime). ``target`` says what a plan is made for; ``api`` ties the passes toget
 is deliberately small.
 """
 
+from autoshard import checkpoint
 from autoshard._version import __version__
 from autoshard.api import explain, parallelize, plan
 from autoshard.cache import set_cache_dir
@@ -28,6 +29,7 @@ __all__ = [
     "Tensor",
     "TraceError",
     "__version__",
+    "checkpoint",
     "explain",
     "parallelize",
     "pipeline_stage",
