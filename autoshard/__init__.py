@@ -6,8 +6,10 @@ runtime). ``target`` says what a plan is made for; ``api`` ties the passes toget
 is deliberately small.
 """
 
+from autoshard import checkpoint
 from autoshard._version import __version__
 from autoshard.api import explain, parallelize, plan
+from autoshard.cache import set_cache_dir
 from autoshard.kernels import ring_attention, splittable
 from autoshard.pipeline.partition import pipeline_stage
 from autoshard.pipeline.pipeline_plan import PipelinePlan
@@ -27,12 +29,14 @@ __all__ = [
     "Tensor",
     "TraceError",
     "__version__",
+    "checkpoint",
     "explain",
     "parallelize",
     "pipeline_stage",
     "plan",
     "register_rule",
     "ring_attention",
+    "set_cache_dir",
     "splittable",
     "trace",
 ]

@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoshard import distributed, nnx_steps
+from autoshard import cache as plan_cache
+from autoshard import checkpoint, distributed, nnx_steps
 from autoshard.emit import emit
 from autoshard.emit.program import ArgumentMismatch, EmittedStep
 from autoshard.errors import AutoshardError
@@ -168,11 +169,18 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
     if t_trace is not None and traced is None:
         log.info("traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
+    # a plan cached by an earlier launch (``autoshard.cache``): checked against this trace, else planned
+    key = plan_cache.key(graph, target, options, time_budget_s=time_budget_s, recompute=recompute,
+                         name=getattr(step_fn, "__qualname__", type(step_fn).__name__))
+    if (hit := plan_cache.lookup(key, step_fn, args, graph, roles)) is not None:
+        return hit
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = _choose(step_fn, args, graph, t0, t_trace, target, options,
                                        time_budget_s=time_budget_s, roles=roles, recompute=recompute)
     _warn_if_overrun(the_plan, time_budget_s, time.perf_counter() - t0, t_trace)
-    return dataclasses.replace(the_plan, model_flops=flops), planned, micro
+    the_plan = dataclasses.replace(the_plan, model_flops=flops)
+    plan_cache.store(key, the_plan)
+    return the_plan, planned, micro
 
 
 def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: Graph, t0: float,
@@ -866,3 +874,31 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
 
     def explain(self) -> str:
         return explain(self.plan)
+
+    # -- checkpoints (``autoshard.checkpoint``) ------------------------------------------------------------
+
+    def save(self, directory: str | Path, state: Any, step: int, *, keep: int | None = None) -> Path:
+        """Save ``state`` (the step's train state, as its last call returned it) as step ``step`` under
+        ``directory`` with orbax: each process writes the shards it holds. ``keep``: keep the newest only."""
+        return checkpoint.save(directory, state, step, keep=keep)
+
+    def restore(self, directory: str | Path, like: Any, *, step: int | None = None,
+                args: tuple[Any, ...] | None = None, argnum: int = 0) -> Any:
+        """The state saved under ``directory`` (step ``step``, default the newest), restored for this step's
+        mesh and plan whatever mesh, plan or process count saved it. ``like``: the state's structure (arrays
+        or ``jax.eval_shape`` of the initialiser). It comes back in the layout the step's program reads its
+        argument ``argnum`` in: the program compiled for ``args`` (the step's arguments, ``like`` among them;
+        planned now, or found in the plan cache) or, without ``args``, the last one called; before any
+        program, evenly split over the mesh (``checkpoint.even_shardings``), and the first call lays it out."""
+        if args is not None and self.fn is not None and not nnx_steps.holds_nnx(args):
+            flat = jax.tree_util.tree_flatten(args)
+            key = _cache_key(*flat)
+            if key not in self._cache:
+                self._cache[key] = self._compile(self.fn, args)
+            program = self._cache[key]
+        else:
+            program = self._last
+        shardings = None if program is None else checkpoint.state_shardings(program.step, like, argnum)
+        if shardings is None:
+            shardings = checkpoint.even_shardings(like, self.device_mesh)
+        return checkpoint.restore(directory, like, step=step, shardings=shardings)

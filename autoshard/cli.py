@@ -387,6 +387,36 @@ def _megatron_run(args: argparse.Namespace, target: Target, example: Example) ->
     return 0
 
 
+def _cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["list", "clear"], help="list the cached plans, or remove them all")
+    p.add_argument("--dir", metavar="PATH",
+                   help="the cache directory (default: AUTOSHARD_CACHE_DIR, else the user's cache directory)")
+
+
+def _cache_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autoshard import cache
+
+    root = Path(args.dir) if args.dir else cache.cache_dir()
+    if root is None:
+        print("the plan cache is off (AUTOSHARD_CACHE_DIR is 'off'); pass --dir to look at a directory")
+        return 0
+    if args.action == "clear":
+        print(f"removed {cache.clear(root)} cached plan(s) from {root}")
+        return 0
+    found = list(cache.entries(root))
+    print(f"{len(found)} cached plan(s) in {root}")
+    for e in found:
+        a = e.about
+        step = f"{e.predicted_step_time * 1e3:.3g} ms" if e.predicted_step_time is not None else "?"
+        options = ", ".join(f"{k}={v}" for k, v in a.get("options", {}).items())
+        print(f"  {e.path.stem[:12]}  {a.get('step', '?')} ({a.get('ops', '?')} ops)  mesh {a.get('mesh', '?')} "
+              f"on {a.get('hardware', '?')}  {e.kind}, {step} a step  saved {e.saved or '?'}"
+              f"{'  ' + options if options else ''}")
+    return 0
+
+
 _COMMANDS: dict[str, _Command] = {
     "plan": _Command(
         help="plan a model's train step on a logical mesh and print the plan",
@@ -407,6 +437,11 @@ _COMMANDS: dict[str, _Command] = {
         help="the automatic plan beside the hand-written dp x tp (x ZeRO) layouts, priced the same way",
         add_arguments=_compare_arguments,
         run=_compare_run,
+    ),
+    "cache": _Command(
+        help="the plans cached across launches (autoshard.cache): list them, or clear them",
+        add_arguments=_cache_arguments,
+        run=_cache_run,
     ),
     "profile": _Command(
         help="measure this machine's devices (matmuls, copies, collectives) and write a cost profile",

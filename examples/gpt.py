@@ -344,10 +344,20 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--checkpoint", metavar="DIR", help="run under autoshard.parallelize, save the state "
+                        "under DIR after every step and, when DIR holds one, resume from its newest step")
     args = parser.parse_args()
     state, batch = make(args.preset)
     print(f"gpt {args.preset}: {param_count(PRESETS[args.preset]):,} parameters")
-    step = jax.jit(train_step)
+    if args.checkpoint:  # a job that can stop and resume, on whatever devices it then finds
+        step = autoshard.parallelize(train_step)
+        if autoshard.checkpoint.latest_step(args.checkpoint) is not None:
+            state = step.restore(args.checkpoint, like=state, args=(state, batch))  # in this plan's layout
+            print(f"resumed from step {int(state.step)}")
+    else:
+        step = jax.jit(train_step)
     for _ in range(args.steps):
         state, metrics = step(state, batch)
         print(f"step {int(state.step)}: loss {float(metrics['loss']):.4f}")
+        if args.checkpoint:
+            step.save(args.checkpoint, state, int(state.step), keep=3)

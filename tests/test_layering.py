@@ -90,6 +90,8 @@ PASSES = (
     "autoshard._examples",
     "autoshard.distributed",
     "autoshard.nnx_steps",
+    "autoshard.cache",
+    "autoshard.checkpoint",
     "autoshard.api",
     "autoshard.megatron",
     "autoshard.cli",
