@@ -108,7 +108,7 @@ def test_a_one_stage_answer_to_pipeline_true_is_said_with_why_and_how_to_force_s
     warned = [r.getMessage() for r in caplog.records if "one stage" in r.getMessage()]
     assert len(warned) == 1 and "pipeline=True" in warned[0]
     for text in (warned[0], format_pipeline_plan(plan)):
-        assert "gradient accumulation" in text and "no cut of its 2 layers" in text
+        assert "gradient accumulation" in text and re.search(r"no cut of its \d+ layers", text)
         assert re.search(r"stage_shape=\(\d+, \d+\) \(--stage-shape \d+x\d+\) for 2 stages", text)
 
 
