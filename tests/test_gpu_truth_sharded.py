@@ -88,8 +88,9 @@ def test_one_tensor_parallel_row_of_the_tiny_gpt(tmp_path: Path) -> None:
     assert row["hlo_collectives"]["all_reduce"]["ops"] >= 1  # Megatron's partial sums
     assert set(row["plan_collectives"]) >= {"all_reduce"}
     cached = gts.PlanCache(tmp_path / "plans.json")  # the plan is in the file, under the trace's digest
-    digest = cached.data["tiny:batch=8:tp8"]["digest"]
-    plan, seconds, hit = cached.get("tiny:batch=8:tp8", digest, lambda: pytest.fail("planned again"))
+    key = f"{gts.HARDWARE}:tiny:batch=8:tp8"  # plans are kept per hardware preset
+    digest = cached.data[key]["digest"]
+    plan, seconds, hit = cached.get(key, digest, lambda: pytest.fail("planned again"))
     assert hit and seconds == 0.0 and plan.peak_memory == row["predicted_peak_bytes"]
     assert "| tiny | tp8 | 8 |" in gts.markdown([gts.env_row(), *rows])
 
