@@ -40,10 +40,16 @@ embeddings and the optimizer's masks need no convention). The forward ops are cu
 schedule order (what precedes the first block, each block, what lies between runs, what follows the last).
 A forward value's *owner* is the last segment among its producer's and its forward readers' (the stream
 ``x_k`` made by block ``k−1`` and read by block ``k`` belongs to ``k``); a value read by several blocks (a side
-input, a shared weight) has none. A backward op belongs to the last owner among what it reads; one that reads
-only cotangents takes the first segment among its operands' producers (the min rule of
-``pipeline.partition``: the op summing the stream's cotangent into ``dx_k`` reads block ``k+1``'s output
-cotangent and block ``k``'s). Its ``Op.layer`` is its segment's block tag, or None outside the blocks.
+input, a shared weight) has none. A backward op belongs to the last owner among what it reads. Of those
+that read none of the forward pass, a weight gradient's own ops (read by no other backward op: a bias's gradient, the cotangent summed over the
+batch) join the block whose backward runs next in the schedule (jax emits each block's backward as one
+stretch, the transposes of its forward ops in reverse); an op read only by a block's replay barriers
+(``trace.remat``'s anchor) joins that block; the rest take the first segment among their operands'
+producers (the min rule of ``pipeline.partition``: the op summing the stream's cotangent into ``dx_k`` reads
+block ``k+1``'s output cotangent and block ``k``'s). Where that leaves a block with ops beyond what every other
+block of its run has (by signature), those are no part of it and go to the head or tail (the position table's
+gradient; the final norm's cast of its input cotangent). Ops made from constants alone take their first
+reader's segment. ``Op.layer`` is the segment's block tag, or None outside the blocks.
 
 **Tags** (``Op.layer``): a block's ops' common scope prefix where that differs between the run's blocks
 (``GPT/block_3``, ``LM/layers/3``), else ``<the run's common scope>/#k`` (``#r.k`` with several runs).
