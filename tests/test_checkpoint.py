@@ -5,15 +5,12 @@ uninterrupted ``jax.jit`` run's, and the restored state is the saved one bit for
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
+import multiproc
 import numpy as np
 import pytest
 
@@ -134,39 +131,16 @@ def test_checkpoint_errors_name_the_problem(tmp_path: Path, saved: tuple[Path, l
         checkpoint.restore(directory, other, shardings=checkpoint.even_shardings(other, mesh))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_restored_on_two_processes_trains_on(tmp_path: Path, saved: tuple[Path, list[np.ndarray], list[float]],
                                              reference: list[float]) -> None:
     """Saved by this process on 8 devices, restored by 2 processes x 4 devices (each reading its own parts)."""
     directory, leaves, first = saved
-    port = _free_port()
-    procs = [_worker(port, r, 2, tmp_path, f"restore:{directory}") for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
-    reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    reports = multiproc.run(WORKER, tmp_path, f"restore:{directory}")
     got = np.load(tmp_path / "restored.npz")
     assert _bit_equal(leaves, [got[f"leaf_{i}"] for i in range(len(leaves))])
     assert reports[0]["losses"] == reports[1]["losses"]
     assert global_rel_error(np.array(reference[:6]), np.array(first + reports[0]["losses"])) <= TOL
-
-
-def _worker(port: int, rank: int, nproc: int, out: Path, mode: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), str(rank), str(nproc), str(out), mode],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
 
 
 @pytest.mark.slow
@@ -175,26 +149,16 @@ def test_a_job_that_loses_a_process_restarts_on_the_devices_left(tmp_path: Path,
     process on 4 devices, restores the newest whole step and trains on to step 6: its losses are those of
     a 4-device ``jax.jit`` run from that checkpoint (and of the uninterrupted run)."""
     directory = tmp_path / "ckpt"
-    port = _free_port()
-    procs = [_worker(port, r, 2, tmp_path, f"train:{directory}:6") for r in range(2)]
-    try:
+    with multiproc.running(WORKER, tmp_path, f"train:{directory}:6") as procs:
         for line in procs[1].stdout:
             if line.strip() == "step 2 saved":
                 break
         else:
             raise AssertionError(f"process 1 ended before step 2:\n{procs[1].stderr.read()[-3000:]}")
         os.killpg(procs[1].pid, signal.SIGKILL)
-        _, err = procs[0].communicate(timeout=200)  # ends after the heartbeat timeout: never a hang
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+        procs[0].communicate(timeout=200)  # ends after the heartbeat timeout: never a hang
     assert procs[0].returncode != 0, "process 0 went on without process 1"
-    again = _worker(_free_port(), 0, 1, tmp_path, f"train:{directory}:6")
-    out, err = again.communicate(timeout=400)
-    assert again.returncode == 0, err[-3000:]
-    report = json.loads(out.strip().splitlines()[-1])
+    (report,) = multiproc.run(WORKER, tmp_path, f"train:{directory}:6", nproc=1)
     restored = report["restored"]
     assert report["devices"] == 4 and restored is not None and restored >= 2
     # the reference: that checkpoint restored on 4 devices of this process, trained on by jax.jit

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
+import multiproc
 import numpy as np
 import pytest
 
@@ -23,31 +22,13 @@ from autoshard.emit import global_rel_error
 from autoshard.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).parent / "workers" / "parallelize_worker.py"
+WORKER = "parallelize_worker.py"
 TOL = 1e-5
 HEARTBEAT_S = 10  # the workers' heartbeat timeout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, mode: str, example: str = "mlp.py", budget: float = 5.0) -> list[subprocess.Popen]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return [subprocess.Popen([sys.executable, "-u", str(WORKER), str(port), str(r), "2", str(out), mode, example,
-                              str(budget)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True) for r in range(2)]
-
-
-def _end(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+    return multiproc.start(WORKER, out, mode, example, budget)
 
 
 def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
@@ -64,15 +45,8 @@ def _single_process(example: str) -> tuple[list[float], list[np.ndarray]]:
 
 
 def _run(out: Path, mode: str, example: str = "mlp.py", budget: float = 5.0) -> list[dict]:
-    """Both workers to the end; each one's last line (its JSON report)."""
-    procs = _launch(out, mode, example, budget)
-    try:
-        outs = [p.communicate(timeout=400) for p in procs]
-    finally:
-        _end(procs)
-    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
-    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    """Both workers to the end; each one's report."""
+    return multiproc.reports(_launch(out, mode, example, budget))
 
 
 def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) -> None:
@@ -118,7 +92,7 @@ def test_processes_that_trace_different_steps_stop_with_a_clear_error(tmp_path: 
     try:
         outs = [p.communicate(timeout=400) for p in procs]
     finally:
-        _end(procs)
+        multiproc.end(procs)
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode != 0
         assert "processes [1] hold a different traced step than process 0" in err, err[-3000:]
@@ -139,7 +113,7 @@ def test_a_dead_process_ends_the_others_with_a_clear_error(tmp_path: Path, dead:
         _, err = other.communicate(timeout=HEARTBEAT_S + 120)  # bounded: never a hang
         waited = time.monotonic() - t0
     finally:
-        _end(procs)
+        multiproc.end(procs)
     assert other.returncode != 0
     assert "another task died" in err or "heartbeat" in err, err[-3000:]
     print(f"process {1 - dead} ended {waited:.1f} s after process {dead} was killed")

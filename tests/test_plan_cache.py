@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import multiproc
 import numpy as np
 import pytest
 
@@ -144,31 +144,11 @@ def test_the_cli_fills_the_cache_that_a_job_reads_and_lists_and_clears_it(
 def test_two_processes_share_the_cache_through_process_0(tmp_path: Path) -> None:
     """Two launches of 2 processes x 4 devices: the first plans on process 0 and writes one entry; the
     second finds it (process 0 neither plans nor writes again) and runs the same plan."""
-    import signal
-    import socket
-    import subprocess
-
-    worker = Path(__file__).parent / "workers" / "parallelize_worker.py"
     root = tmp_path / "plans"
 
     def launch(out: Path) -> list[dict]:
         out.mkdir()
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            port = s.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {cache.ENV: str(root)}
-        procs = [subprocess.Popen([sys.executable, "-u", str(worker), str(port), str(r), "2", str(out), "run",
-                                   "mlp.py", "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True) for r in range(2)]
-        try:
-            outs = [p.communicate(timeout=400) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-        for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-            assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
-        return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+        return multiproc.run("parallelize_worker.py", out, "run", "mlp.py", 5, env={cache.ENV: str(root)})
 
     first = launch(tmp_path / "first")
     (entry,) = root.glob("*.json")

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import multiproc
 import numpy as np
 import pytest
 
@@ -68,23 +64,10 @@ def test_spmd_pipeline_rejects_params_without_a_stage_dimension() -> None:
         spmd_pipeline(stage_fn, params, x, mesh=mesh, axis="pipe", num_microbatches=4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_spmd_pipeline_runs_unchanged_across_two_processes() -> None:
     # two processes of 2 CPU devices each (jax.distributed on localhost, gloo collectives): the stage
     # axis spans both; loss and gradients must match the single-process sequential computation
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(r), "2"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-2000:]
-    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    result, _ = multiproc.run(WORKER, timeout=240)  # process 0 holds stage 0's gradient
     assert result["devices"] == 4
     params, x = _data(4)
     l_ref, g_ref = jax.value_and_grad(_sequential_loss)(params, x)

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import multiproc
 import numpy as np
 import optax
 import pytest
@@ -320,12 +317,6 @@ def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_on
     assert any(re.fullmatch(r"f32\[(1,)*64,192\]", shape) for shape in reduced(set(comps) - in_loop))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"),
                                        pytest.param("optax", "interleaved-1f1b", marks=pytest.mark.slow),
                                        pytest.param("optax:scan", "1f1b", marks=pytest.mark.slow),
@@ -338,21 +329,7 @@ def _free_port() -> int:
                                        pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
                                        pytest.param("style:unnumbered", "1f1b", marks=pytest.mark.slow)])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, "-u", str(WORKERS / "pipeline_worker.py"), str(port), str(r), "2",
-                               str(tmp_path), name, form], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=900) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-    for r, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {r}:\n{err[-3000:]}"
-    reports = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    reports = multiproc.run("pipeline_worker.py", tmp_path, name, form, timeout=900)
     assert [r["runtime"] for r in reports] == ["SpmdPipelineStep"] * 2  # one program, across processes
     assert reports[0]["losses"] == reports[1]["losses"]
     plan = json.loads((tmp_path / "plan.json").read_text())

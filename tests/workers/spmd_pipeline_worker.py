@@ -51,7 +51,6 @@ def loss(p, x):
 
 value, grads = jax.jit(jax.value_and_grad(loss), out_shardings=NamedSharding(mesh, P()))(params, xg)
 gw = np.asarray(jax.device_get(grads["w"].addressable_data(0)))
-if rank == 0:
-    print(json.dumps({"devices": S, "loss": float(np.asarray(value.addressable_data(0))),
-                      "grad_w": gw.tolist()}))
+print(json.dumps({"devices": S, "loss": float(np.asarray(value.addressable_data(0))),  # this process's part
+                  "grad_w": gw.tolist()}))
 jax.distributed.shutdown()
