@@ -52,6 +52,7 @@ import numpy as np
 from autoshard.errors import AutoshardError
 from autoshard.trace.graph import Graph, Op, Role, Tensor
 from autoshard.trace.jaxpr_compat import REMAT
+from autoshard.trace.structure import crossing
 from autoshard.trace.tracer import trace
 from autoshard.trace.unroll import unroll_layer_stacks
 from solvers.inter_op import ClusteringProblem, cluster_layers
@@ -185,16 +186,8 @@ def forward_sequence(graph: Graph, parts: StepParts) -> tuple[list[int], np.ndar
     """The forward ops in schedule order, their flops, and the bytes live across each cut between them
     (produced by a forward op at or before the cut, read by a forward op after it)."""
     fwd = parts.ops(FORWARD)
-    pos = {op_id: k for k, op_id in enumerate(fwd)}
     flops = np.array([graph.ops[i].flops for i in fwd], dtype=np.float64)
-    diff = np.zeros(len(fwd) + 1)
-    for k, op_id in enumerate(fwd):
-        for t in graph.ops[op_id].outputs:
-            later = [pos[c] for c in graph.tensors[t].consumers if c in pos]
-            if later and max(later) > k:
-                diff[k] += graph.tensors[t].nbytes
-                diff[max(later)] -= graph.tensors[t].nbytes
-    cut = np.cumsum(diff)[: max(len(fwd) - 1, 0)]
+    cut = crossing(graph, fwd, lambda t: t.nbytes)[1: max(len(fwd), 1)]
     return fwd, flops, cut
 
 

@@ -62,11 +62,11 @@ import dataclasses
 import functools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from autoshard.trace.graph import Graph, Op, Role
+from autoshard.trace.graph import Graph, Op, Role, Tensor
 
 log = logging.getLogger("autoshard")
 
@@ -157,7 +157,7 @@ def _find(graph: Graph) -> Structure:
     a = np.array([ids.setdefault(_signature(graph, graph.ops[i]), len(ids)) for i in fwd], dtype=np.int64)
     flops = np.array([graph.ops[i].flops for i in fwd])
     total = float(flops.sum()) or 1.0
-    cross = _crossing(graph, fwd, pos)
+    cross = crossing(graph, fwd)
     scope_change = np.zeros(n + 1, dtype=bool)
     for k in range(1, n):
         scope_change[k] = graph.ops[fwd[k - 1]].scope != graph.ops[fwd[k]].scope
@@ -213,17 +213,20 @@ def _best_repeat(a: np.ndarray, offset: int = 0) -> tuple[int, int, int, int] | 
     return None if best is None else (best[0], offset + best[2], offset + best[3], -best[1])
 
 
-def _crossing(graph: Graph, fwd: Sequence[int], pos: dict[int, int]) -> np.ndarray:
-    """``cross[b]``: how many values a forward op before position ``b`` makes that one at ``b`` or after
-    reads (what a cut between positions ``b − 1`` and ``b`` would carry)."""
-    n = len(fwd)
-    delta = np.zeros(n + 2, dtype=np.int64)
-    for k, op_id in enumerate(fwd):
+def crossing(graph: Graph, seq: Sequence[int], weight: Callable[[Tensor], float] | None = None) -> np.ndarray:
+    """``cross[b]`` for ``b`` in ``0..len(seq)``: what the values an op of ``seq`` before position ``b`` makes
+    and one at ``b`` or after reads weigh (what a cut between positions ``b − 1`` and ``b`` carries; ``weight``
+    of a value, one each by default). One sweep: a value adds its weight from its maker to its last reader."""
+    pos = {op_id: k for k, op_id in enumerate(seq)}
+    n = len(seq)
+    delta = np.zeros(n + 2, dtype=np.int64 if weight is None else np.float64)
+    for k, op_id in enumerate(seq):
         for t in graph.ops[op_id].outputs:
             last = max((pos[c] for c in graph.tensors[t].consumers if c in pos), default=-1)
             if last > k:
-                delta[k + 1] += 1
-                delta[last + 1] -= 1
+                w = 1 if weight is None else weight(graph.tensors[t])
+                delta[k + 1] += w
+                delta[last + 1] -= w
     return np.cumsum(delta)[: n + 1]
 
 
