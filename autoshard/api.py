@@ -287,6 +287,8 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             log.info("%.0f s of the %.0f s time budget left: too little to search for a pipeline "
                      "(microbatches= or --microbatches plans one); using the intra-operator plan",
                      max(pipe_s, 0.0), time_budget_s)
+            deadline.cut("no pipeline was searched for beside the intra-operator plan, which memory shaped "
+                         "(microbatches= or --microbatches plans one)")
             return intra, graph, None
     traced: dict[int, Graph] = {}  # id of a plan -> the microbatch graph it is a plan of
 
