@@ -131,8 +131,11 @@ def test_a_spent_budget_still_returns_a_plan_that_runs_and_says_so() -> None:
     assert "intra-operator plan was solved in the solver's least time" in note
     assert "time budget:" in autoshard.explain(the_plan) or "time budget:" in _summary(the_plan)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-    step = emit(graph, the_plan.specs, mesh, donate=False)
-    _, metrics = step(state, batch)
+    step = emit(graph, the_plan.specs, mesh)
+    placed = step.place(state, batch)  # copies of the one-device arrays, in the plan's layouts
+    assert all(x.sharding == s for x, s in zip(jax.tree.leaves(placed), step.in_shardings, strict=True))
+    _, metrics = step(*placed)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((state, batch)) if isinstance(x, jax.Array))
     _, expected = jax.jit(_step)(state, batch)
     assert float(metrics["loss"]) == pytest.approx(float(expected["loss"]), rel=1e-5)
 
