@@ -296,7 +296,6 @@ def test_control_flow_bodies_rebuilt_with_constants() -> None:
     specs[()][graph.inputs[1]] = S("data", None)
     specs[()][graph.outputs[1]] = ShardingSpec(((), ()), partial=frozenset({"model"}))  # partial is ignored
     fn = emit(graph, specs, _mesh())
-    fn.interpreter.prune = False  # every spec placed, implied or not: what this test counts
     want = jax.jit(_cf_step)(w, x)
     got = fn(w, x)
     assert global_rel_error(want, got) < TOL
@@ -405,21 +404,3 @@ def test_wrong_argument_structure() -> None:
     fn = emit(graph, {}, _mesh())
     with pytest.raises(EmitError, match="pytree structure differs"):
         fn(state, {"x": batch["x"]})
-
-
-def test_constraints_the_partitioner_implies_are_left_out() -> None:
-    """The control-flow step with every [16, 8] value pinned: an elementwise result pinned in the layout of
-    all its operands of its shape is left unpinned (Shardy propagates that layout; the constraint only
-    lengthens XLA's compile), the rest stay pinned, and the numbers are the same."""
-    w = jax.random.normal(jax.random.key(0), (8, 8), jnp.float32) / 3
-    x = jax.random.normal(jax.random.key(1), (16, 8), jnp.float32)
-    graph = autoshard.trace(_cf_step, w, x)
-    specs = _pin_batch_rows(graph)
-    every = emit(graph, specs, _mesh())
-    every.interpreter.prune = False
-    want = every(w, x)
-    pruned = emit(graph, specs, _mesh())
-    got = pruned(w, x)
-    assert global_rel_error(want, got) < TOL
-    n_every, n_pruned = (sum(f.interpreter.constraints.values()) for f in (every, pruned))
-    assert 0 < n_pruned < n_every

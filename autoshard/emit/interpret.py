@@ -55,32 +55,6 @@ try:  # private, stable for years; used to turn a rebuilt body's constvars into 
 except ImportError:  # pragma: no cover
     _convert_constvars = None
 
-# elementwise primitives: each result element reads the operand elements at its own index only
-_ELEMENTWISE = frozenset({
-    "add", "sub", "mul", "div", "max", "min", "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
-    "sqrt", "rsqrt", "cbrt", "abs", "sign", "square", "integer_pow", "pow", "erf", "erf_inv", "sin", "cos",
-    "convert_element_type", "select_n", "and", "or", "not", "xor", "eq", "ne", "lt", "le", "gt", "ge",
-    "stop_gradient", "copy", "copy_p", "is_finite", "floor", "ceil", "round", "nextafter", "rem", "atan2",
-})
-
-
-def _implied(op: Op, scope: Mapping[int, ShardingSpec]) -> bool:
-    """Whether pinning ``op``'s result would only repeat what the partitioner propagates anyway: an
-    elementwise op whose operands of its result's shape are all planned in its result's layout (no pending
-    sum: partial states are the plan's to place). Shardy gives such a result its operands' layout; a
-    constraint on it adds work to XLA's compile (tiny GPT on 2x4: the 1160 constraints cost ~45% of the
-    8-device compile, against the same program with its input and output layouts alone)."""
-    if op.primitive not in _ELEMENTWISE or len(op.outputs) != 1 or op.bodies:
-        return False
-    spec = scope.get(op.outputs[0])
-    if spec is None or spec.partial:
-        return False
-    shape = tuple(op.eqn.outvars[0].aval.shape)
-    same = [t for t, a in zip(op.inputs, op.eqn.invars, strict=True)
-            if not isinstance(a, Literal) and tuple(a.aval.shape) == shape]
-    return bool(same) and all(scope.get(t) == spec for t in same)
-
-
 class Interpreter:
     """Re-binds a Graph's ops with the spec map's constraints; one instance per emitted program."""
 
@@ -90,7 +64,6 @@ class Interpreter:
         self.specs = {normalize_key(k): dict(v) for k, v in specs.items()} if mesh.size > 1 else {}
         self._shardings: dict[ShardingSpec, jax.sharding.NamedSharding] = {}
         self._warned: set[str] = set()
-        self.prune = True  # leave out the constraints the partitioner implies (``_implied``)
         self.constraints: dict[Scope, int] = {}  # constraints placed per scope, in the last trace
         self.rebuilt: dict[Scope, str] = {}  # scopes whose body was rebuilt, and the op's primitive
         self.hoisted: dict[Scope, int] = {}  # constants a rebuilt body closed over, made operands
@@ -189,10 +162,6 @@ class Interpreter:
             outs = self._bind(op, key, invals)
             if len(outs) != len(op.outputs):
                 raise EmitError(f"{op.where()} returned {len(outs)} results, the graph expects {len(op.outputs)}")
-            if self.prune and _implied(op, scope):
-                for tid, x in zip(op.outputs, outs, strict=True):
-                    env[tid] = x
-                continue
             for tid, x in zip(op.outputs, outs, strict=True):
                 env[tid] = self._pin(x, tid, scope, key)
 
