@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from autoshard.pipeline.recompute import StageModes, plan_pipeline_recomputing
 from autoshard.pipeline.report import one_stage_note
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.beside import Beside, can_fork
+from autoshard.planner.deadline import Deadline
 from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import (
@@ -152,13 +152,20 @@ def plan(
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
              *, time_budget_s: float | None, roles: Mapping[str, str] | None = None, recompute: str = "auto",
-             traced: Graph | None = None) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
+             traced: Graph | None = None, deadline: Deadline | None = None,
+             ) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
     """``plan`` on a resolved target, also returning the traces it made: (plan, the graph it plans (the
     step's, rewritten when the plan recomputes), the microbatch-sized graph or None), so that
     ``parallelize`` emits from them instead of tracing again. ``traced``: ``step_fn`` already traced with
-    ``args`` (``distributed.compile_everywhere`` traces it on every process first)."""
+    ``args`` (``distributed.compile_everywhere`` traces it on every process first). ``deadline``: the one
+    clock every phase reads (``planner.deadline``; default: ``time_budget_s`` from now on the wall clock;
+    tests pass one on a fake clock). What a spent budget cut short is said in the log and in the plan's
+    ``solver.cut_short``."""
     check_time_budget(time_budget_s)
-    t0 = time.perf_counter()
+    if deadline is None:
+        deadline = Deadline(time_budget_s)
+    t0 = deadline.start
+    assert t0 is not None
     if not isinstance(step_fn, Graph) and nnx_steps.holds_nnx(args):  # updates nnx objects in place
         call = nnx_steps.split(step_fn, args)
         step_fn, args = call.step, call.args
@@ -166,7 +173,7 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
         graph = step_fn if isinstance(step_fn, Graph) else traced
     else:
         graph = trace(step_fn, *args, roles=roles)
-    t_trace = None if isinstance(step_fn, Graph) else time.perf_counter() - t0
+    t_trace = None if isinstance(step_fn, Graph) else deadline.elapsed()
     if t_trace is not None and traced is None:
         log.info("traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
     # a plan cached by an earlier launch (``autoshard.cache``): checked against this trace, else planned
@@ -175,15 +182,17 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     if (hit := plan_cache.lookup(key, step_fn, args, graph, roles)) is not None:
         return hit
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
-    the_plan, planned, micro = _choose(step_fn, args, graph, t0, t_trace, target, options,
+    the_plan, planned, micro = _choose(step_fn, args, graph, deadline, t_trace, target, options,
                                        time_budget_s=time_budget_s, roles=roles, recompute=recompute)
-    _warn_if_overrun(the_plan, time_budget_s, time.perf_counter() - t0, t_trace)
+    _warn_if_overrun(the_plan, time_budget_s, deadline.elapsed(), t_trace)
     the_plan = dataclasses.replace(the_plan, model_flops=flops)
+    if (note := deadline.note()) is not None:  # the summary says what the spent budget cut short
+        the_plan = dataclasses.replace(the_plan, solver=dataclasses.replace(the_plan.solver, cut_short=note))
     plan_cache.store(key, the_plan)
     return the_plan, planned, micro
 
 
-def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: Graph, t0: float,
+def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: Graph, deadline: Deadline,
             t_trace: float | None, target: Target, options: PipelineOptions, *, time_budget_s: float | None,
             roles: Mapping[str, str] | None, recompute: str) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
     """``plan_for`` after tracing: the intra-operator plan, pipelined plans, or both and the faster."""
@@ -227,10 +236,13 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             _warn_if_far_from_bound(intra, budget_given=time_budget_s is not None)
 
     def intra_plan() -> tuple[Plan, Graph]:
+        if deadline.spent():
+            deadline.cut("the intra-operator plan was solved in the solver's least time")
         return plan_recomputing(as_traced, cost, recompute=recompute, hardware=target.hardware,
                                 memory_budget=budget, time_budget_s=intra_s, includes_build=True)
 
     pending: Beside[Plan] | None = None  # the intra-operator plan, made on another core beside the pipeline's
+    deferred = False  # ``pending`` runs here after the pipeline search, only if time is left or no pipeline fits
     if not options.pipeline:
         both = speculate or (options.planned and options.pipeline is None)  # microbatches given: both planned
         if both and len(graph.ops) >= BESIDE_MIN_OPS and not isinstance(step_fn, Graph) and can_fork():
@@ -248,6 +260,16 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan", patience=patience)
             log.info("planning the intra-operator plan in process %s, beside the pipeline search",
                      pending.pid)
+        elif speculate and left is not None and deadline.spent(DEFER_BELOW * time_budget_s):
+            # tracing took most of the user's budget: it cannot cover both a recomputing (so cramped)
+            # intra-operator plan and the pipeline that is planned anyway; the pipeline goes first, and the
+            # intra-operator plan gets what it leaves, or is planned only if no pipeline fits (GPT-1.3B on 2x4,
+            # budget 5 s: its build alone took 6 s, and no recompute made it fit)
+            deferred = True
+            pending = Beside(lambda: intra_plan()[0], fork=False, what="intra-operator plan")
+            log.info("%.1f s of the %.3g s time budget left after tracing: planning the pipeline first, the "
+                     "intra-operator plan (which recomputes) after it if time is left", max(deadline.left() or 0.0, 0.0),
+                     time_budget_s)
         else:
             settle(intra_plan)
     if not options.planned and intra is not None and not (auto and _cramped(intra, recompute, budget)):
@@ -255,16 +277,18 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     if isinstance(step_fn, Graph):
         raise PlanningError("a pipelined plan traces the step at microbatch size: pass the step function and "
                             "its arguments, not a Graph")
-    pipe_s = None if left is None else max(time_budget_s - (time.perf_counter() - t0), SHARES.min_solve * left)
+    pipe_s = None if left is None else max(time_budget_s - deadline.elapsed(), SHARES.min_solve * left)
     if left is not None and not options.planned and intra is not None:
         # a search the user did not ask for runs on what is left of their budget, never past it (GPT-1.3B at
         # seq 16384 on 1x8, budget 120 s: the intra plan returned at 102 s, and the pipelines it then tried,
         # none of which fit, ended at 167 s)
-        pipe_s = time_budget_s - (time.perf_counter() - t0)
+        pipe_s = time_budget_s - deadline.elapsed()
         if pipe_s < SHARES.min_solve * left:
             log.info("%.0f s of the %.0f s time budget left: too little to search for a pipeline "
                      "(microbatches= or --microbatches plans one); using the intra-operator plan",
                      max(pipe_s, 0.0), time_budget_s)
+            deadline.cut("no pipeline was searched for beside the intra-operator plan, which memory shaped "
+                         "(microbatches= or --microbatches plans one)")
             return intra, graph, None
     traced: dict[int, Graph] = {}  # id of a plan -> the microbatch graph it is a plan of
 
@@ -274,10 +298,10 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         the interleaved one on that shape (``pipeline.microbatches.interleaving``). ``mode``: the recompute
         mode it is planned with alone (``derived_recompute``; ``invariant``, which no user can fix, starts
         ``"auto"`` there instead); None: ``recompute``, ``"auto"`` starting where ``first_recompute`` says."""
-        t_in = time.perf_counter()
+        t_in = deadline.elapsed()
         micro = trace_microbatch(step_fn, args, graph, count, roles=roles)
         if seconds is not None:  # tracing at microbatch size is part of the pipeline's seconds (GPT-15B: 9 s)
-            seconds = max(seconds - (time.perf_counter() - t_in), SHARES.min_solve * seconds)
+            seconds = max(seconds - (deadline.elapsed() - t_in), SHARES.min_solve * seconds)
         log.info("planning a pipeline of %d microbatches%s", count,
                  "" if interleaved is None else f", interleaved on stages of {interleaved[0]}x{interleaved[1]}")
         schedule, stage_shape, chunks = options.schedule, options.stage_shape, options.num_chunks
@@ -289,7 +313,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             return plan_pipeline(g, cost, hardware=target.hardware, memory_budget=budget, num_microbatches=count,
                                  schedule_name=schedule, num_layers=options.num_layers, time_budget_s=s,
                                  max_stages=options.max_stages, stage_shape=stage_shape, num_chunks=chunks,
-                                 uniform=uniform, modes=modes)
+                                 uniform=uniform, modes=modes, deadline=deadline)
 
         rec, start = recompute, "none"
         if mode is not None:
@@ -309,7 +333,7 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             or more (GPT-1.3B at seq 16384 on 1x8, 8 microbatches: 109 GB a device)."""
             return m == "none" and budget is not None and need("none") / count > budget
 
-        began = time.perf_counter()
+        began = deadline.elapsed()
         the_plan, planned_graph = plan_pipeline_recomputing(micro, stages, recompute=rec, time_budget_s=seconds,
                                                             start=start, hopeless=hopeless)
         if options.spmd_if_faster and the_plan.host_time >= HOST_SHARE * the_plan.predicted_step_time:
@@ -317,15 +341,25 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                 the_plan, planned_graph, lambda s: plan_pipeline_recomputing(
                     micro, lambda g, t, m: stages(g, t, m, True), recompute=rec, time_budget_s=s, start=start,
                     hopeless=hopeless),
-                None if seconds is None else _worth_a_plan(seconds - (time.perf_counter() - began), seconds))
+                None if seconds is None else _worth_a_plan(seconds - (deadline.elapsed() - began), seconds))
         traced[id(the_plan)] = planned_graph
         return the_plan
 
-    def collect() -> None:
+    def collect(have_pipeline: bool = False) -> None:
         """The intra-operator plan made beside, once the pipelines are searched: its graph is rewritten here
-        with its recompute (``trace.remat`` again, pure: the graph the child planned)."""
-        if pending is not None:
-            settle(lambda: (p := pending.result(), recomputed(as_traced, p.recompute)))
+        with its recompute (``trace.remat`` again, pure: the graph the child planned). Deferred (``deferred``),
+        it is planned now on what is left of the budget, or not at all when that is spent and a pipeline
+        was found."""
+        nonlocal intra_s
+        if pending is None:
+            return
+        if deferred:
+            if have_pipeline and deadline.spent():
+                pending.cancel()
+                deadline.cut("the intra-operator plan (recomputing) was not made beside the pipeline")
+                return
+            intra_s = max(deadline.left() or 0.0, SHARES.min_solve * (left or 0.0))
+        settle(lambda: (p := pending.result(), recomputed(as_traced, p.recompute)))
 
     try:
         # made beside, the intra-operator plan recomputes when it exists (``speculate``): ``need("none")`` is
@@ -342,17 +376,20 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             raise intra_error
         if pipe_s is None and len(counts) > 1:  # the search shares one budget, as one pipeline plan would have
             pipe_s = SHARES.auto_seconds(len(graph.ops))
-        t_search = time.perf_counter()
-        piped, tried = search_microbatches(counts, plan_one, pipe_s, time.perf_counter)
+        t_search = deadline.elapsed()
+        piped, tried = search_microbatches(counts, plan_one, pipe_s, deadline.clock)
+        if len(tried) < len(counts) and deadline.spent():
+            deadline.cut("the microbatch count search stopped before " + ", ".join(
+                str(c) for c in counts[len(tried):]) + " microbatches")
         if piped is not None and not options.microbatches:
             piped = _try_interleaving(piped, plan_one, batch_rows(graph), options,
-                                      None if time_budget_s is None else pipe_s - (time.perf_counter() - t_search),
-                                      time.perf_counter() - t_search)
+                                      None if time_budget_s is None else pipe_s - (deadline.elapsed() - t_search),
+                                      deadline.elapsed() - t_search, deadline)
     except BaseException:
         if pending is not None:
             pending.cancel()
         raise
-    collect()
+    collect(have_pipeline=piped is not None)
     if piped is None:
         e: Exception = tried[-1][1] if tried else PlanningError("no time left to plan a pipeline")
         if not options.microbatches:
@@ -384,6 +421,9 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     return dataclasses.replace(piped, solver=dataclasses.replace(piped.solver, intra_op_step_time=other)), graph, micro
 
 
+# with a time budget, a step that cannot fit as traced plans its pipeline first when tracing left under this
+# share of the budget (``_choose``)
+DEFER_BELOW = 0.5
 BESIDE_MIN_OPS = 5000  # a step with fewer ops plans its intra-operator plan first, in this process: forking costs
 # more than it saves when each plan takes a few seconds
 HOST_SHARE = 0.1  # an MPMD plan whose host work is this share of its step is also planned as the SPMD program
@@ -421,7 +461,8 @@ def _spmd_if_faster(mpmd: PipelinePlan, graph: Graph, plan_spmd: Callable[[float
 
 
 def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan], batch: int,
-                      options: PipelineOptions, left: float | None, took: float) -> PipelinePlan:
+                      options: PipelineOptions, left: float | None, took: float,
+                      deadline: Deadline | None = None) -> PipelinePlan:
     """``piped`` (a pipeline whose microbatch count the planner chose), or the interleaved pipeline
     ``pipeline.microbatches.interleaving`` derives from it when that prices faster. Tried only when the
     schedule and the stages are the planner's to choose, and where it may pay for its own trace and
@@ -442,6 +483,9 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
+        if left is not None and deadline is not None and piped.bubble_fraction >= INTERLEAVE_BUBBLE:
+            deadline.cut(f"the interleaved variant of the pipeline (bubble {piped.bubble_fraction:.0%}) was not "
+                         "priced")
         return piped
     found = interleaving([st.submesh for st in piped.stages], piped.num_microbatches, batch, piped.cluster,
                          piped.num_layers)

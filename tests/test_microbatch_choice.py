@@ -197,6 +197,7 @@ def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatc
         tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, time_budget_s=10)
     assert isinstance(tight, Plan) and tight.solver.pipeline_step_time is None
     assert "too little to search for a pipeline" in caplog.text
+    assert "no pipeline was searched for" in (tight.solver.cut_short or "")  # and the plan's summary says so
     skipped[0] = 0.0
     given = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, microbatches=8, time_budget_s=10)
     assert isinstance(given, PipelinePlan)

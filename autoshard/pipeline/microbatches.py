@@ -165,9 +165,9 @@ def search(counts: list[int], plan_one: Callable[[int, float | None], Any], seco
            clock: Callable[[], float]) -> tuple[Any, list[tuple[int, Any]]]:
     """Plan each count in ``counts`` with ``plan_one(count, seconds)`` (which returns an object with
     ``predicted_step_time`` or raises an AutoshardError), splitting ``seconds`` (None: each plan scales its own) between the
-    counts left; stop at the first count slower than the best so far, and before a count when what is left
-    of ``seconds`` is under half of what the last count took (a pipeline plan's floors, tracing at the
-    microbatch size and a least time per solve, make a count cost about as much whatever its share:
+    counts left; stop at the first count slower than the best so far, and before a count (after the first)
+    when ``seconds`` are spent or what is left of them is under half of what the last count took (a
+    pipeline plan's floors, tracing at the microbatch size and a least time per solve, make a count cost about as much whatever its share:
     GPT-39B's second count took 39 s of a 4 s share). Returns the best plan (None if none planned) and
     every (count, plan or exception) tried."""
     best, tried = None, []
@@ -177,9 +177,9 @@ def search(counts: list[int], plan_one: Callable[[int, float | None], Any], seco
         share = None
         if seconds is not None:
             left = seconds - (clock() - start)
-            share = left / (len(counts) - n)
-            if share <= 0 or (tried and left < 0.5 * took):
-                break
+            share = max(left / (len(counts) - n), 0.0)
+            if tried and (share <= 0 or left < 0.5 * took):
+                break  # the first count is always planned: a search that ends with nothing returns no plan
         began = clock()
         try:
             plan = plan_one(count, share)

@@ -44,6 +44,7 @@ class PipelineReport:
     planning_seconds: float
     intra_op_step_time: float | str | None = None
     schedules: Mapping[str, float] | None = None  # schedule "auto": each priced schedule's pipeline seconds
+    cut_short: str | None = None  # what a spent time budget cut short (``planner.deadline``), for the summary
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

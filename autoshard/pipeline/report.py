@@ -70,6 +70,8 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
     lines += ["", f"planner: {sv.distinct_layers} distinct layers priced on each submesh shape "
               f"({sv.layer_solves} intra-op solves), stage DP {sv.dp_seconds:.2f} s, "
               f"total {sv.planning_seconds:.1f} s"]
+    if sv.cut_short:
+        lines.append(f"time budget: {sv.cut_short}")
     return "\n".join(lines)
 
 

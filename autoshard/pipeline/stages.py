@@ -136,8 +136,9 @@ from autoshard.pipeline.ticks import (
     spread_times,
 )
 from autoshard.pipeline.uniform import tail_spreadable, uniform_stages
-from autoshard.planner.build import build_problem
+from autoshard.planner.deadline import Deadline
 from autoshard.planner.plan import input_signature
+from autoshard.planner.planning import PROBLEMS, ProblemCache
 from autoshard.planner.readback import peak_memory_of
 from autoshard.planner.recompute import describe
 from autoshard.planner.seeds import assignment_choice
@@ -159,7 +160,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                   time_budget_s: float | None = None, max_stages: int | None = None,
                   forced_boundaries: Sequence[int] = (), stage_shape: tuple[int, int] | None = None,
                   num_chunks: int = 2, uniform: bool = False, spread_tail: bool = True,
-                  modes: StageModes | None = None) -> PipelinePlan:
+                  modes: StageModes | None = None, deadline: Deadline | None = None) -> PipelinePlan:
     """Plan ``graph`` (the step traced at microbatch size) as a pipeline on ``cost.mesh``; see the module
     docstring. ``num_layers`` defaults to one per block the scopes name, plus one
     (``partition.default_num_layers``); ``max_stages`` bounds the stage count; ``stage_shape`` =
@@ -172,7 +173,10 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     lets it spread the layers after the blocks over several stages where that is faster (``_uniform``).
     ``modes``: recompute modes each stage of the stage DP may choose (``graph`` is ``modes``' last; the
     module docstring's "Recompute per stage"); the plan's ``recompute`` then says which block does what, and
-    ``modes.graph_of(plan.recompute)`` is the graph it plans.
+    ``modes.graph_of(plan.recompute)`` is the graph it plans. ``deadline``: the whole planning call's
+    (``planner.deadline``); once it is spent, the layers are priced on one logical layout per submesh
+    shape (not also as 2-D meshes) and the stages' whole solves get the layer solves' least time, each cut
+    recorded on it.
 
     The layers' and stages' sub-graphs are cut once each (``partition.subgraph``) and live with ``graph``
     while it is planned here; they are dropped when this returns (the step's graph lives on to be
@@ -182,7 +186,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
                               num_microbatches=num_microbatches, schedule_name=schedule_name, num_layers=num_layers,
                               time_budget_s=time_budget_s, max_stages=max_stages, forced_boundaries=forced_boundaries,
                               stage_shape=stage_shape, num_chunks=num_chunks, uniform=uniform,
-                              spread_tail=spread_tail, modes=modes)
+                              spread_tail=spread_tail, modes=modes, deadline=deadline)
     finally:
         for g in (graph, *([] if modes is None else modes.planned())):
             g.memo("pipeline.partition.subgraph").clear()
@@ -191,7 +195,8 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
 def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budget: float | None,
                    num_microbatches: int, schedule_name: str, num_layers: int | None, time_budget_s: float | None,
                    max_stages: int | None, forced_boundaries: Sequence[int], stage_shape: tuple[int, int] | None,
-                   num_chunks: int, uniform: bool, spread_tail: bool, modes: StageModes | None) -> PipelinePlan:
+                   num_chunks: int, uniform: bool, spread_tail: bool, modes: StageModes | None,
+                   deadline: Deadline | None) -> PipelinePlan:
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
@@ -225,6 +230,14 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     lay = _layered(graph, parts, num_layers, forced_boundaries)
     layer_of_op, layers, micro_ops, update_ops, into = lay.layer_of_op, lay.layers, lay.micro_ops, lay.update_ops, lay.into
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
+    late = deadline is not None and deadline.spent()  # the call's budget is spent: the quickest plan that fits
+    if late and not interleaved and any(view is not None for _, view in options):
+        # each shape priced as it is only: a one-host shape's 2-D views cost a layer solve each, and the most
+        # to build (GPT-1.3B's block on 2x2: 5 s, against 0.5 s on 1x4)
+        assert deadline is not None
+        deadline.cut(f"the pipeline's layers were priced on {sum(v is None for _, v in options)} submesh shapes "
+                     f"as they are, not also on their {sum(v is not None for _, v in options)} 2-D layouts")
+        options = tuple(o for o in options if o[1] is None)
     n_devices = cluster[0] * cluster[1]
     chunks = num_chunks if interleaved else 1
     limit = min(max_stages or layers, layers)  # stages at most (interleaved: the stage shape's count)
@@ -334,6 +347,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                          "again without that stage", first, last, costs[o % M].mesh,
                          "" if len(variants) == 1 else f" ({describe(variants[o // M].mode)})")
                 all_time[first, last, o] = np.inf
+                composed[o // M].forget(first, last)
         placement, dp_cost = list(sol.placement), sol.cost
         dp_seconds, dp_candidates = sol.stats.seconds, sol.stats.candidates
         stage_variant = [variants[o // M] for _, _, o in chosen]
@@ -377,6 +391,9 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
 
     def stage_seconds() -> float:
         left = time_budget_s - (time.perf_counter() - t_start)
+        if deadline is not None and deadline.spent():  # the least a solve takes: its start, the layers' plans
+            deadline.cut("the pipeline's stages were planned whole with the least solver time")
+            return SHARES.min_layer_seconds
         return max(SHARES.min_stage_seconds, min(per_solve, left / (1.3 * 2 * len(set(keys) - set(done)))))
 
     shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget)
@@ -903,13 +920,21 @@ class _ComposedMemory:
     plus the microbatch part's (activations counted ``held`` times), as ``plan_part`` plans them. The
     stage DP adds per-layer memory, which leaves out what joining adds (a value crossing between layers
     in two layouts, temporaries of neighbouring layers live together); this is the whole stage's own
-    memory model, at the cost of building its problem (cached per identical stage)."""
+    memory model, at the cost of building its problem (cached per identical stage, and kept for the
+    stage's whole solve; ``forget`` drops it for a stage struck from the cut)."""
 
     def __init__(self, graph: Graph, prices: Any, micro_ops: Sequence[Sequence[int]],
                  update_ops: Sequence[Sequence[int]], costs: Sequence[Any], microbatches: int) -> None:
         self.graph, self.prices, self.micro_ops, self.update_ops = graph, prices, micro_ops, update_ops
         self.costs, self.microbatches = costs, microbatches
         self.cache: dict[Any, float] = {}
+
+    def forget(self, first: int, last: int) -> None:
+        """Drop the problems built for layers ``first..last`` (a stage no longer chosen: they are large)."""
+        for per_layer in (self.micro_ops, self.update_ops):
+            ops = [i for ell in range(first, last + 1) for i in per_layer[ell]]
+            if ops:
+                subgraph(self.graph, ops).graph.memo(PROBLEMS).clear()
 
     def __call__(self, first: int, last: int, m: int, held: int) -> float:
         ells = range(first, last + 1)
@@ -926,8 +951,10 @@ class _ComposedMemory:
                     continue
                 start = assignment_of_layers(self.graph, plans, [per_layer[ell] for ell in ells], ops)
                 sub = subgraph(self.graph, ops)
-                built = build_problem(sub.graph, self.costs[m], None, activation_weight=weight,
-                                      reduction_weight=per_call)
+                # built into the stage's own problem cache: the stage, when chosen, is planned whole on that
+                # very problem (``plan_part``, same weights), not built a second time (GPT-1.3B's two stages
+                # on 1x4: 4 builds of 1-3 s each)
+                built = ProblemCache.of(sub.graph).get(self.costs[m], None, weight, per_call)
                 total += peak_memory_of(built, assignment_choice(built, start.layouts))
             self.cache[key] = total
         return self.cache[key]

@@ -57,7 +57,8 @@ class SolverReport:
     user's; ``choice``: the strategy index per solver node (``encode_choice``); ``top_ops``: the costliest
     op groups (``readback.top_ops``); ``fixed_inputs``: how many inputs a hand layout pinned;
     ``trace_seconds``: tracing the step, when the planner traced it; ``pipeline_step_time``: the best
-    pipelined plan's time, when one was planned and lost to this plan."""
+    pipelined plan's time, when one was planned and lost to this plan; ``cut_short``: what the time budget
+    cut short, when it ran out (``planner.deadline.Deadline.note``)."""
 
     status: str
     optimal: bool
@@ -76,6 +77,7 @@ class SolverReport:
     fixed_inputs: int | None = None
     trace_seconds: float | None = None
     pipeline_step_time: float | None = None
+    cut_short: str | None = None  # what a spent time budget cut short (``planner.deadline``), for the summary
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

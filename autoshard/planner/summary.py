@@ -95,5 +95,6 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
         f"solver: {s.status}{'' if s.optimal else ' (not proven optimal)'}, {s.nodes} nodes, {s.edges} edges, "
         + (f"trace {s.trace_seconds:.1f} s, " if s.trace_seconds is not None else "")
         + f"build {s.build_seconds:.1f} s, seeds {s.seed_seconds:.1f} s, solve {s.solve_seconds:.1f} s",
+        *([f"time budget: {s.cut_short}"] if s.cut_short else []),
     ]
     return "\n".join(lines)
