@@ -317,6 +317,48 @@ def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_on
     assert any(re.fullmatch(r"f32\[(1,)*64,192\]", shape) for shape in reduced(set(comps) - in_loop))
 
 
+def _stage_branch_permutes(hlo: str) -> list[str]:
+    """The collective-permutes XLA put inside the conds that the stages take apart (``STAGE_ACTIONS``)."""
+    from autoshard.pipeline.spmd_program import STAGE_ACTIONS
+
+    return [line.strip()[:160] for line in hlo.splitlines() if re.search(r"collective-permute(?:-start)?\(", line)
+            and f"/{STAGE_ACTIONS}/" in line]
+
+
+def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_devices_run_it() -> None:
+    # 2 stages of 4 devices, each data parallel over its microbatch's 4 rows (one a device), 2 microbatches:
+    # the batch argument comes split by rows over the whole batch (microbatch 0 on devices 0 and 1), so
+    # putting a microbatch into the stage's layout moves rows between devices, a collective-permute. Made
+    # inside the head's cond (stage 0 only) it hung the step (the other stage never joins); made once a
+    # step before the loop, on every device, the step runs and computes jax.jit's numbers. The layouts are
+    # given, not planned: no price decides them.
+    import dataclasses
+
+    from autoshard.pipeline import plan_pipeline
+    from autoshard.pipeline.spmd_program import spmd_pipeline_step
+    from autoshard.target import cost_model_for
+    from cost_models import ShardingSpec
+
+    rows, M = 4, 2
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=2", f"batch={rows * M}"], abstract=False)
+    state, batch = ex.args
+    full = trace(ex.train_step, state, batch)
+    micro = trace(ex.train_step, *microbatch_args((state, batch), full, None, M))
+    plan = plan_pipeline(micro, cost_model_for("h100", (2, 4), ("x", "y")), hardware="h100", num_microbatches=M,
+                         time_budget_s=5, stage_shape=(1, 4), uniform=True, schedule_name="1f1b")
+
+    def dp(axes: tuple[str, ...]) -> dict:
+        return {(): {t.id: ShardingSpec(dims=(axes,) + ((),) * (len(t.shape) - 1)) for t in micro.tensors
+                     if t.shape and t.shape[0] == rows and t.role.value in ("batch", "activation")}}
+
+    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, specs=dp(tuple(st.mesh.axis_names)),
+                                                                      update_specs={}) for st in plan.stages))
+    step = spmd_pipeline_step(micro, full, plan, jax.devices())
+    hlo = step.lower(state, batch).compile().as_text()
+    assert not _stage_branch_permutes(hlo), _stage_branch_permutes(hlo)  # checked before running: no hang
+    _matches_jit(step, ex.train_step, state, batch, steps=1)
+
+
 @pytest.mark.parametrize("form,name", [("state", "1f1b"), ("optax", "gpipe"),
                                        pytest.param("optax", "interleaved-1f1b", marks=pytest.mark.slow),
                                        pytest.param("optax:scan", "1f1b", marks=pytest.mark.slow),

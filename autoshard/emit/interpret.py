@@ -87,6 +87,10 @@ class Interpreter:
         self.constraints[key] = self.constraints.get(key, 0) + 1
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
+    def pin(self, x: Any, tid: int, key: Scope = ()) -> Any:
+        """``x`` constrained to the plan's layout of tensor ``tid`` in scope ``key`` (as is, if it has none)."""
+        return self._pin(x, tid, self.specs.get(key, {}), key)
+
     @staticmethod
     def _split_inputs(graph: Graph, scope: Mapping[int, ShardingSpec]) -> frozenset[int]:
         """The inputs of ``graph`` pinned to a layout that splits them (``_regather``'s candidates)."""

@@ -249,6 +249,13 @@ def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[
                   pre=tuple(pre), once=once, cot=tuple(scut.tail_cot), specs={(): specs})
 
 
+STAGE_ACTIONS = "stage_actions"
+"""The name scope of the actions' conds, whose branches the stages take apart (a forward on one stage while
+the next idles): a collective in them must be one that only the stage's own devices join (an all-gather or
+all-reduce over its axes), never a collective-permute, which on XLA's CPU runtime every device of the
+program joins. The compiled program's op names carry the scope, so a test can check that none is there."""
+
+
 def _fitted(spec: ShardingSpec, shape: Sequence[int], sizes: Mapping[str, int]) -> ShardingSpec:
     """``spec`` on a tensor of ``shape``: each dimension keeps the longest prefix of its mesh axes whose
     product divides it (the tail's layouts on fewer rows)."""
@@ -374,9 +381,16 @@ class SpmdPipelineStep:
         interp = Interpreter(self.mesh, self.specs)
         env: dict[int, Any] = {}
         batch_pos = set(self.batch_pos)
+        top = self.specs.get((), {})
         for i, (t, x) in enumerate(zip(g.inputs, leaves, strict=True)):
             if i in batch_pos:  # [rows, ...] -> [M, rows / M, ...]: microbatch m is rows m*r..(m+1)*r
                 x = jnp.reshape(x, (M, x.shape[0] // M, *x.shape[1:]))
+                spec = top.get(t)
+                if spec is not None and self.mesh.size > 1:
+                    # each microbatch in the plan's layout, once a step on every device: the argument comes
+                    # split by rows over the whole batch, which puts microbatch m on a few devices only
+                    x = jax.lax.with_sharding_constraint(x, named_sharding(
+                        self.mesh, ShardingSpec(dims=((), *spec.dims), partial=spec.partial)))
             env[t] = x
         batch_t = [g.inputs[i] for i in self.batch_pos]
         pre = interp.run_ops(g, [g.ops[i] for i in cut.pre.ops], cut.pre.inputs,
@@ -544,13 +558,22 @@ class SpmdPipelineStep:
             carry0.update(tsend=[zeros(aval(t1)) for t1, _ in sp.send], tin=[zeros(small(t2)) for _, t2 in sp.send],
                           tout=[zeros(small(t2)) for t2 in sp.cot])
 
-        def micro_env(m: Any) -> dict[int, Any]:
+        def micro_batch(m: Any) -> dict[int, Any]:
+            """Microbatch ``m``'s batch values and side inputs, in the plan's layouts. Made at the tick's top
+            level, on every stage, never inside an action's ``lax.cond``: the stages take their conds'
+            branches apart, so a collective in a branch must be one that only the stage's own devices join.
+            Moving a batch value into the plan's layout can be a collective-permute (its rows in another
+            device order), which on XLA's CPU runtime every device of the program joins: inside a branch
+            that only stage 0 takes (the head), the other stages never arrive and the step hangs."""
             e = dict(outer)
             for t, x in zip(self._batch_t, batch, strict=True):
-                e[t] = jax.lax.dynamic_index_in_dim(x, m, 0, keepdims=False)
+                e[t] = interp.pin(jax.lax.dynamic_index_in_dim(x, jnp.maximum(m, 0), 0, keepdims=False), t)
             if cut.side.ops:  # side inputs (a padding mask): every stage makes them from its microbatch
                 run(cut.side, e)
-            return e
+            return {t: e[t] for t in (*self._batch_t, *cut.side.outputs)}
+
+        def micro_env(mb: dict[int, Any]) -> dict[int, Any]:
+            return {**outer, **mb}
 
         def run(group: Any, e: dict[int, Any], by: Interpreter | None = None) -> None:
             outs = (by or interp).run_ops(g, [g.ops[i] for i in group.ops], group.inputs,
@@ -568,10 +591,10 @@ class SpmdPipelineStep:
         def get(buf: Any, k: Any) -> Any:
             return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(k, 0), 0, keepdims=False)
 
-        def forward(c: dict, t: Any) -> tuple[dict, list[Any]]:
-            m, ch = tables["f_micro"][t, s], tables["f_chunk"][t, s]
+        def forward(c: dict, t: Any, mb: dict[int, Any]) -> tuple[dict, list[Any]]:
+            ch = tables["f_chunk"][t, s]
             u = ch * S + s  # the virtual stage: the head's at 0, the tail's at V - 1
-            e = micro_env(m)
+            e = micro_env(mb)
 
             def from_head(c: dict) -> tuple[list[Any], list[Any]]:
                 run(cut.head_f, e)
@@ -633,10 +656,10 @@ class SpmdPipelineStep:
             return dict(c, acc=[put(a, ch, get(a, ch) + env[b0.outputs[p]].astype(a.dtype)) if which(p) else a
                                 for a, p in zip(c["acc"], cut.acc_out, strict=True)])
 
-        def backward(c: dict, t: Any) -> tuple[dict, list[Any]]:
-            m, ch = tables["b_micro"][t, s], tables["b_chunk"][t, s]
+        def backward(c: dict, t: Any, mb: dict[int, Any]) -> tuple[dict, list[Any]]:
+            ch = tables["b_chunk"][t, s]
             u = ch * S + s
-            e = micro_env(m)
+            e = micro_env(mb)
             slot = tables["res_read"][t, s]
             k = tables["cot_read"][t, s]
             be = dict(e)
@@ -673,10 +696,10 @@ class SpmdPipelineStep:
             c = jax.lax.cond(u == 0, head, lambda c: c, c)
             return c, out
 
-        def weight(c: dict, t: Any) -> dict:
+        def weight(c: dict, t: Any, mb: dict[int, Any]) -> dict:
             assert wp is not None
-            m, ch = tables["w_micro"][t, s], tables["w_chunk"][t, s]
-            we = micro_env(m)
+            ch = tables["w_chunk"][t, s]
+            we = micro_env(mb)
             w0 = wp.weight[0]
             for tid, (src, j) in zip(w0.inputs, wp.w_from, strict=True):
                 if src == "g":
@@ -688,10 +711,10 @@ class SpmdPipelineStep:
             run(w0, we, grads_interp)
             return accumulate(c, ch, we, lambda p: p not in wp.acc_in_b)
 
-        def no_forward(c: dict, t: Any) -> tuple[dict, list[Any]]:
+        def no_forward(c: dict, t: Any, mb: dict[int, Any]) -> tuple[dict, list[Any]]:
             return c, [zeros(a) for a in acts]
 
-        def no_backward(c: dict, t: Any) -> tuple[dict, list[Any]]:
+        def no_backward(c: dict, t: Any, mb: dict[int, Any]) -> tuple[dict, list[Any]]:
             return c, [zeros(a) for a in cots]
 
         # round the ring: with chunks, stage S-1's chunk c hands over to stage 0's chunk c+1 (and back)
@@ -754,10 +777,14 @@ class SpmdPipelineStep:
                 c = jax.lax.cond((tables["tail_micro"][t] >= 0) & (s >= S - sp.split), tail_slice,
                                  lambda c, t: c, c, t)
             # a forward, then a backward (fused 1F1B runs both in one tick; other schedules one of them)
-            c, send_act = jax.lax.cond(tables["f_micro"][t, s] >= 0, forward, no_forward, c, t)
-            c, send_cot = jax.lax.cond(tables["b_micro"][t, s] >= 0, backward, no_backward, c, t)
-            if wp is not None:  # then the weight-gradient part of an earlier backward
-                c = jax.lax.cond(tables["w_micro"][t, s] >= 0, weight, lambda c, t: c, c, t)
+            fm, bm = tables["f_micro"][t, s], tables["b_micro"][t, s]
+            f_mb, b_mb = micro_batch(fm), micro_batch(bm)
+            w_mb = micro_batch(wm := tables["w_micro"][t, s]) if wp is not None else {}
+            with jax.named_scope(STAGE_ACTIONS):  # the conds each stage takes apart (``STAGE_ACTIONS``)
+                c, send_act = jax.lax.cond(fm >= 0, forward, no_forward, c, t, f_mb)
+                c, send_cot = jax.lax.cond(bm >= 0, backward, no_backward, c, t, b_mb)
+                if wp is not None:  # then the weight-gradient part of an earlier backward
+                    c = jax.lax.cond(wm >= 0, weight, lambda c, t, mb: c, c, t, w_mb)
             got_act = [jax.lax.ppermute(x, STAGE_AXIS, up) for x in send_act]
             got_cot = [jax.lax.ppermute(x, STAGE_AXIS, down) for x in send_cot]
             ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]

@@ -216,6 +216,7 @@ class _Build:
             tuple(t in ctx.fused for t in (*op.inputs, *op.outputs)),  # fused tensors cost no traffic
             next((k for k, t in enumerate(op.inputs) if g.tensors[t].shape), None),
             op.id in ctx.dead,  # removed by XLA: free
+            ctx.copies.get(op.id, 1),  # kernels that read a fused op's operands
         )
 
     def op_strategies(self, op: Op, ctx: RuleContext) -> list[Strategy]:

@@ -18,7 +18,8 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from autoshard.trace import costs, unruled
 from autoshard.trace.buffers import dead_ops
@@ -78,10 +79,18 @@ class RuleContext:
     """Ops that XLA removes, nothing reading their results (``trace.buffers.dead_ops``): priced at zero."""
     results: frozenset[int] | None = None
     """The graph's outputs as a set (``of`` fills it; ``fanout`` asks it for every op)."""
+    copies: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """op id -> how many kernels compute a fused op (``fusion_kernels``), each reading its operands from
+    memory; ops not listed run in one."""
 
     @classmethod
     def of(cls, graph: Graph, mesh: LogicalMesh) -> RuleContext:
-        return cls(graph, mesh, fused_tensors(graph), dead_ops(graph), frozenset(graph.outputs))
+        memo = graph.memo("autoshard.strategies.kernels")  # derived from the graph alone: once per graph
+        if not memo:
+            dead = dead_ops(graph)
+            memo["dead"] = dead
+            memo["fused"], memo["copies"] = fusion_kernels(graph, fused_tensors(graph), dead)
+        return cls(graph, mesh, memo["fused"], memo["dead"], frozenset(graph.outputs), memo["copies"])
 
     def shape(self, tid: int) -> tuple[int, ...]:
         return self.graph.tensors[tid].shape
@@ -244,6 +253,37 @@ NO_KERNEL: frozenset[str] = frozenset({
 })
 """Primitives that move no data and run no kernel: priced at zero."""
 
+INDEXED: frozenset[str] = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
+"""Ops that touch only the indexed part of their big operand (``_indexed_bytes``)."""
+
+
+def _indexed_bytes(op: Op, cand: Candidate, ctx: RuleContext) -> float:
+    """Bytes per device a gather or scatter moves: a gather reads the rows it picks (its result's size) and
+    writes them, not the whole operand (the cross-entropy's label gather reads 8,192 of GPT's [8, 1024, 51200]
+    logits, not 1.7 GB); a scatter updates its operand in place (XLA's scatter aliases its operand and
+    result), reading the updates and reading and writing the elements they touch. The indices are read."""
+    g = ctx.graph
+
+    def share(tid: int, spec: ShardingSpec) -> float:
+        return g.tensors[tid].nbytes / max(1, spec.num_shards(ctx.mesh))
+
+    def moved(tid: int, spec: ShardingSpec) -> float:  # what reaches memory: nothing for a fused value
+        return 0.0 if tid in ctx.fused else share(tid, spec)
+
+    if op.primitive == "gather":  # read the picked rows, write them
+        out = share(op.outputs[0], cand.out_specs[0])
+        return moved(op.inputs[1], cand.in_specs[1]) + out + moved(op.outputs[0], cand.out_specs[0])
+    # scatter(operand, indices, updates): read the updates, read and write what they touch
+    upd = share(op.inputs[2], cand.in_specs[2])
+    return moved(op.inputs[1], cand.in_specs[1]) + moved(op.inputs[2], cand.in_specs[2]) + 2 * upd
+
+
+BITCASTS: frozenset[str] = frozenset({"reshape", "squeeze", "expand_dims"})
+"""Primitives that XLA compiles to a bitcast: a row-major array reshaped keeps its bytes in place, so the
+result is the operand's buffer read another way (no kernel, no traffic). Their collectives, when a split
+must move to reshape, are still priced. GPT-350M's backward priced its [8, 1024, 16, 192] -> [8, 1024, 3072]
+reshape as a 50 MB copy each layer; the GPU trace has no kernel for it."""
+
 _LOOP_FUSIBLE = frozenset(
     (*ELEMENTWISE, "convert_element_type", "copy", "copy_p", "reduce_precision", "stop_gradient",
      "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "select_n", "transpose", "slice")
@@ -273,6 +313,142 @@ def fused_tensors(graph: Graph) -> frozenset[int]:
     return frozenset(fused)
 
 
+KERNEL_CAP = 64
+"""Most kernels (and leaves) tracked per op in ``fusion_kernels``; beyond it a fused value is as good as
+materialised, so the exact number no longer changes a decision."""
+
+
+def _kernel_sets(graph: Graph, fused: frozenset[int], dead: frozenset[int]) -> dict[int, frozenset[int]]:
+    """op id -> the kernels (named by their root op) that compute it: an op with a result that reaches memory
+    is a kernel's root; an op all of whose results are fused runs inside every kernel its readers run in."""
+    kernels: dict[int, frozenset[int]] = {}
+    for op in reversed(graph.ops):
+        if op.id in dead:
+            continue
+        if op.outputs and all(o in fused for o in op.outputs):
+            into: set[int] = set()
+            for o in op.outputs:
+                for c in graph.tensors[o].consumers:
+                    into |= kernels.get(c, frozenset())
+            kernels[op.id] = frozenset(into if len(into) <= KERNEL_CAP else sorted(into)[:KERNEL_CAP])
+        else:
+            kernels[op.id] = frozenset((op.id,))
+    return kernels
+
+
+def _loop_shape(graph: Graph, root: int) -> tuple[Any, ...]:
+    """What XLA's sibling multi-output fusion compares: a reduction's operand and result shapes, a loop
+    fusion's result shape; any other root (a dot, a gather) is a kernel of its own."""
+    op = graph.ops[root]
+    if op.primitive in REDUCTIONS and op.inputs and op.outputs:
+        return ("reduce", graph.tensors[op.inputs[0]].shape, graph.tensors[op.outputs[0]].shape)
+    if op.primitive in _LOOP_FUSIBLE and op.outputs:
+        return ("loop", graph.tensors[op.outputs[0]].shape)
+    return ("own", root)
+
+
+def fusion_kernels(graph: Graph, fused: frozenset[int],
+                   dead: frozenset[int] = frozenset()) -> tuple[frozenset[int], dict[int, int]]:
+    """How many kernels read a fused value's operands: (the fused tensors, op id -> kernels, where > 1).
+
+    A fused value costs no traffic of its own (``fused_tensors``), but it is computed inside every kernel
+    that reads it, and each of those kernels reads the value's operands from memory. A softmax here is three
+    kernels over the scores (its max, its sum, the normalised result: each reads the one before), and the
+    backward's two recompute the probabilities from the scores too. Profiler traces on one H100 (2026-11-26,
+    ``benchmarks/data/traces_h100_2026-11-26``), a layer's softmax forward and backward:
+
+    ==========================  ==========  ==========  ==========================
+    step                        measured    priced now  priced before (one read)
+    GPT-350M bf16 b8            347 + 422   377 + 377   189 + 189 us
+    GPT-125M fp32 b8            441 + 528   564 + 564   282 + 282 us
+    ==========================  ==========  ==========  ==========================
+
+    (XLA ran the forward as two kernels, the sum and the normalisation in one: fp32 scores are over-priced by
+    one read forward.) Two rules from XLA's GPU fusion:
+
+    * Kernels that are siblings (reductions of the same operand shape to the same result shape, or loop
+      fusions of the same result shape) and do not read each other's results are one multi-output kernel
+      (a LayerNorm's mean and mean square): they read an operand once.
+    * A fused value read by k > 1 kernels is materialised instead, written once and read by each, when that
+      moves fewer bytes (k x its bytes < (k - 1) x its operands' bytes): the residual stream's adds, whose
+      recomputation would read two values a kernel and chain through every later layer. Priority fusion
+      makes the same comparison (``GpuPerformanceModel``: duplicated reads against a write and reads).
+    """
+    counted: dict[frozenset[int], int] = {}
+
+    def kernel_count(kernels: dict[int, frozenset[int]], leaves: dict[int, frozenset[int]], op_id: int) -> int:
+        """The kernels that compute ``op_id``, siblings that do not read each other's results counted once."""
+        roots = kernels.get(op_id, frozenset())
+        if len(roots) <= 1:
+            return len(roots)
+        hit = counted.get(roots)
+        if hit is not None:
+            return hit
+        groups: list[tuple[tuple[Any, ...], list[int]]] = []
+        for r in sorted(roots):
+            key = _loop_shape(graph, r)
+            outs = frozenset(graph.ops[r].outputs)
+            reads = leaves.get(r, frozenset())
+            for k, members in groups:
+                if k == key and key[0] != "own" and all(
+                        reads.isdisjoint(graph.ops[m].outputs) and outs.isdisjoint(leaves.get(m, ()))
+                        for m in members):
+                    members.append(r)
+                    break
+            else:
+                groups.append((key, [r]))
+        counted[roots] = len(groups)
+        return len(groups)
+
+    def sweep(fz: frozenset[int], decide: tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]] | None = None,
+              materialise: set[int] | None = None) -> tuple[dict[int, frozenset[int]], dict[int, frozenset[int]]]:
+        """One forward pass: each op's leaves (the tensors in memory its computation reads, through fused
+        values). With ``decide`` (the kernels and leaves of a pass before), add to ``materialise`` the fused
+        values that are cheaper written once."""
+        kernels = _kernel_sets(graph, fz, dead)
+        leaves: dict[int, frozenset[int]] = {}
+        for op in graph.ops:
+            if op.id in dead:
+                continue
+            lv: set[int] = set()
+            for t in op.inputs:
+                tt = graph.tensors[t]
+                if not tt.shape:
+                    continue
+                if t in fz and tt.producer is not None and tt.producer in leaves:
+                    lv |= leaves[tt.producer]
+                else:
+                    lv.add(t)
+            lv_f = frozenset(lv if len(lv) <= KERNEL_CAP else sorted(lv)[:KERNEL_CAP])
+            if decide is not None and materialise is not None and op.outputs and all(o in fz for o in op.outputs):
+                k = kernel_count(*decide, op.id)
+                if k > 1:
+                    operands = sum(graph.tensors[t].nbytes for t in lv_f)
+                    own = sum(graph.tensors[o].nbytes for o in op.outputs)
+                    if k * own < (k - 1) * operands:
+                        materialise.add(op.id)
+                        lv_f = frozenset(op.outputs)
+            leaves[op.id] = lv_f
+        return kernels, leaves
+
+    chosen: set[int] = set()
+    sweep(fused, sweep(fused), chosen)
+    counted.clear()  # counts below are of the kernels once values are materialised
+    if chosen:
+        fused = frozenset(t for t in fused if graph.tensors[t].producer not in chosen)
+    kernels, leaves = sweep(fused)
+    copies: dict[int, int] = {}
+    for op in graph.ops:
+        if op.id in dead or not op.outputs or not all(o in fused for o in op.outputs):
+            continue
+        if not any(t not in fused and graph.tensors[t].shape for t in op.inputs):
+            continue  # reads nothing from memory itself
+        k = kernel_count(kernels, leaves, op.id)
+        if k > 1:
+            copies[op.id] = k
+    return fused, copies
+
+
 def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strategy:
     """Roofline compute on the per-device share of the work, plus the candidate's own collectives; zero
     for a dead op (``RuleContext.dead``), which the compiled step does not run, and for an op that runs
@@ -285,11 +461,18 @@ def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strateg
         work_axes = cand.out_specs[0].axes_used if cand.out_specs else frozenset()
     shards = ctx.size(work_axes)
     nbytes = 0.0
-    for tid, spec in itertools.chain(zip(op.inputs, cand.in_specs, strict=True),
-                                     zip(op.outputs, cand.out_specs, strict=True)):
-        t = graph.tensors[tid]
-        if t.nbytes and tid not in ctx.fused:
-            nbytes += t.nbytes / max(1, spec.num_shards(ctx.mesh))
+    if op.primitive in INDEXED:
+        nbytes = _indexed_bytes(op, cand, ctx)
+    elif op.primitive not in BITCASTS:
+        reads = ctx.copies.get(op.id, 1)  # a fused op's operands are read by every kernel that computes it
+        for tid, spec in zip(op.inputs, cand.in_specs, strict=True):
+            t = graph.tensors[tid]
+            if t.nbytes and tid not in ctx.fused:
+                nbytes += reads * t.nbytes / max(1, spec.num_shards(ctx.mesh))
+        for tid, spec in zip(op.outputs, cand.out_specs, strict=True):
+            t = graph.tensors[tid]
+            if t.nbytes and tid not in ctx.fused:
+                nbytes += t.nbytes / max(1, spec.num_shards(ctx.mesh))
     if op.primitive == "conv_general_dilated":
         compute = cost.conv_time(op.flops / shards, nbytes, _dtype_of(op, graph))
     else:
