@@ -10,14 +10,11 @@ import re
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import multiproc
 import numpy as np
-import optax
 import pytest
-from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard._examples import load_example
@@ -369,7 +366,9 @@ def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_de
                                        ("llama", "1f1b"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
                                        ("style:numbered", "zb-h1"), ("style:unnumbered", "interleaved-1f1b"),
                                        pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
-                                       pytest.param("style:unnumbered", "1f1b", marks=pytest.mark.slow)])
+                                       pytest.param("style:unnumbered", "1f1b", marks=pytest.mark.slow),
+                                       # no layer before the blocks: the first block reads the batch
+                                       pytest.param("mlp:batch", "1f1b", marks=pytest.mark.slow)])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     reports = multiproc.run("pipeline_worker.py", tmp_path, name, form, timeout=900)
     assert [r["runtime"] for r in reports] == ["SpmdPipelineStep"] * 2  # one program, across processes
@@ -574,33 +573,28 @@ def test_blocks_whose_first_matmul_reads_the_block_input_run_as_the_spmd_program
     # input, which the planner's min rule puts with the layer before (the projection for the first block,
     # the previous block for the others); the uniform cut runs it with its own block, so every stage's
     # blocks are the same computation
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return x + nn.Dense(16, name="down")(jax.nn.gelu(nn.Dense(32, name="up")(x)))
-
-    class Deep(nn.Module):
-        @nn.compact
-        def __call__(self, x: jax.Array) -> jax.Array:
-            x = nn.Dense(16, name="embed")(x)
-            for i in range(4):
-                x = Block(name=f"block_{i}")(x)
-            return jnp.mean(x**2)
-
-    model = Deep()
-    x = jax.random.normal(jax.random.key(1), (32, 16))
-    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x[:1])["params"],
-                              tx=optax.adam(1e-2))
-
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
-        with jax.numpy_dtype_promotion("standard"):  # the tests run with strict promotion; optax's count
-            return state.apply_gradients(grads=grads), {"loss": loss}
-
+    train_step, (state,), batch = make("mlp")
     step = autoshard.parallelize(train_step, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
                                  stage_shape=(1, 2), time_budget_s=5)
-    _matches_jit(step, train_step, jax.tree.map(lambda a: np.array(a).copy(), state), {"x": x})
+    _matches_jit(step, train_step, jax.tree.map(lambda a: np.array(a).copy(), state), batch)
     assert isinstance(step._last.step, SpmdPipelineStep)
+
+
+@pytest.mark.parametrize("name,shape", [("1f1b", (1, 2)), ("zb-h1", (1, 2)),
+                                        pytest.param("interleaved-1f1b", (1, 4), marks=pytest.mark.slow)])
+def test_a_first_block_reading_the_batch_runs_as_the_spmd_program(name: str, shape: tuple[int, int]) -> None:
+    # no layer with parameters before the blocks: nothing asks for the gradient of the first block's input,
+    # so its backward lacks the transposes the others have; every stage runs the second block's backward
+    # (stage 0's input cotangent goes nowhere), with stage 0's weights and residuals
+    train_step, (state,), batch = make("mlp:batch")
+    micro = trace_microbatch(train_step, (state, batch), trace(train_step, state, batch), 4)
+    cut = uniform_stages(micro, 2)
+    assert cut.backward.ops == cut.chunk_b[1].ops and len(cut.chunk_b[0].ops) < len(cut.chunk_b[1].ops)
+    assert cut.head_act == (micro.inputs[len(jax.tree.leaves(state))],) and not cut.head_f.ops
+    step = autoshard.parallelize(train_step, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
+                                 schedule=name, stage_shape=shape, time_budget_s=5)
+    _matches_jit(step, train_step, jax.tree.map(lambda a: np.array(a).copy(), state), batch)
+    assert isinstance(step._last.step, SpmdPipelineStep) and step.plan.schedule == name
 
 
 def test_the_first_call_leaves_the_callers_state_alive() -> None:

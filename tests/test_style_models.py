@@ -63,3 +63,31 @@ def test_each_style_is_the_example(name: str) -> None:
     shapes = [leaf_shapes(n) for n in (name, "example")]
     assert shapes[0] == shapes[1]
     np.testing.assert_allclose(losses(name), losses("example"), rtol=1e-5)
+
+
+@functools.cache
+def tiny_plan(name: str) -> tuple[float, tuple[tuple[str, int], ...]]:
+    """The style's tiny preset planned on a 2x4 H100 mesh: its predicted step time and its recompute
+    choices (how many blocks take each: the blocks' names differ by style)."""
+    import autoshard
+
+    style = sm.STYLES[name]
+    state, batch = style.make("tiny", abstract=True)
+    plan = autoshard.plan(style.train_step, state, batch, mesh="2x4", hardware="h100", time_budget_s=20)
+    return plan.predicted_step_time, tuple(sorted(Counter(plan.recompute.values()).items()))
+
+
+@pytest.mark.parametrize("name", [
+    *(n for n in sm.STYLES if n not in ("example", "scan")),
+    # the scan is another program, not other names: its body's values that it stacks for the backward pass
+    # (``ys``) are body outputs, which ``strategies.registry.fused_tensors`` never counts as fused, where
+    # the unrolled step's same values, read only by elementwise ops, are; ~1.5x on this tiny step
+    pytest.param("scan", marks=pytest.mark.xfail(strict=True, reason="a scan body's stacked outputs are "
+                                                 "priced as HBM traffic (strategies.registry.fused_tensors)"))])
+def test_each_style_plans_as_the_example(name: str) -> None:
+    """The plan does not depend on what the blocks are called: the same recompute choice and a predicted step
+    time within 1% of the example's (issue #48's styles acceptance; the 1.3B preset on 8x8 is
+    ``benchmarks/plan_styles.py``)."""
+    got, want = tiny_plan(name), tiny_plan("example")
+    assert got[1] == want[1]
+    assert abs(got[0] / want[0] - 1) <= 0.01, (got, want)

@@ -313,8 +313,8 @@ class SpmdPipelineStep:
         self.unreduced_once: dict[str, tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]] = {}
         # the chunk's weight gradients, partial sums over the stage's data-parallel axes, left unreduced
         # (stacked) in the loop and reduced once a step after it (``unreduced``)
-        grads = self.split.weight[0] if self.split is not None else self.cut.chunk_b[0]
-        keep = {self.cut.chunk_b[0].outputs[p] for p in self.cut.acc_out}
+        grads = self.split.weight[0] if self.split is not None else self.cut.backward
+        keep = {self.cut.backward.outputs[p] for p in self.cut.acc_out}
         top = self.specs.get((), {})
         self.unreduced = plan_stacked(micro, [micro.ops[i] for i in grads.ops], top, keep)
         # and the head's and tail's (the embedding's and the LM head's gradients, the loss)
@@ -448,7 +448,7 @@ class SpmdPipelineStep:
         self._whole_ids, self._batch_t, self._f_stacked, self._b_stacked = whole_ids, batch_t, f_stacked, b_stacked
         chunk_acc, once_acc = run(stacked, whole, batch, tables)
         held = self.unreduced[0]  # [S, v, D, ...]: the D partial sums of each, added up once a step
-        chunk_acc = [a.sum(axis=2) if cut.chunk_b[0].outputs[p] in held else a
+        chunk_acc = [a.sum(axis=2) if cut.backward.outputs[p] in held else a
                      for a, p in zip(chunk_acc, cut.acc_out, strict=True)]
         scale = lambda x: (x / jnp.asarray(M, x.dtype)).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) \
             else x  # noqa: E731
@@ -523,7 +523,7 @@ class SpmdPipelineStep:
         n_whole = len(self._whole_ids)
         outer = dict(zip(self._whole_ids, whole[:n_whole], strict=True))
         small_pre = dict(zip(self.spread.pre, whole[n_whole:], strict=True)) if self.spread is not None else {}
-        f0, b0 = cut.chunk_f[0], cut.chunk_b[0]
+        f0, b0 = cut.chunk_f[0], cut.backward
 
         def aval(t: int) -> jax.ShapeDtypeStruct:
             ten = g.tensors[t]

@@ -16,7 +16,11 @@ The step, traced at microbatch size and split by ``partition.split_step``, is cu
 With ``S`` stages each stage gets ``n = K / S`` consecutive blocks (a *chunk*). Every chunk must be the
 same computation as chunk 0 up to its weights: the same ops in the same order with the same shapes,
 parameters and constants (``_same_as_template``). Then chunk 0's ops, re-bound by the emitter's
-interpreter, compute any chunk from that chunk's values. Each boundary tensor of a chunk is
+interpreter, compute any chunk from that chunk's values. One exception: where the first block reads the
+batch (no layer with parameters before it), nothing asks for its input's gradient and chunk 0's backward
+lacks the transposes that make it; every stage then runs chunk 1's backward (``UniformStages.backward``)
+and chunk 0's groups hold stage 0's values at chunk 1's positions (``_first_chunk_aligned``). Each
+boundary tensor of a chunk is
 
 - ``act``: the residual stream, produced by the chunk before (the head, for chunk 0);
 - ``stacked``: a value made outside the loop that differs per chunk (its weights): stacked ``[S, ...]``
@@ -99,6 +103,13 @@ class UniformStages:
     tail_cot: tuple[int, ...]  # per cotangent channel: the tail's tensor that the last chunk reads
     head_res: tuple[int, ...]  # head forward values its backward reads
     side: Group = Group((), (), ())  # head ops every stage runs on its microbatch: side inputs (a mask)
+    template_b: Group | None = None  # the backward every stage runs: ``chunk_b[0]``, or ``chunk_b[1]``'s ops
+    # where the first block reads the batch (``_first_chunk_aligned``)
+
+    @property
+    def backward(self) -> Group:
+        """The chunk backward the program runs at every stage (its ops, and the ids they read and make)."""
+        return self.template_b if self.template_b is not None else self.chunk_b[0]
 
     def from_last_block(self) -> set[int]:
         """What the tail may read of the last chunk: its outputs and its stream inputs."""
@@ -250,9 +261,13 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
     chunk_b = tuple(chunk(BACKWARD, s) for s in range(S))
     head_f, head_b = Group.of(graph, by.get((FORWARD, 0), [])), Group.of(graph, by.get((BACKWARD, 0), []))
     tail_f, tail_b = Group.of(graph, by.get((FORWARD, K + 1), [])), Group.of(graph, by.get((BACKWARD, K + 1), []))
+    template_b = chunk_b[0]
+    if len(_exports(graph, chunk_b[0])) < len(_exports(graph, chunk_b[1])):  # the first block reads the batch
+        chunk_f, chunk_b = _first_chunk_aligned(graph, chunk_f, chunk_b, accumulated)
+        template_b = chunk_b[1]
     for s in range(1, S):
         _same_as_template(graph, chunk_f[0], chunk_f[s], s, "forward")
-        _same_as_template(graph, chunk_b[0], chunk_b[s], s, "backward")
+        _same_as_template(graph, template_b, chunk_b[s], s, "backward")
     producer_group: dict[int, tuple[str, int]] = {}
     for name, groups in (("f", chunk_f), ("b", chunk_b)):
         for s, g in enumerate(groups):
@@ -312,7 +327,7 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         if src == ("f", 0):
             k = chunk_f[0].outputs.index(col[1])
             if k not in act_out or any(col[s] != chunk_f[s - 1].outputs[k] for s in range(2, S)) \
-                    or made_by(t0) != ("head_f", -1):
+                    or (made_by(t0) != ("head_f", -1) and t0 not in batch_in):
                 raise cannot_run(f"block input {graph.tensors[t0].name!r} does not come from the block before")
             f_kinds.append(f"act:{act_out.index(k)}")
         elif all(c == t0 for c in col):
@@ -408,7 +423,8 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         update=Group.of(graph, parts.ops(UPDATE)), post=Group.of(graph, post), accumulated=frozenset(accumulated),
         f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
         act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
-        head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res, side=Group.of(graph, side))
+        head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res, side=Group.of(graph, side),
+        template_b=template_b)
 
 
 # ---- a weight pass (ZB-H1) ------------------------------------------------------------------------------
@@ -438,7 +454,7 @@ def weight_pass(graph: Graph, cut: UniformStages, parts: StepParts) -> WeightPas
     ib: list[Group] = []
     w: list[Group] = []
     for u in range(V):
-        ops = cut.chunk_b[u].ops
+        ops = (cut.backward if u == 0 else cut.chunk_b[u]).ops
         need = input_gradient_ops(graph, parts, ops)
         ib.append(Group.of(graph, [i for i in ops if i in need]))
         w.append(Group.of(graph, [i for i in ops if i not in need]))
@@ -451,7 +467,7 @@ def weight_pass(graph: Graph, cut: UniformStages, parts: StepParts) -> WeightPas
     w_from: list[tuple[str, int]] = []
     g_out: list[int] = []
     for u in range(V):
-        b_in = cut.chunk_b[u].inputs
+        b_in = (cut.backward if u == 0 else cut.chunk_b[u]).inputs
         got_b = [b_in.index(t) if t in b_in else -1 for t in ib[u].inputs]
         got_w: list[tuple[str, int]] = []
         for t in w[u].inputs:
@@ -472,7 +488,7 @@ def weight_pass(graph: Graph, cut: UniformStages, parts: StepParts) -> WeightPas
                              "from stage 0's")
     if -1 in b_from:
         raise cannot_run("the input-gradient part reads a value its backward does not receive")
-    b0 = cut.chunk_b[0].outputs
+    b0 = cut.backward.outputs
     acc_in_b = frozenset(p for p in cut.acc_out if b0[p] in ib[0].outputs)
     for p in cut.cot_out:
         if b0[p] not in ib[0].outputs:
@@ -539,6 +555,53 @@ def stacked_rows(graph: Graph, op_id: int) -> list[int] | None:
     return rows
 
 
+def _first_chunk_aligned(graph: Graph, chunk_f: tuple[Group, ...], chunk_b: tuple[Group, ...],
+                         accumulated: set[int]) -> tuple[tuple[Group, ...], tuple[Group, ...]]:
+    """``chunk_f`` and ``chunk_b`` with chunk 0's groups replaced by stage 0's values at chunk 1's positions,
+    where the first block reads the batch (no embedding before it): nothing asks for the gradient of its
+    input, so jax leaves the transposes that make it out of chunk 0's backward, and chunk 0 is not the same
+    computation as the others. The program then runs chunk 1's backward at every stage (``template_b``);
+    at stage 0 the cotangent it makes for the input goes nowhere. This holds when chunk 0's forward is chunk
+    1's (the same ops, ``_signature``) and its backward is chunk 1's pruned to what the weight gradients
+    need: its returned ``Group`` for the forward has chunk 0's ops, inputs, and as outputs chunk 0's values
+    made where chunk 1's outputs are made (exported or not); the one for the backward keeps chunk 0's ops
+    (what runs with stage 0) but reads and makes, position by position as ``chunk_b[1]``, stage 0's
+    values: its weights, residuals and cotangent; a weight read only to make the input's cotangent is chunk
+    1's own (its value changes nothing kept), and the input's cotangent position holds chunk 1's."""
+    f0, f1, b0, b1 = chunk_f[0], chunk_f[1], chunk_b[0], chunk_b[1]
+    if _signature(graph, f0) != _signature(graph, f1):
+        raise cannot_run("the first block's forward differs from the second's (it reads the batch, with no layer "
+                         "with parameters before it); add one (an input projection), or run with runtime='mpmd' "
+                         "on one process")
+    at = {op_id: k for k, op_id in enumerate(f1.ops)}
+    twin = {t: graph.ops[f0.ops[at[p]]].outputs[graph.ops[p].outputs.index(t)]
+            for p in f1.ops for t in graph.ops[p].outputs}  # chunk 1's forward value -> chunk 0's
+    twin.update(zip(f1.inputs, f0.inputs, strict=True))
+    f0 = Group(f0.ops, f0.inputs, tuple(twin[t] for t in f1.outputs))
+    # chunk 1's backward pruned to its weight gradients, op by op against chunk 0's
+    inside = set(b1.ops)
+    need = {graph.tensors[t].producer for t in b1.outputs if t in accumulated}
+    for op_id in reversed(b1.ops):
+        if op_id in need:
+            need.update(p for t in graph.ops[op_id].inputs if (p := graph.tensors[t].producer) in inside)
+    pruned = Group.of(graph, [i for i in b1.ops if i in need])
+    if _signature(graph, pruned) != _signature(graph, b0):
+        raise cannot_run("stage 0's blocks compute no gradient of their input, since nothing before them has "
+                         "parameters (the first block reads the batch), and their backward is not the others' "
+                         "less that gradient; add a layer with parameters before them (an input projection), or "
+                         "run with runtime='mpmd' on one process")
+    at = {op_id: k for k, op_id in enumerate(pruned.ops)}
+    for p in pruned.ops:
+        for t in graph.ops[p].outputs:
+            twin[t] = graph.ops[b0.ops[at[p]]].outputs[graph.ops[p].outputs.index(t)]
+    twin.update(zip(pruned.inputs, b0.inputs, strict=True))
+    kept = [twin.get(t, t) for t in b1.outputs if t in accumulated]
+    if sorted(kept) != sorted(t for t in b0.outputs if t in accumulated):
+        raise cannot_run("stage 0's blocks' weight gradients do not match the other stages' position by position")
+    b0 = Group(b0.ops, tuple(twin.get(t, t) for t in b1.inputs), tuple(twin.get(t, t) for t in b1.outputs))
+    return (f0, *chunk_f[1:]), (b0, *chunk_b[1:])
+
+
 def _signature(graph: Graph, group: Group) -> list[tuple[Any, ...]]:
     """What makes a group the computation it is, up to which outside values it reads: per op its
     primitive, params, shapes, where each operand comes from (an op of the group, a boundary input's
@@ -574,14 +637,9 @@ def _exports(graph: Graph, group: Group) -> list[tuple[int, int]]:
 def _same_as_template(graph: Graph, template: Group, other: Group, stage: int, what: str) -> None:
     mine, theirs = _exports(graph, template), _exports(graph, other)
     if mine != theirs:
-        why = ""
-        if what == "backward" and len(mine) < len(theirs):
-            why = (": stage 0's blocks compute no gradient of their input, since nothing before them has "
-                   "parameters (the first block reads the batch); the program runs the same blocks on every "
-                   "stage, so it needs a layer with parameters before them (an embedding or an input "
-                   "projection), or runtime='mpmd' on one process")
         raise cannot_run(f"stage {stage}'s blocks hand {len(theirs)} values to the rest of the step ({what}) where "
-                         f"stage 0's hand {len(mine)}{why}")
+                         f"stage 0's hand {len(mine)}: the stages are not the same computation; run it with "
+                         "runtime='mpmd' (one process)")
     a, b = _signature(graph, template), _signature(graph, other)
     if len(a) != len(b):
         raise cannot_run(f"stage {stage}'s blocks have {len(b)} {what} ops where stage 0's have {len(a)}: the stages "

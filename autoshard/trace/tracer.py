@@ -61,14 +61,18 @@ def _source(eqn: Any, call_site: str = "") -> str:
     optax update's equations see optax alone); else the innermost non-JAX frame."""
     if _siu is None:
         return call_site
-    try:
-        frames = list(_siu.user_frames(eqn.source_info.traceback))
+    first = user = None
+    try:  # lazily: each frame costs a lookup, and the user's is usually among the first (70B Llama: 28k eqns)
+        for f in _siu.user_frames(eqn.source_info.traceback):
+            first = first or f
+            if not any(m in f.file_name for m in _LIBRARY_MARKERS):
+                user = f
+                break
     except Exception:  # any failure here only loses a location
         return call_site
-    user = next((f for f in frames if not any(m in f.file_name for m in _LIBRARY_MARKERS)), None)
-    if (user is None and call_site) or not frames:
+    if (user is None and call_site) or first is None:
         return call_site
-    frame = user or frames[0]
+    frame = user or first
     return f"{_display_path(frame.file_name)}:{frame.start_line} ({frame.function_name})"
 
 
@@ -84,11 +88,17 @@ def _display_path(path: str) -> str:
 
 def _clean_scope(stack: str) -> tuple[list[str], str]:
     """Split a name stack into scope components without transform wrappers, and the phase it implies."""
+    parts, phase = _clean_scope_cached(stack)
+    return list(parts), phase
+
+
+@functools.lru_cache(maxsize=65536)
+def _clean_scope_cached(stack: str) -> tuple[tuple[str, ...], str]:  # a block's stacks recur in every pass
     phase = _roles.phase_of(stack)
     prev = None
     while prev != stack:
         prev, stack = stack, _WRAPPER.sub(r"\1", stack)
-    return [p for p in stack.split("/") if p], phase
+    return tuple(p for p in stack.split("/") if p), phase
 
 
 def dtype_info(aval: Any) -> tuple[tuple[int, ...], str, int]:
@@ -100,7 +110,24 @@ def dtype_info(aval: Any) -> tuple[tuple[int, ...], str, int]:
         itemsize = int(dtype.itemsize)
     except (AttributeError, TypeError):
         itemsize = 8  # extended dtypes such as PRNG keys (two uint32 words for threefry)
-    return shape, str(dtype), math.prod(shape) * itemsize
+    return shape, _dtype_name(dtype), math.prod(shape) * itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: Any) -> str:  # numpy's str(dtype) is slow, and a step has a handful of dtypes
+    return str(dtype)
+
+
+def _literal_text(val: Any) -> str:
+    """A literal's value for its tensor's name: a scalar's repr, else its shape (jax's repr of a literal
+    prints it through numpy's array printer, a third of tracing a large step's time)."""
+    if isinstance(val, bool | int | float | complex):
+        return repr(val)
+    try:
+        arr = np.asarray(val)
+    except Exception:  # any failure here only loses a name
+        return type(val).__name__
+    return repr(arr.item()) if arr.size == 1 else f"array{list(arr.shape)}"
 
 
 def params_digest(params: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -157,7 +184,7 @@ class _Builder:
 
     def read(self, env: dict[Any, int], v: Any) -> int:
         if isinstance(v, Literal):
-            tid = self.tensor(v.aval, Role.CONST, f"literal {v.val!r}"[:40], None)
+            tid = self.tensor(v.aval, Role.CONST, f"literal {_literal_text(v.val)}"[:40], None)
             self.values[tid] = v.val
             return tid
         return env[v]

@@ -3,7 +3,9 @@
 ``state``: the example's flax ``TrainState`` step; ``optax``: ``step(params, opt_state, batch)`` over
 plain optax, the optimizer closed over; either with ``:scan`` (``state:scan``): the blocks written as one
 ``nn.scan`` (``scan_layers=true``). ``llama``: ``examples/llama.py`` (tiny); ``style:NAME``: the example GPT
-with 4 blocks written in another style (``tests/style_models.py``: ``numbered``, ``unnumbered``, ...)."""
+with 4 blocks written in another style (``tests/style_models.py``: ``numbered``, ``unnumbered``, ...).
+``mlp``: four residual MLP blocks after an input projection; ``mlp:batch``: the same with no projection, the
+first block reading the batch directly."""
 
 from __future__ import annotations
 
@@ -11,15 +13,50 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
+from flax.training.train_state import TrainState
 
 from autoshard._examples import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def residual_mlp(embed: bool) -> tuple[Any, tuple[Any, ...], Any]:
+    """Four residual MLP blocks ``x + down(gelu(up(x)))`` on 16 features, after an input projection
+    (``embed``) or reading the batch directly: ``(train_step, (state,), batch)``."""
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x + nn.Dense(16, name="down")(jax.nn.gelu(nn.Dense(32, name="up")(x)))
+
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            if embed:
+                x = nn.Dense(16, name="embed")(x)
+            for i in range(4):
+                x = Block(name=f"block_{i}")(x)
+            return jnp.mean(x**2)
+
+    model = Deep()
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x[:1])["params"],
+                              tx=optax.adam(1e-2))
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
+        with jax.numpy_dtype_promotion("standard"):  # the tests run with strict promotion; optax's count
+            return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return train_step, (state,), {"x": x}
+
+
 def make(form: str, **overrides: Any) -> tuple[Any, tuple[Any, ...], Any]:
+    if form in ("mlp", "mlp:batch"):
+        return residual_mlp(embed=form == "mlp")
     if form == "llama":  # examples/llama.py: layers/0.., a padding mask and RoPE tables read by every block
         ex = load_example(ROOT / "examples" / "llama.py", "tiny", [], abstract=False)
         state, batch = ex.args
