@@ -120,13 +120,6 @@ from autoshard.pipeline.partition import (
     subgraph,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
-from autoshard.pipeline.schedules import (
-    SCHEDULE_NAMES,
-    WEIGHT_PASS_SCHEDULES,
-    chunk_inflight_rule,
-    inflight_rule,
-    schedule,
-)
 from autoshard.pipeline.ticks import (
     action_tables,
     fused_1f1b,
@@ -146,6 +139,13 @@ from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from autoshard.trace.remat import REMAT_MODES, summary
 from cost_models import CostModel
+from pipeline_ir.schedules import (
+    SCHEDULE_NAMES,
+    WEIGHT_PASS_SCHEDULES,
+    chunk_inflight_rule,
+    inflight_rule,
+    schedule,
+)
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
 
 if TYPE_CHECKING:  # a later pass: it hands its modes in
