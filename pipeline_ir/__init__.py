@@ -1,7 +1,7 @@
 """The pipeline as one program, plain data and JAX-free (DESIGN, "Emission and running").
 
 In pass order: ``program`` (the IR: per stage, the ordered actions), ``schedules`` (pure generators of it:
-GPipe, 1F1B, interleaved 1F1B, ZB-H1, fused 1F1B), ``lowering`` (the tail spread, buffer slots by interval
+GPipe, 1F1B, interleaved 1F1B, ZB-H1, fused 1F1B, ZB-V), ``lowering`` (the tail spread, buffer slots by interval
 colouring, the tick tables a runtime indexes) and ``simulate`` (the one price: step time and memory per
 stage, asynchronous or lockstep). Imports numpy and the standard library only, never JAX or ``autoshard``
 (a test holds it to that), so a schedule is built, lowered and priced in microseconds.
@@ -21,6 +21,7 @@ from pipeline_ir.schedules import (
     pack,
     schedule,
     zb_h1,
+    zb_v,
 )
 from pipeline_ir.simulate import MODES, Costs, Timing, simulate
 
@@ -50,4 +51,5 @@ __all__ = [
     "spread_times",
     "ticks",
     "zb_h1",
+    "zb_v",
 ]

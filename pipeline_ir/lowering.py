@@ -72,6 +72,15 @@ class Ticks:
     tail_micro: np.ndarray | None = None
     tail_cot: np.ndarray | None = None
     tail_split: int = 1
+    v_shape: bool = False  # chunk 1 of stage s is virtual stage 2S-1-s (``PipelineProgram.v_shape``)
+
+    def virtual(self, chunk: np.ndarray, stage: np.ndarray) -> np.ndarray:
+        """The virtual stage of each ``(chunk, stage)``: ``chunk·S + stage``, or in a V ``2S − 1 − stage`` for
+        chunk 1."""
+        S = self.f_micro.shape[1]
+        if self.v_shape:
+            return np.where(chunk == 1, 2 * S - 1 - stage, chunk * S + stage)
+        return chunk * S + stage
 
     @property
     def weight_pass(self) -> bool:
@@ -181,6 +190,9 @@ def ticks(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
     is spread over that many stages (``_tables``; ``sched`` needs ``tail_gap >= 1``)."""
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
     _check_gap(sched, tail_split)
+    if sched.v_shape:
+        raise ValueError(f"program {sched.name!r} runs its chunks in a V, which the SPMD program's buffers do not "
+                         "lay out yet: price it (simulate, action_tables), do not run it")
     acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
     for t, slot in enumerate(sched.slots):
         for a in slot:
@@ -196,7 +208,7 @@ def _check_gap(sched: PipelineProgram, tail_split: int) -> None:
 
 def _actions_only(f_micro: np.ndarray, f_chunk: np.ndarray, b_micro: np.ndarray, b_chunk: np.ndarray,
                   tail_micro: np.ndarray | None, tail_split: int, fused: bool = False,
-                  w_micro: np.ndarray | None = None, w_chunk: np.ndarray | None = None) -> Ticks:
+                  w_micro: np.ndarray | None = None, w_chunk: np.ndarray | None = None, v_shape: bool = False) -> Ticks:
     """``Ticks`` of the given actions with every buffer slot left at -1 (one slot each): what ``simulate``
     reads, for ``action_tables``."""
     T = f_micro.shape[0]
@@ -207,7 +219,8 @@ def _actions_only(f_micro: np.ndarray, f_chunk: np.ndarray, b_micro: np.ndarray,
     return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=neg, act_recv=neg,
                  cot_read=neg, cot_recv=neg, cot_self=neg, res_write=neg, res_read=neg, act_slots=1, cot_slots=1,
                  res_slots=1, fused=fused, tail_micro=tail_micro,
-                 tail_cot=None if tail_micro is None else np.full(T, -1, np.int32), tail_split=tail_split, **weight)
+                 tail_cot=None if tail_micro is None else np.full(T, -1, np.int32), tail_split=tail_split, v_shape=v_shape,
+                 **weight)
 
 
 def action_tables(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
@@ -219,7 +232,7 @@ def action_tables(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
     tables = {k: np.full((T, S), -1, np.int32) for k in ("forward", "backward", "weight")}
     chunk = {k: np.zeros((T, S), np.int32) for k in tables}
     tail_micro = np.full(T, -1, np.int32) if tail_split > 1 else None
-    last = (V - 1) // S, (V - 1) % S
+    last = sched.place(V - 1)[::-1]  # (chunk, stage)
     for t, slot in enumerate(sched.slots):
         for a in slot:
             tables[a.kind][t, a.stage] = a.microbatch
@@ -228,7 +241,7 @@ def action_tables(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
                 tail_micro[t + 1] = a.microbatch
     weight = sched.weight_pass
     return _actions_only(tables["forward"], chunk["forward"], tables["backward"], chunk["backward"], tail_micro,
-                         tail_split, fused=sched.fused, w_micro=tables["weight"] if weight else None,
+                         tail_split, fused=sched.fused, v_shape=sched.v_shape, w_micro=tables["weight"] if weight else None,
                          w_chunk=chunk["weight"] if weight else None)
 
 

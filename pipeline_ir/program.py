@@ -14,6 +14,9 @@ Model
 
 so a microbatch goes forward through stages 0..S-1 holding chunk 0, then again holding chunk 1, and so on
 (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", §2.2, fig. 4).
+A program in a *V* (``v_shape``, two chunks; ZB-V, Qi et al. 2024) runs chunk 1 back up instead: chunk 1 of
+stage ``s`` is ``u = 2S − 1 − s``, so the first and the last virtual stage share stage 0 and the turn at
+the bottom (``S − 1`` to ``S``) stays on stage ``S − 1`` (``PipelineProgram.place``).
 
 An action is ``F(u, m)`` or ``B(u, m)``. A program is valid when every microbatch has exactly one ``F`` and
 one ``B`` at every virtual stage, no stage runs two actions at once, and
@@ -90,8 +93,9 @@ class Action:
     kind: Kind
     chunk: int = 0
 
-    def virtual_stage(self, num_stages: int) -> int:
-        return self.chunk * num_stages + self.stage
+    def virtual_stage(self, num_stages: int, v_shape: bool = False) -> int:
+        """``u = chunk·S + stage``; in a V (``PipelineProgram.v_shape``) chunk 1 runs back up: ``2S − 1 − stage``."""
+        return 2 * num_stages - 1 - self.stage if v_shape and self.chunk == 1 else self.chunk * num_stages + self.stage
 
     def label(self, with_chunk: bool = False) -> str:
         """``F3`` / ``B3``; with ``with_chunk``, ``F3.1`` for chunk 1."""
@@ -129,6 +133,7 @@ class PipelineProgram:
     slots: tuple[tuple[Action, ...], ...]
     tail_gap: int = 0  # slots between F(V-1, m) and B(V-1, m) where the tail runs on other stages
     fused: bool = False  # a forward and a backward of one stage share a slot (1F1B's fused ticks)
+    v_shape: bool = False  # two chunks in a V: chunk 1 of stage s is virtual stage 2S-1-s (ZB-V; module doc)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -137,6 +142,12 @@ class PipelineProgram:
     @property
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.num_chunks
+
+    def place(self, u: int) -> tuple[int, int]:
+        """``(stage, chunk)`` of virtual stage ``u``: ``(u mod S, u div S)``, or in a V ``(2S − 1 − u, 1)`` for
+        ``u >= S``."""
+        S = self.num_stages
+        return (2 * S - 1 - u, 1) if self.v_shape and u >= S else (u % S, u // S)
 
     def actions(self, stage: int) -> tuple[Action, ...]:
         """The actions of physical ``stage`` in execution order."""
@@ -153,7 +164,7 @@ class PipelineProgram:
         return tuple(tuple(o) for o in out)
 
     def _key(self, a: Action) -> _Key:
-        return (a.virtual_stage(self.num_stages), a.microbatch, a.kind)
+        return (a.virtual_stage(self.num_stages, self.v_shape), a.microbatch, a.kind)
 
     # ------------------------------------------------------------------ checking
 
@@ -169,6 +180,8 @@ class PipelineProgram:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{head}: {field} must be a positive int, got {value!r}")
         problems: list[str] = []
+        if self.v_shape and v != 2:
+            problems.append(f"a program in a V holds two chunks a stage, not {v}")
         slot_of: dict[_Key, int] = {}
         for t, slot in enumerate(self.slots):
             busy: dict[int, Action] = {}
@@ -228,7 +241,8 @@ class PipelineProgram:
         """``verify``'s rules on arrays: True when all hold (False says only that one does not)."""
         S, B, v = self.num_stages, self.num_microbatches, self.num_chunks
         sizes = (S, B, v)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes):
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes) or (
+                self.v_shape and v != 2):
             return False
         code = {k: i for i, k in enumerate(self.kinds)}
         n = sum(len(slot) for slot in self.slots)
@@ -245,7 +259,7 @@ class PipelineProgram:
         t, place, s, c, m, k = rows.T
         if not ((s >= 0) & (s < S) & (c >= 0) & (c < v) & (m >= 0) & (m < B)).all():
             return False
-        u = c * S + s
+        u = np.where((c == 1) & self.v_shape, 2 * S - 1 - s, c * S + s)
         tick = np.full((K, V, B), -1, np.int64)
         where = np.full((K, V, B), -1, np.int64)
         tick[k, u, m], where[k, u, m] = t, place
@@ -368,6 +382,7 @@ class PipelineProgram:
             "weight_pass": self.weight_pass,
             "tail_gap": self.tail_gap,
             "fused": self.fused,
+            "v_shape": self.v_shape,
             "slots": [
                 [
                     {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind, "chunk": a.chunk}
@@ -388,6 +403,7 @@ class PipelineProgram:
             weight_pass=bool(data.get("weight_pass", False)),
             tail_gap=int(data.get("tail_gap", 0)),
             fused=bool(data.get("fused", False)),
+            v_shape=bool(data.get("v_shape", False)),
             slots=tuple(
                 tuple(
                     Action(int(a["stage"]), int(a["microbatch"]), a["kind"], int(a.get("chunk", 0)))

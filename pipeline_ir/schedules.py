@@ -53,6 +53,7 @@ __all__ = [
     "pack",
     "schedule",
     "zb_h1",
+    "zb_v",
 ]
 
 # ---------------------------------------------------------------------- builders
@@ -222,6 +223,74 @@ def fused_1f1b(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> Pip
         slots.append(tuple(slot))
     return PipelineProgram(name="fused-1f1b", num_stages=S, num_microbatches=M, slots=tuple(slots),
                            tail_gap=int(tail_gap > 0), fused=True)
+
+
+@functools.lru_cache(maxsize=16)
+def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", §4): two chunks a stage in a V
+    (``v_shape``: chunk 0 of stage ``s`` is virtual stage ``s``, chunk 1 is ``2S − 1 − s``), every backward
+    split into ``B`` and ``W`` (a weight pass), at most ``2S`` chunk-microbatches in flight a stage (until
+    ``W``): 1F1B's activation memory, each chunk holding half a stage's layers.
+
+    Built greedily in unit slots (each ``F``, ``B``, ``W`` one slot, about equal when a chunk is half a
+    stage): at each slot every stage runs, of what its dependencies allow, a ``B`` (the oldest microbatch:
+    it unblocks the stage before), else a forward while under ``2S`` in flight (chunk 1 first, the deeper
+    one, which frees memory sooner), else its oldest pending ``W``, else idles. The ``W`` so fill what would
+    be bubbles and the V keeps the turn at the bottom on one stage, so the step idles about ``S − 1``
+    slots of ``6B`` (1F1B: ``6(S − 1)``). Priced by ``simulate``; the SPMD program does not run it yet."""
+    _check_sizes("zb-v", num_stages, num_microbatches)
+    S, M = num_stages, num_microbatches
+    V, cap = 2 * S, 2 * S
+    done: dict[_Key, int] = {}
+    live = [0] * S
+    next_f = [[0, 0] for _ in range(S)]  # the next microbatch to run forward, per chunk
+    next_b = [[0, 0] for _ in range(S)]  # the next to run backward: microbatches go back in order per chunk
+    pending_w: list[list[Action]] = [[] for _ in range(S)]
+    slots: list[tuple[Action, ...]] = []
+    remaining = 3 * V * M
+    while remaining:
+        now = len(slots)
+
+        def ran(key: _Key, now: int = now) -> bool:
+            return key in done and done[key] < now
+
+        started: list[tuple[Action, _Key]] = []
+        for s in range(S):
+            us = (s, V - 1 - s)  # the stage's virtual stages, chunk 0 and chunk 1
+            pick: tuple[Action, _Key] | None = None
+            backs = [(next_b[s][c], c) for c in (1, 0) if next_b[s][c] < M
+                     and ran((us[c], next_b[s][c], "forward"))
+                     and (us[c] == V - 1 or ran((us[c] + 1, next_b[s][c], "backward")))]
+            if backs:
+                m, c = min(backs)
+                pick = Action(s, m, "backward", c), (us[c], m, "backward")
+                next_b[s][c] += 1
+            elif live[s] < cap:
+                for c in (1, 0):
+                    m = next_f[s][c]
+                    if m < M and (us[c] == 0 or ran((us[c] - 1, m, "forward"))):
+                        pick = Action(s, m, "forward", c), (us[c], m, "forward")
+                        next_f[s][c] += 1
+                        break
+            if pick is None and pending_w[s]:
+                a = pending_w[s].pop(0)
+                pick = a, (us[a.chunk], a.microbatch, "weight")
+            if pick is not None:
+                started.append(pick)
+        if not started:  # a builder bug, not a user error
+            raise AssertionError(f"zb-v: the greedy order deadlocks at slot {now} (S={S}, M={M})")
+        for a, key in started:
+            done[key] = now
+            if a.kind == "forward":
+                live[a.stage] += 1
+            elif a.kind == "backward":
+                pending_w[a.stage].append(Action(a.stage, a.microbatch, "weight", a.chunk))
+            else:
+                live[a.stage] -= 1
+        remaining -= len(started)
+        slots.append(tuple(a for a, _ in started))
+    return PipelineProgram(name="zb-v", num_stages=S, num_microbatches=M, num_chunks=2, weight_pass=True,
+                           slots=tuple(slots), v_shape=True)
 
 
 _BUILDERS: Mapping[str, Callable[[int, int, int, int], PipelineProgram]] = {

@@ -161,7 +161,13 @@ def _async(program: PipelineProgram, costs: Costs, timeline: bool) -> Timing:
     # (fused: the stage's own forward first in the same one), so one pass over the ticks, a tick's forwards
     # before its backwards before its weight passes, sees each action's predecessors timed: vectorised over
     # the stages of a tick (GPT-1T's 128 stages x 1024 microbatches in a fraction of a second).
-    comm = costs.comm if S > 1 else 0.0  # a dependency on the virtual stage before or after is another stage's
+    # ``comm`` where a dependency crosses stages: the virtual stage before (after) runs on another stage,
+    # but for chunks of one stage (S = 1) or a V's turn at the bottom
+    place = np.array([program.place(x)[0] for x in range(V)])
+    cross_in = np.zeros(V)
+    cross_in[1:] = np.where(place[1:] != place[:-1], costs.comm, 0.0)  # F(u-1) → F(u)
+    cross_out = np.zeros(V)
+    cross_out[:-1] = np.where(place[:-1] != place[1:], costs.comm, 0.0)  # B(u+1) → B(u)
     f, b = np.asarray(costs.forward, np.float64), np.asarray(costs.backward, np.float64)
     w = np.asarray(costs.weight, np.float64) if program.weight_pass else b
     end = {k: np.zeros((V, M)) for k in ("forward", "backward", "weight")}
@@ -177,15 +183,16 @@ def _async(program: PipelineProgram, costs: Costs, timeline: bool) -> Timing:
             if not s.size:
                 continue
             m = micro[k, s]
-            u = chunk[k, s] * S + s
+            u = t.virtual(chunk[k, s], s)
             ready = free[s]
             if kind == "forward":
                 has = u > 0
-                ready = np.where(has, np.maximum(ready, end["forward"][np.maximum(u - 1, 0), m] + comm), ready)
+                ready = np.where(has, np.maximum(ready, end["forward"][np.maximum(u - 1, 0), m] + cross_in[u]), ready)
             elif kind == "backward":
                 ready = np.maximum(ready, end["forward"][u, m])
                 has = u < V - 1
-                ready = np.where(has, np.maximum(ready, end["backward"][np.minimum(u + 1, V - 1), m] + comm), ready)
+                ready = np.where(has, np.maximum(ready, end["backward"][np.minimum(u + 1, V - 1), m] + cross_out[u]),
+                                 ready)
             else:
                 ready = np.maximum(ready, end["backward"][u, m])
             stop = ready + dur[u]
@@ -201,7 +208,7 @@ def _async(program: PipelineProgram, costs: Costs, timeline: bool) -> Timing:
         start, finish = {}, {}
         for slot in program.slots:
             for a in slot:
-                at = (a.chunk * S + a.stage, a.microbatch)
+                at = (a.virtual_stage(S, program.v_shape), a.microbatch)
                 start[a], finish[a] = float(begin[a.kind][at]), float(end[a.kind][at])
     return Timing(mode="async", ticks=t.num_ticks, loop=loop, exchange=0.0,
                   update=float(max(costs.update, default=0.0)), host=costs.host, dispatch=costs.dispatch,
@@ -215,11 +222,11 @@ def _lockstep(t: Ticks, costs: Costs) -> Timing:
     f = np.asarray(costs.forward, np.float64)  # per virtual stage u = chunk·S + s
     b = np.asarray(costs.backward, np.float64)
     stage = np.arange(S)[None, :]
-    per = (np.where(t.f_micro >= 0, f[t.f_chunk * S + stage], 0.0)
-           + np.where(t.b_micro >= 0, b[t.b_chunk * S + stage], 0.0))
+    per = (np.where(t.f_micro >= 0, f[t.virtual(t.f_chunk, stage)], 0.0)
+           + np.where(t.b_micro >= 0, b[t.virtual(t.b_chunk, stage)], 0.0))
     if t.weight_pass:
         w = np.asarray(costs.weight, np.float64)
-        per = per + np.where(t.w_micro >= 0, w[t.w_chunk * S + stage], 0.0)
+        per = per + np.where(t.w_micro >= 0, w[t.virtual(t.w_chunk, stage)], 0.0)
     exchange = T * 2.0 * costs.exchange
     if t.spread:
         G = t.tail_split
