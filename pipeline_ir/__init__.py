@@ -7,7 +7,7 @@ stage, asynchronous or lockstep). Imports numpy and the standard library only, n
 (a test holds it to that), so a schedule is built, lowered and priced in microseconds.
 """
 
-from pipeline_ir.lowering import Ticks, action_tables, spread_times, ticks
+from pipeline_ir.lowering import Exchange, Ticks, action_tables, exchanges, spread_times, ticks
 from pipeline_ir.program import KINDS, LOWERED_KINDS, Action, PipelineProgram, Schedule, SimResult
 from pipeline_ir.schedules import (
     SCHEDULE_NAMES,
@@ -33,6 +33,7 @@ __all__ = [
     "WEIGHT_PASS_SCHEDULES",
     "Action",
     "Costs",
+    "Exchange",
     "PipelineProgram",
     "Schedule",
     "SimResult",
@@ -40,6 +41,7 @@ __all__ = [
     "Timing",
     "action_tables",
     "chunk_inflight_rule",
+    "exchanges",
     "fused_1f1b",
     "gpipe",
     "inflight_rule",

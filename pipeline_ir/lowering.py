@@ -9,8 +9,11 @@
 - **The tail spread** (``tail_split > 1``): the layers after the last block run, a slice of the
   microbatch's rows each, on the last ``G`` stages in the tick after the last virtual stage's forward
   (``Ticks.tail_micro``), which the program's tail gap leaves free.
-- **Exchanges**: every tick sends the stream up and its cotangent down (zeros when idle), and a tail tick
-  its slices out and back (``G − 1`` each way); ``pipeline_ir.simulate`` prices them per tick.
+- **Exchanges** (``exchanges``): every value a stage makes for another (the stream of ``F(u−1, m)``, the
+  cotangent of ``B(u+1, m)``) as a send after the slot that makes it and a receive before the slot that
+  reads it; the SPMD program exchanges on every tick (zeros when idle), a tail tick also its slices out
+  and back (``G − 1`` each way), and ``pipeline_ir.simulate`` prices that per tick (lockstep) or per
+  crossing dependency (async).
 
 ``ticks(program)`` gives the tables the SPMD program (``autoshard.pipeline.spmd_program``) indexes by
 ``[tick, stage]``: the action, its microbatch, and the buffer slots it reads and writes; ``action_tables``
@@ -27,7 +30,7 @@ import numpy as np
 
 from pipeline_ir.program import PipelineProgram
 
-__all__ = ["Ticks", "action_tables", "spread_times", "ticks"]
+__all__ = ["Exchange", "Ticks", "action_tables", "exchanges", "spread_times", "ticks"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -263,3 +266,39 @@ def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]], st
         slots.update(got)
         n = max(n, k)
     return slots, n
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Exchange:
+    """One value sent between stages: the ``stream`` into ``F(virtual_stage, microbatch)`` or the
+    ``cotangent`` into ``B(virtual_stage, microbatch)``, sent by stage ``src`` at the end of slot ``sent``
+    and received by stage ``dst`` before slot ``needed``."""
+
+    value: str
+    virtual_stage: int
+    microbatch: int
+    src: int
+    dst: int
+    sent: int
+    needed: int
+
+
+def exchanges(program: PipelineProgram) -> tuple[Exchange, ...]:
+    """The sends and receives ``program`` needs: every dependency between virtual stages that run on two
+    different stages (the V's turn and one stage's chunks on ``S = 1`` stay put), in slot order."""
+    S, V = program.num_stages, program.num_virtual_stages
+    slot_of = {}
+    for t, slot in enumerate(program.slots):
+        for a in slot:
+            slot_of[(a.virtual_stage(S, program.v_shape), a.microbatch, a.kind)] = t
+    out = []
+    for m in range(program.num_microbatches):
+        for u in range(V):
+            here = program.place(u)[0]
+            if u > 0 and (there := program.place(u - 1)[0]) != here:
+                out.append(Exchange("stream", u, m, there, here, slot_of[(u - 1, m, "forward")],
+                                    slot_of[(u, m, "forward")]))
+            if u < V - 1 and (there := program.place(u + 1)[0]) != here:
+                out.append(Exchange("cotangent", u, m, there, here, slot_of[(u + 1, m, "backward")],
+                                    slot_of[(u, m, "backward")]))
+    return tuple(sorted(out, key=lambda e: (e.sent, e.src, e.value)))

@@ -16,6 +16,7 @@ from pipeline_ir import (
     Costs,
     PipelineProgram,
     action_tables,
+    exchanges,
     fused_1f1b,
     schedule,
     simulate,
@@ -197,3 +198,20 @@ def test_zb_v_runs_its_chunks_in_a_v_and_fills_the_bubble_at_1f1bs_memory() -> N
     far = simulate(program, Costs(forward=[1.0] * 4, backward=[1.0] * 4, weight=[1.0] * 4, comm=10.0), "async")
     # F0 F1 F2 F3 B3 B2 B1 B0 W0 in a chain: stage 0 -> 1 and back forward, again backward, four crossings
     assert far.loop == pytest.approx(9 + 4 * 10.0)
+
+
+@given(programs())
+@FAST
+def test_exchanges_send_each_crossing_value_once_after_it_is_made_and_before_it_is_read(
+        program: PipelineProgram) -> None:
+    S, V, M = program.num_stages, program.num_virtual_stages, program.num_microbatches
+    got = exchanges(program)
+    crossings = sum(program.place(u)[0] != program.place(u - 1)[0] for u in range(1, V))
+    assert len(got) == 2 * crossings * M
+    assert len({(e.value, e.virtual_stage, e.microbatch) for e in got}) == len(got)
+    for e in got:
+        assert e.src != e.dst and e.sent < e.needed
+        assert e.dst == program.place(e.virtual_stage)[0]
+    # one stage, or a V's turn, sends nothing to itself
+    if S == 1:
+        assert got == ()
