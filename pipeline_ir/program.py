@@ -303,35 +303,23 @@ class PipelineProgram:
         return self.peak_inflight_all()[stage]
 
     def peak_inflight_all(self) -> tuple[int, ...]:
-        """``peak_inflight`` of every stage, in one pass over the slots (a pass per stage took 24 s for
-        GPT-1T's 128 stages x 1024 microbatches)."""
-        live: list[set[tuple[int, int]]] = [set() for _ in range(self.num_stages)]
-        peak = [0] * self.num_stages
-        last = "weight" if self.weight_pass else "backward"  # the pass that frees the activations
-        for slot in self.slots:
-            for a in slot:
-                if a.kind == "forward":
-                    live[a.stage].add((a.chunk, a.microbatch))
-                    peak[a.stage] = max(peak[a.stage], len(live[a.stage]))
-                elif a.kind == last:
-                    live[a.stage].discard((a.chunk, a.microbatch))
-        return tuple(peak)
+        """``peak_inflight`` of every stage: ``pipeline_ir.simulate.memory``, the one count of it."""
+        from pipeline_ir.simulate import memory  # the simulator reads programs: imported on use
+
+        return memory(self)[0]
 
     def peak_inflight_by_chunk(self, stage: int) -> tuple[int, ...]:
         """Per model chunk of ``stage``, the most of its microbatches in flight at once. Their sum bounds
         ``peak_inflight`` from above (tightly for interleaved 1F1B: the last stage's second chunk holds
         one or two while its first holds ``S``), so a chunk's plan counts its own activations that many
-        times, not the stage's total."""
-        live = [0] * self.num_chunks
-        peak = [0] * self.num_chunks
-        last = "weight" if self.weight_pass else "backward"
-        for a in self.actions(stage):
-            if a.kind == "forward":
-                live[a.chunk] += 1
-                peak[a.chunk] = max(peak[a.chunk], live[a.chunk])
-            elif a.kind == last:
-                live[a.chunk] -= 1
-        return tuple(peak)
+        times, not the stage's total. ``peak_inflight_by_chunk_all`` gives every stage's in one pass."""
+        return self.peak_inflight_by_chunk_all()[stage]
+
+    def peak_inflight_by_chunk_all(self) -> tuple[tuple[int, ...], ...]:
+        """``peak_inflight_by_chunk`` of every stage (``pipeline_ir.simulate.memory``)."""
+        from pipeline_ir.simulate import memory
+
+        return memory(self)[1]
 
     def simulate(
         self,

@@ -326,9 +326,8 @@ def inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int
     return schedule(name, num_stages, num_microbatches, chunks, tail_gap).peak_inflight_all()[::-1]
 
 
-def chunk_inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
+def chunk_inflight_rule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1, tail_gap: int = 0,
                         ) -> tuple[tuple[int, ...], ...]:
     """``inflight_rule`` per model chunk: entry ``[r][c]`` is chunk ``c`` of the stage with ``r`` stages
     after it (``PipelineProgram.peak_inflight_by_chunk``)."""
-    sched = schedule(name, num_stages, num_microbatches, chunks)
-    return tuple(sched.peak_inflight_by_chunk(num_stages - 1 - r) for r in range(num_stages))
+    return schedule(name, num_stages, num_microbatches, chunks, tail_gap).peak_inflight_by_chunk_all()[::-1]

@@ -53,7 +53,7 @@ import numpy as np
 from pipeline_ir.lowering import Ticks, action_tables
 from pipeline_ir.program import Action, PipelineProgram
 
-__all__ = ["MODES", "Costs", "Timing", "simulate"]
+__all__ = ["MODES", "Costs", "Timing", "memory", "simulate"]
 
 Mode = Literal["async", "lockstep"]
 MODES: tuple[str, ...] = ("async", "lockstep")
@@ -140,6 +140,12 @@ def simulate(program: PipelineProgram | Ticks, costs: Costs, mode: Mode = "async
         raise ValueError("simulate(..., 'async'): the MPMD runtime keeps the tail on the last stage; a spread "
                          f"tail (tail_split={tail_split}) is the SPMD program's, price it 'lockstep'")
     return _async(program, costs, timeline)
+
+
+def memory(program: PipelineProgram) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The microbatches ``program`` holds in flight at most, per stage and per (stage, chunk) (module doc,
+    "Memory"): what ``simulate`` reports beside the time, without pricing it."""
+    return _inflight_of_tables(action_tables(program), program.num_chunks)
 
 
 def _check_lengths(name: str, V: int, S: int, weight_pass: bool, costs: Costs) -> None:

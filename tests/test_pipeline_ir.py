@@ -89,14 +89,33 @@ def test_lockstep_never_beats_async_on_the_same_program(data: st.DataObject) -> 
     assert lock.ticks == lazy.ticks == len(program.slots)
 
 
+def _walked_inflight(program: PipelineProgram) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The in-flight rule as ``Schedule.peak_inflight_all`` walked it before ``simulate`` counted it on
+    arrays: the set of (chunk, microbatch) a stage holds, from its forward to its last pass."""
+    S, last = program.num_stages, "weight" if program.weight_pass else "backward"
+    live: list[set[tuple[int, int]]] = [set() for _ in range(S)]
+    peak = [0] * S
+    by_chunk = [[0] * program.num_chunks for _ in range(S)]
+    for slot in program.slots:
+        for a in slot:
+            if a.kind == "forward":
+                live[a.stage].add((a.chunk, a.microbatch))
+                peak[a.stage] = max(peak[a.stage], len(live[a.stage]))
+                held = sum(c == a.chunk for c, _ in live[a.stage])
+                by_chunk[a.stage][a.chunk] = max(by_chunk[a.stage][a.chunk], held)
+            elif a.kind == last:
+                live[a.stage].discard((a.chunk, a.microbatch))
+    return tuple(peak), tuple(tuple(row) for row in by_chunk)
+
+
 @given(programs())
 @FAST
 def test_memory_is_the_old_in_flight_rule(program: PipelineProgram) -> None:
     S, B, g = program.num_stages, program.num_microbatches, program.tail_gap
     V = program.num_virtual_stages
     got = simulate(program, Costs(forward=[1.0] * V, backward=[1.0] * V, weight=[1.0] * V), "async")
+    assert (got.inflight, got.inflight_by_chunk) == _walked_inflight(program)
     assert got.inflight == program.peak_inflight_all()
-    assert got.inflight_by_chunk == tuple(program.peak_inflight_by_chunk(s) for s in range(S))
     r = [S - 1 - s for s in range(S)]
     if program.fused:  # ``fused_inflight``'s rule: 2r + 1 (two more with a tail gap)
         assert got.inflight == tuple(min(2 * x + 1 + 2 * g, B) for x in r)

@@ -18,7 +18,7 @@ from pipeline_ir.schedules import schedule
 from pipeline_ir.simulate import Costs, simulate
 
 __all__ = ["DISPATCH_S", "SCHEDULES", "SpmdTime", "Ticks", "action_tables", "cannot_run", "fused_1f1b",
-           "fused_inflight", "lockstep_tables", "price", "spread_times", "ticks"]
+           "fused_inflight", "lockstep_costs", "lockstep_tables", "price", "spread_times", "ticks"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # what the SPMD program runs as such
 
@@ -90,9 +90,15 @@ def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks,
     where each stage runs at its own pace, a stage doing a forward while another does a backward waits for
     it: the lockstep costs up to ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks
     still exchange."""
-    n = max(inner, 1)
-    costs = Costs.of_micro(micro_times, weight_pass=t.weight_pass, update=tuple(update_times), dispatch=dispatch,
-                           exchange=link.latency + stream_bytes / n / link.bandwidth, tail=tail,
-                           tail_exchange=link.latency + stream_bytes / t.tail_split / n / link.bandwidth)
-    got = simulate(t, costs, "lockstep")
+    got = simulate(t, lockstep_costs(micro_times, update_times, t, stream_bytes=stream_bytes, link=link, inner=inner,
+                                     dispatch=dispatch, tail=tail), "lockstep")
     return SpmdTime(ticks=got.ticks, loop=got.loop, exchange=got.exchange, update=got.update, dispatch=got.dispatch)
+
+
+def lockstep_costs(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
+                   link: Any, inner: int, dispatch: float = DISPATCH_S, tail: float = 0.0) -> Costs:
+    """``simulate``'s costs of the SPMD program's ticks ``t`` (``price``'s arguments; its docstring)."""
+    n = max(inner, 1)
+    return Costs.of_micro(micro_times, weight_pass=t.weight_pass, update=tuple(update_times), dispatch=dispatch,
+                          exchange=link.latency + stream_bytes / n / link.bandwidth, tail=tail,
+                          tail_exchange=link.latency + stream_bytes / t.tail_split / n / link.bandwidth)
