@@ -46,7 +46,9 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    ``1/B`` weighting, its solve started from the layouts its layers' plans give its inputs
    (``layer_prices.layouts_of_layers``): a stage's ILP is ``L/S`` times a layer's and gets less time
    per node, and alone it can end far above the sum the DP saw (GPT-39B on 8x8: 810 ms planned whole
-   against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is ``T`` above with these plans' ``t_s`` and ``u_s``.
+   against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is
+   these plans' ``t_s`` and ``u_s`` priced by ``pipeline_ir.simulate`` (the schedule's own timeline, the
+   MPMD runtime's host beside it), which ``T`` above bounds from above and equals on equal stages.
 
 **Recompute per stage** (``modes``: ``pipeline.recompute`` offers the modes cheaper than the one being
 planned). Under 1F1B stage ``s`` of ``S`` holds ``S − s`` microbatches in flight, so the memory that forces
@@ -78,7 +80,8 @@ stages are cut and planned for 1F1B, then 1F1B and ZB-H1 are both priced on them
 the faster is the plan's schedule. ZB-H1 keeps the microbatches in flight 1F1B keeps (``schedules``), so
 the stages' plans and memory hold for both; its weight-gradient passes fill 1F1B's warm-up and cool-down
 idle slots (Qi et al. 2024), which pays where the bubble is large: GPT-1T's 128 stages of 3x8 over 1024
-microbatches, 119.30 s of pipeline under 1F1B, 115.47 s under ZB-H1 (``Schedule.simulate``).
+microbatches, 119.30 s of pipeline under 1F1B (then Alpa's closed form, an upper bound of the simulated
+timeline both are priced by now), 115.47 s under ZB-H1 (``pipeline_ir.simulate``).
 
 Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
 layers unrolled to pipeline them).
@@ -170,7 +173,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
-    replaces the stage DP, and the step is priced as that program runs (``ticks.price``); ``spread_tail``
+    replaces the stage DP, and the step is priced as that program runs (``simulate``, lockstep); ``spread_tail``
     lets it spread the layers after the blocks over several stages where that is faster (``_uniform``).
     ``modes``: recompute modes each stage of the stage DP may choose (``graph`` is ``modes``' last; the
     module docstring's "Recompute per stage"); the plan's ``recompute`` then says which block does what, and
