@@ -19,8 +19,8 @@ profile``), and ``moved(u, kind)`` the inputs made on another stage or sliced fr
 where ``placed`` counts the parameters each stage reads, put once a step where the update left them in
 another layout (an upper bound).
 
-and the step is priced ``max(pipeline, host) + update`` (``HostWork.step``): a host slower than the
-stages' work leaves the devices waiting on it. The SPMD program (``spmd_program``) pays one call a step.
+and ``pipeline_ir.simulate`` prices the step with the host as one more serial resource, ``max(pipeline, host) +
+update`` (``Costs.host``): a host slower than the stages' work leaves the devices waiting on it. The SPMD program (``spmd_program``) pays one call a step.
 
 Pure: counts come from the step's graph and the stages' op assignment, as ``partition.segments`` groups
 them for the runtime; nothing here runs JAX.
@@ -73,11 +73,6 @@ class HostWork:
     args: int
     puts: int
     seconds: float
-
-    def step(self, pipeline: float) -> float:
-        """The forward and backward passes' seconds, ``pipeline`` as the stages run them, with the host
-        issuing them: ``max(pipeline, host)`` (module docstring)."""
-        return max(pipeline, self.seconds)
 
 
 def host_work(graph: Graph, parts: StepParts, stage_of_op: Sequence[int], num_stages: int, num_microbatches: int,

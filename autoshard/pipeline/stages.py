@@ -46,7 +46,9 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    ``1/B`` weighting, its solve started from the layouts its layers' plans give its inputs
    (``layer_prices.layouts_of_layers``): a stage's ILP is ``L/S`` times a layer's and gets less time
    per node, and alone it can end far above the sum the DP saw (GPT-39B on 8x8: 810 ms planned whole
-   against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is ``T`` above with these plans' ``t_s`` and ``u_s``.
+   against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is
+   these plans' ``t_s`` and ``u_s`` priced by ``pipeline_ir.simulate`` (the schedule's own timeline, the
+   MPMD runtime's host beside it), which ``T`` above bounds from above and equals on equal stages.
 
 **Recompute per stage** (``modes``: ``pipeline.recompute`` offers the modes cheaper than the one being
 planned). Under 1F1B stage ``s`` of ``S`` holds ``S − s`` microbatches in flight, so the memory that forces
@@ -78,7 +80,8 @@ stages are cut and planned for 1F1B, then 1F1B and ZB-H1 are both priced on them
 the faster is the plan's schedule. ZB-H1 keeps the microbatches in flight 1F1B keeps (``schedules``), so
 the stages' plans and memory hold for both; its weight-gradient passes fill 1F1B's warm-up and cool-down
 idle slots (Qi et al. 2024), which pays where the bubble is large: GPT-1T's 128 stages of 3x8 over 1024
-microbatches, 119.30 s of pipeline under 1F1B, 115.47 s under ZB-H1 (``Schedule.simulate``).
+microbatches, 119.30 s of pipeline under 1F1B (then Alpa's closed form, an upper bound of the simulated
+timeline both are priced by now), 115.47 s under ZB-H1 (``pipeline_ir.simulate``).
 
 Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
 layers unrolled to pipeline them).
@@ -120,17 +123,11 @@ from autoshard.pipeline.partition import (
     subgraph,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
-from autoshard.pipeline.schedules import (
-    SCHEDULE_NAMES,
-    WEIGHT_PASS_SCHEDULES,
-    chunk_inflight_rule,
-    inflight_rule,
-    schedule,
-)
 from autoshard.pipeline.ticks import (
     action_tables,
     fused_1f1b,
     fused_inflight,
+    lockstep_costs,
     lockstep_tables,
     price,
     spread_times,
@@ -147,6 +144,14 @@ from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from autoshard.trace.remat import REMAT_MODES, summary
 from cost_models import CostModel
+from pipeline_ir.schedules import (
+    SCHEDULE_NAMES,
+    WEIGHT_PASS_SCHEDULES,
+    chunk_inflight_rule,
+    inflight_rule,
+    schedule,
+)
+from pipeline_ir.simulate import Costs, Timing, simulate
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
 
 if TYPE_CHECKING:  # a later pass: it hands its modes in
@@ -169,7 +174,7 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     ``schedule_name="auto"`` prices ``AUTO_SCHEDULES`` on the stages and keeps the faster (module docstring).
     ``time_budget_s``: solver seconds for the whole pipeline (None: scaled to the step's ops,
     ``SHARES.auto_seconds``). ``uniform``: stages the SPMD program (``spmd_program``) runs: ``_uniform``
-    replaces the stage DP, and the step is priced as that program runs (``ticks.price``); ``spread_tail``
+    replaces the stage DP, and the step is priced as that program runs (``simulate``, lockstep); ``spread_tail``
     lets it spread the layers after the blocks over several stages where that is faster (``_uniform``).
     ``modes``: recompute modes each stage of the stage DP may choose (``graph`` is ``modes``' last; the
     module docstring's "Recompute per stage"); the plan's ``recompute`` then says which block does what, and
@@ -452,21 +457,22 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         ))
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
+    per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
+    updates = [sum(stages[u].update_time for u in us) for us in per_stage]  # once a step, after the passes
     if uniform:  # the SPMD program's lockstep ticks, interleaved or not
         priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks, split,
-                                          tail_time)}
+                                          tail_time, updates)}
     else:  # the single-process runtime: the stages' passes, and the host issuing them (``pipeline.host``)
         host = _host_work(graph, parts, layer_of_op, chosen, num_stages, num_microbatches, names, cost)
-        priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks) for name in names}
-        priced = {name: (host[name].step(t), b) for name, (t, b) in priced.items()}
-    chosen_schedule = min(names, key=lambda name: priced[name][0])  # the first of equals: 1F1B
-    pipe, bubble = priced[chosen_schedule]
+        priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks, host[name].seconds,
+                                       updates) for name in names}
+    chosen_schedule = min(names, key=lambda name: priced[name].passes)  # the first of equals: 1F1B
+    timing = priced[chosen_schedule]
+    bubble, step_time = timing.bubble_fraction, timing.step
     host_time = 0.0 if uniform else host[chosen_schedule].seconds
     if len(names) > 1:
         log.info("schedule %s chosen (%s)", chosen_schedule,
-                 ", ".join(f"{name}: {human_time(t)} of pipeline" for name, (t, _) in priced.items()))
-    per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
-    step_time = pipe + max(sum(stages[u].update_time for u in us) for us in per_stage)
+                 ", ".join(f"{name}: {human_time(t.passes)} of pipeline" for name, t in priced.items()))
     held_bytes = [sum(stages[u].memory for u in us) for us in per_stage]
     worst = int(np.argmax(held_bytes))
     if memory_budget is not None and held_bytes[worst] > memory_budget * (1 + 1e-6):
@@ -487,7 +493,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
                             dp_seconds=dp_seconds, dp_candidates=dp_candidates,
                             stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start,
-                            schedules={name: t for name, (t, _) in priced.items()} if len(names) > 1 else None)
+                            schedules={name: t.passes for name, t in priced.items()} if len(names) > 1 else None)
     return PipelinePlan(
         mesh=cost.mesh, hardware=hardware, num_microbatches=num_microbatches, schedule=chosen_schedule,
         num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
@@ -643,7 +649,7 @@ def _tick_forms(pricing: str, S: int, M: int, chunks: int, splits: Sequence[int]
     for g in splits:
         gap = int(g > 1)
         sched = schedule(pricing, S, M, chunks, tail_gap=gap)
-        by_chunk = tuple(sched.peak_inflight_by_chunk(S - 1 - r) for r in range(S)) if chunks > 1 else None
+        by_chunk = chunk_inflight_rule(pricing, S, M, chunks, tail_gap=gap) if chunks > 1 else None
         forms.append((pricing, False, inflight_rule(pricing, S, M, chunks, tail_gap=gap), by_chunk,
                       action_tables(sched, g), g))
         if pricing == "1f1b":
@@ -684,21 +690,21 @@ def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int
 
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
                    num_microbatches: int, fused: bool, chunks: int = 1, tail_split: int = 1,
-                   tail: float = 0.0) -> tuple[float, float]:
-    """Seconds of the SPMD program's tick loop (``ticks.price``: lockstep ticks, each as long as its
+                   tail: float = 0.0, updates: Sequence[float] = ()) -> Timing:
+    """The SPMD program's step, priced (``pipeline_ir.simulate``, lockstep: ticks, each as long as its
     slowest stage's work, two exchanges a tick; ``fused``: 1F1B's fused ticks; ``chunks``: the interleaved
     schedule's, ``stages`` then one per virtual stage, round the ring; ``tail_split > 1``: the tail, ``tail``
-    seconds of the last stage's ``micro_time``, spread over that many stages) and its idle fraction
-    ``1 − B·Σ_u t_u / (S·loop)``."""
+    seconds of the last stage's ``micro_time``, spread over that many stages), then each physical stage's
+    ``updates``."""
     S = len(stages) // chunks
     hosts = {st.origin[0] for st in stages}
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
     times = spread_times([st.micro_time for st in stages], tail, tail_split)
     stream = float(into[stages[1].layers[0]]) if len(stages) > 1 else 0.0
     table = lockstep_tables(name, S, num_microbatches, chunks, fused=fused, tail_split=tail_split)
-    got = price(times, [0.0] * S, table, stream_bytes=stream, link=link,
-                inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0, tail=tail)
-    return got.loop, max(0.0, 1.0 - num_microbatches * (sum(times) + tail * (tail_split > 1)) / (S * got.loop))
+    return simulate(table, lockstep_costs(times, updates, table, stream_bytes=stream, link=link,
+                                          inner=stages[0].submesh[0] * stages[0].submesh[1], dispatch=0.0, tail=tail),
+                    "lockstep")
 
 
 def _host_work(graph: Graph, parts: Any, layer_of_op: Sequence[int], chosen: Sequence[tuple[int, int, int]],
@@ -720,21 +726,15 @@ def _host_work(graph: Graph, parts: Any, layer_of_op: Sequence[int], chosen: Seq
 
 
 def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_microbatches: int,
-                   chunks: int) -> tuple[float, float]:
-    """Seconds the forward and backward passes of ``num_microbatches`` take under schedule ``name`` with
-    (virtual) stages taking ``times`` a microbatch, and the bubble fraction. 1F1B and GPipe: ``Σ_s t_s +
-    (B − 1)·max_s t_s``; the interleaved and zero-bubble schedules: their own timeline
-    (``Schedule.simulate``), a backward costing twice a forward (ZB-H1: its input- and weight-gradient
-    parts one forward each)."""
-    if chunks > 1 or name not in ("1f1b", "gpipe"):  # the formula needs no schedule built (1 s at 128 x 1024)
-        sched = schedule(name, num_stages, num_microbatches, chunks)
-        third = [t / 3 for t in times]
-        sim = (sched.simulate(third, third, weight_times=third) if sched.weight_pass
-               else sched.simulate(third, [2 * t for t in third]))
-        return sim.makespan, sim.bubble_fraction
-    pipe = sum(times) + (num_microbatches - 1) * max(times)
-    bubble = 1.0 - sum(times) * num_microbatches / (num_stages * pipe) if pipe > 0 else 0.0
-    return pipe, bubble
+                   chunks: int, host: float = 0.0, updates: Sequence[float] = ()) -> Timing:
+    """A step of ``num_microbatches`` under schedule ``name`` on the MPMD runtime, priced: (virtual) stages
+    taking ``times`` a microbatch, its host ``host`` seconds a step issuing them, each physical stage's
+    ``updates`` once a step: ``simulate(..., "async")`` (``pipeline_ir.simulate``: each stage at its own
+    pace, a backward costing twice a forward, ZB-H1's input- and weight-gradient parts one forward each;
+    the passes take ``max(timeline, host)``)."""
+    sched = schedule(name, num_stages, num_microbatches, chunks)
+    return simulate(sched, Costs.of_micro(times, weight_pass=sched.weight_pass, host=host, update=tuple(updates)),
+                    "async")
 
 
 def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Sequence[Any], num_stages: int,

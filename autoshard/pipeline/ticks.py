@@ -1,9 +1,8 @@
-"""The SPMD pipeline's schedule as static tables, and what the program costs: pure (numpy, no JAX).
+"""The SPMD pipeline's schedule as static tables, and what the program costs.
 
-``ticks(schedule)`` turns a schedule (``schedules.Schedule``: at most one action per stage per unit slot)
-into the tables the SPMD program (``spmd_program``) indexes by ``[tick, stage]``: the action, its
-microbatch, and the buffer slots it reads and writes. ``price`` gives the seconds the program takes on
-given stage times: its ticks run in lockstep, each as long as its slowest stage's action.
+The tables and their price live in ``pipeline_ir`` (``lowering.ticks``: a program's slots as tick tables
+with buffer slots; ``simulate(..., "lockstep")``: their price); this module keeps the SPMD program's view of
+them: which schedules it runs, its errors, and ``price`` as the program's call costs it (``SpmdTime``).
 """
 
 from __future__ import annotations
@@ -12,10 +11,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from autoshard.pipeline.partition import PipelineError
-from autoshard.pipeline.schedules import Schedule, schedule
+from pipeline_ir import schedules as _schedules
+from pipeline_ir.lowering import Ticks, action_tables, spread_times, ticks
+from pipeline_ir.schedules import schedule
+from pipeline_ir.simulate import Costs, simulate
+
+__all__ = ["DISPATCH_S", "SCHEDULES", "SpmdTime", "Ticks", "action_tables", "cannot_run", "fused_1f1b",
+           "fused_inflight", "lockstep_costs", "lockstep_tables", "price", "spread_times", "ticks"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # what the SPMD program runs as such
 
@@ -23,211 +26,6 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # what the SPMD prog
 def cannot_run(msg: str) -> PipelineError:
     """The error for a step the SPMD program cannot run: ``msg`` says why and what to change."""
     return PipelineError(f"the SPMD pipeline cannot run this step: {msg}")
-
-
-# ---- the tick tables --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Ticks:
-    """A schedule as static tables indexed ``[tick, stage]``. Each tick a stage runs at most one forward
-    (``f_micro >= 0``: its microbatch, ``f_chunk`` its model chunk), then at most one backward (``b_micro``,
-    ``b_chunk``), then exchanges. The slots: ``act_read`` the stream slot the forward reads, ``res_write``
-    the residual slot it fills, ``cot_self`` the cotangent slot the last virtual stage's forward fills (the
-    tail's); ``res_read`` / ``cot_read`` what the backward reads; ``*_recv``: where the value arriving at
-    the end of the tick is stored (-1: nothing arrives)."""
-
-    f_micro: np.ndarray
-    f_chunk: np.ndarray
-    b_micro: np.ndarray
-    b_chunk: np.ndarray
-    act_read: np.ndarray
-    act_recv: np.ndarray
-    cot_read: np.ndarray
-    cot_recv: np.ndarray
-    cot_self: np.ndarray
-    res_write: np.ndarray
-    res_read: np.ndarray
-    act_slots: int
-    cot_slots: int
-    res_slots: int
-    fused: bool = False  # a forward and a backward in the same tick (``fused_1f1b``)
-    # a weight pass (ZB-H1): ``w_micro``/``w_chunk`` the weight-gradient action ``W`` a stage runs after its
-    # backward ``B`` (then only the input gradient); ``W`` reads its residuals (``w_res``), its cotangent
-    # (``w_cot``) and what ``B`` left it (``g_write`` at ``B``, ``g_read`` at ``W``, ``g_slots`` of them)
-    w_micro: np.ndarray | None = None
-    w_chunk: np.ndarray | None = None
-    w_res: np.ndarray | None = None
-    w_cot: np.ndarray | None = None
-    g_write: np.ndarray | None = None
-    g_read: np.ndarray | None = None
-    g_slots: int = 1
-    # a spread tail (``tail_split`` stages run the layers after the blocks, a slice of the microbatch's rows
-    # each): ``tail_micro[t]`` the microbatch whose tail runs at tick ``t`` (the tick after the last virtual
-    # stage's forward, whose stream leaves at the end of it), ``tail_cot[t]`` the cotangent slot of the last
-    # stage where the slices' cotangents, back at the end of tick ``t``, are stored; indexed by tick alone
-    # (the same on every stage, so the exchanges around it run on every stage or none)
-    tail_micro: np.ndarray | None = None
-    tail_cot: np.ndarray | None = None
-    tail_split: int = 1
-
-    @property
-    def weight_pass(self) -> bool:
-        return self.w_micro is not None
-
-    @property
-    def spread(self) -> bool:
-        return self.tail_micro is not None
-
-    @property
-    def num_ticks(self) -> int:
-        return int(self.f_micro.shape[0])
-
-    def res_slots_at(self, stage: int) -> int:
-        """Residual slots stage ``stage`` uses: the microbatches it holds in flight at most."""
-        used = set(self.res_write[:, stage][self.res_write[:, stage] >= 0].tolist())
-        return len(used)
-
-
-def _colour(intervals: list[tuple[int, int, Any]], strict: bool) -> tuple[dict[Any, int], int]:
-    """Slots for values alive from tick ``w`` to tick ``r`` (read at ``r``): a value may take the slot of one
-    read at tick ``r'`` when ``w >= r'`` (written at the end of its tick, after the read), or ``w > r'`` with
-    ``strict`` (written during its tick by a forward, which runs before that tick's backward reads)."""
-    free: list[tuple[int, int]] = []  # (tick the slot frees up, slot)
-    slots: dict[Any, int] = {}
-    n = 0
-    for w, r, key in sorted(intervals, key=lambda x: (x[0], x[1])):
-        free.sort()
-        if free and (free[0][0] < w if strict else free[0][0] <= w):
-            _, k = free.pop(0)
-        else:
-            k, n = n, n + 1
-        slots[key] = k
-        free.append((r, k))
-    return slots, max(n, 1)
-
-
-def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int, int]],
-            bwd: dict[tuple[int, int], tuple[int, int]], fused: bool,
-            wgt: dict[tuple[int, int], tuple[int, int]] | None = None, tail_split: int = 1) -> Ticks:
-    """Tables from when each action runs: ``fwd[(u, m)] = (tick, stage)``, ``bwd`` and ``wgt`` (a weight
-    pass) likewise. With a weight pass the residuals and the received cotangent live until ``W``. With
-    ``tail_split > 1`` the tail of microbatch ``m`` runs at tick ``fwd[(V-1, m)] + 1`` on other stages and
-    its cotangent reaches the last stage at the end of that tick (the schedule leaves the gap)."""
-    last = wgt if wgt else bwd  # the action that reads a microbatch's residuals and cotangent last
-    f_micro, f_chunk, b_micro, b_chunk = (np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32),
-                                          np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32))
-    for (u, m), (t, s) in fwd.items():
-        f_micro[t, s], f_chunk[t, s] = m, u // S
-    for (u, m), (t, s) in bwd.items():
-        b_micro[t, s], b_chunk[t, s] = m, u // S
-    act_iv = [(fwd[(u - 1, m)][0], fwd[(u, m)][0], (u % S, u, m)) for u in range(1, V) for m in range(M)]
-    cot_iv = [(bwd[(u + 1, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V - 1) for m in range(M)]
-    spread = tail_split > 1
-    self_iv = [(fwd[(V - 1, m)][0] + spread, last[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
-    res_iv = [(fwd[(u, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V) for m in range(M)]
-    act_slot, n_act = _colour_per_stage(act_iv, strict=False)
-    cot_slot, n_cot = _colour_per_stage(cot_iv + self_iv, strict=fused)  # the last stage's: made and read in F, B
-    res_slot, n_res = _colour_per_stage(res_iv, strict=True)
-    neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
-    act_read, act_recv, cot_read, cot_recv, cot_self, res_w, res_r = neg(), neg(), neg(), neg(), neg(), neg(), neg()
-    for (s, u, m), k in act_slot.items():
-        act_read[fwd[(u, m)][0], s] = k
-        act_recv[fwd[(u - 1, m)][0], s] = k
-    tail_micro, tail_cot = (np.full(T, -1, np.int32), np.full(T, -1, np.int32)) if spread else (None, None)
-    for (s, u, m), k in cot_slot.items():
-        cot_read[bwd[(u, m)][0], s] = k
-        if u == V - 1 and spread:
-            t_tail = fwd[(u, m)][0] + 1
-            if not t_tail < bwd[(u, m)][0]:
-                raise ValueError(f"a spread tail needs a tick between the last stage's forward and backward of "
-                                 f"microbatch {m}; build the schedule with tail_gap=1")
-            tail_micro[t_tail], tail_cot[t_tail] = m, k
-        elif u == V - 1:
-            cot_self[fwd[(u, m)][0], s] = k
-        else:
-            cot_recv[bwd[(u + 1, m)][0], s] = k
-    for (s, u, m), k in res_slot.items():
-        res_w[fwd[(u, m)][0], s] = k
-        res_r[bwd[(u, m)][0], s] = k
-    weight: dict[str, Any] = {}
-    if wgt:
-        w_micro, w_chunk, w_res, w_cot, g_w, g_r = (neg(), np.zeros((T, S), np.int32), neg(), neg(), neg(), neg())
-        g_slot, n_g = _colour_per_stage([(bwd[(u, m)][0], wgt[(u, m)][0], (u % S, u, m))
-                                         for u in range(V) for m in range(M)], strict=True)
-        for (u, m), (t, s) in wgt.items():
-            w_micro[t, s], w_chunk[t, s] = m, u // S
-            w_res[t, s] = res_slot[(s, u, m)]
-            w_cot[t, s] = cot_slot[(s, u, m)]
-            g_w[bwd[(u, m)][0], s] = g_r[t, s] = g_slot[(s, u, m)]
-        weight = dict(w_micro=w_micro, w_chunk=w_chunk, w_res=w_res, w_cot=w_cot, g_write=g_w, g_read=g_r,
-                      g_slots=n_g)
-    return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=act_read,
-                 act_recv=act_recv, cot_read=cot_read, cot_recv=cot_recv, cot_self=cot_self, res_write=res_w,
-                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused,
-                 tail_micro=tail_micro, tail_cot=tail_cot, tail_split=tail_split, **weight)
-
-
-def ticks(sched: Schedule, tail_split: int = 1) -> Ticks:
-    """The tables of ``sched`` (any chunk count, with or without a weight pass), one action per stage per
-    tick (its unit slots). Values are keyed by virtual stage ``u = chunk·S + s`` (``schedules``): the stream
-    of ``F(u−1, m)`` arrives at stage ``u mod S`` (from the stage before it, round the ring from ``S−1`` to 0
-    between chunks) and waits there for ``F(u, m)``; the cotangent of ``B(u+1, m)`` waits for ``B(u, m)``;
-    the last virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to
-    ``B(u, m)``, or to ``W(u, m)`` with a weight pass (ZB-H1), which also keeps the cotangent and what ``B``
-    computed for ``W`` (the gradients of the block's inner values) until then. ``tail_split > 1``: the tail
-    is spread over that many stages (``_tables``; ``sched`` needs ``tail_gap >= 1``)."""
-    S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
-    _check_gap(sched, tail_split)
-    acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
-    for t, slot in enumerate(sched.slots):
-        for a in slot:
-            acts[a.kind][(a.virtual_stage(S), a.microbatch)] = (t, a.stage)
-    return _tables(S, len(sched.slots), V, M, acts["forward"], acts["backward"], fused=False,
-                   wgt=acts["weight"] or None, tail_split=tail_split)
-
-
-def _check_gap(sched: Schedule, tail_split: int) -> None:
-    if tail_split > 1 and sched.tail_gap < 1:
-        raise ValueError(f"a tail spread over {tail_split} stages needs a schedule built with tail_gap=1")
-
-
-def _actions_only(f_micro: np.ndarray, f_chunk: np.ndarray, b_micro: np.ndarray, b_chunk: np.ndarray,
-                  tail_micro: np.ndarray | None, tail_split: int, fused: bool = False,
-                  w_micro: np.ndarray | None = None, w_chunk: np.ndarray | None = None) -> Ticks:
-    """``Ticks`` of the given actions with every buffer slot left at -1 (one slot each): what ``price``
-    reads, for ``action_tables`` and ``fused_1f1b(actions_only=True)``."""
-    T = f_micro.shape[0]
-    neg = np.full(f_micro.shape, -1, np.int32)
-    weight: dict[str, Any] = {}
-    if w_micro is not None:
-        weight = dict(w_micro=w_micro, w_chunk=w_chunk, w_res=neg, w_cot=neg, g_write=neg, g_read=neg)
-    return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=neg, act_recv=neg,
-                 cot_read=neg, cot_recv=neg, cot_self=neg, res_write=neg, res_read=neg, act_slots=1, cot_slots=1,
-                 res_slots=1, fused=fused, tail_micro=tail_micro,
-                 tail_cot=None if tail_micro is None else np.full(T, -1, np.int32), tail_split=tail_split, **weight)
-
-
-def action_tables(sched: Schedule, tail_split: int = 1) -> Ticks:
-    """What ``price`` reads of ``ticks(sched, tail_split)`` (each tick's actions, the spread tail's ticks),
-    without the buffer slots (left at -1, one slot each): a fifth of the time for GPT-1T's 128 stages x
-    1024 microbatches, which the planner prices in several forms."""
-    S, T, V = sched.num_stages, len(sched.slots), sched.num_virtual_stages
-    _check_gap(sched, tail_split)
-    tables = {k: np.full((T, S), -1, np.int32) for k in ("forward", "backward", "weight")}
-    chunk = {k: np.zeros((T, S), np.int32) for k in tables}
-    tail_micro = np.full(T, -1, np.int32) if tail_split > 1 else None
-    last = (V - 1) // S, (V - 1) % S
-    for t, slot in enumerate(sched.slots):
-        for a in slot:
-            tables[a.kind][t, a.stage] = a.microbatch
-            chunk[a.kind][t, a.stage] = a.chunk
-            if tail_micro is not None and a.kind == "forward" and (a.chunk, a.stage) == last:
-                tail_micro[t + 1] = a.microbatch
-    weight = sched.weight_pass
-    return _actions_only(tables["forward"], chunk["forward"], tables["backward"], chunk["backward"], tail_micro,
-                         tail_split, w_micro=tables["weight"] if weight else None,
-                         w_chunk=chunk["weight"] if weight else None)
 
 
 def lockstep_tables(name: str, num_stages: int, num_microbatches: int, chunks: int = 1, *, fused: bool = False,
@@ -240,62 +38,23 @@ def lockstep_tables(name: str, num_stages: int, num_microbatches: int, chunks: i
                          tail_split)
 
 
-def spread_times(times: Sequence[float], tail: float, tail_split: int) -> list[float]:
-    """The (virtual) stages' times as the tick loop runs them: with the tail spread (``tail_split > 1``) the
-    last one's less the tail's ``tail`` seconds, which ``price`` puts in the tail's ticks."""
-    return [*times[:-1], max(times[-1] - tail, 0.0)] if tail_split > 1 else list(times)
-
-
 def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, actions_only: bool = False) -> Ticks:
-    """1F1B with a forward and a backward in every tick: stage ``s`` runs ``F(m)`` at tick ``m + s`` and
-    ``B(m)`` at tick ``m + 2(S − 1) − s`` (the last stage both in one tick, the forward first), so
-    ``T = M + 2S − 2`` ticks and in the steady state every stage is busy with ``f + b`` each tick. Stage ``s``
-    then holds ``min(2(S − 1 − s) + 1, M)`` microbatches in flight (``fused_inflight``): the price of not
-    waiting, in lockstep, for a slower backward elsewhere (the unit-slot 1F1B of ``ticks`` holds
-    ``S − s`` but runs about ``2(M + S − 1)`` ticks of ``b``). With a spread tail (``tail_split > 1``) every
-    backward comes two ticks later (the tail runs in the tick between): ``T = M + 2S``, two more in flight.
-    ``actions_only``: without the buffer slots, as ``action_tables``."""
-    S, M = num_stages, num_microbatches
-    d = 2 if tail_split > 1 else 0
-    if actions_only:  # what ``price`` reads (``action_tables``)
-        T = M + 2 * S - 2 + d
-        f_micro, b_micro = np.full((T, S), -1, np.int32), np.full((T, S), -1, np.int32)
-        m, s = np.meshgrid(np.arange(M), np.arange(S), indexing="ij")
-        f_micro[m + s, s] = m
-        b_micro[m + 2 * (S - 1) - s + d, s] = m
-        zero = np.zeros((T, S), np.int32)
-        tail_micro = None
-        if d:
-            tail_micro = np.full(T, -1, np.int32)
-            tail_micro[np.arange(M) + S] = np.arange(M)
-        return _actions_only(f_micro, zero, b_micro, zero, tail_micro, tail_split, fused=True)
-    fwd = {(s, m): (m + s, s) for s in range(S) for m in range(M)}
-    bwd = {(s, m): (m + 2 * (S - 1) - s + d, s) for s in range(S) for m in range(M)}
-    return _tables(S, M + 2 * S - 2 + d, S, M, fwd, bwd, fused=True, tail_split=tail_split)
+    """The tick tables of fused 1F1B (``pipeline_ir.schedules.fused_1f1b``: a forward and a backward in
+    every tick), the tail spread over ``tail_split`` stages; ``actions_only``: without the buffer slots
+    (``action_tables``)."""
+    program = _schedules.fused_1f1b(num_stages, num_microbatches, tail_gap=int(tail_split > 1))
+    return action_tables(program, tail_split) if actions_only else ticks(program, tail_split)
 
 
 def fused_inflight(num_stages: int, num_microbatches: int, tail_split: int = 1) -> tuple[int, ...]:
-    """``fused_1f1b``'s microbatches in flight per stage, indexed from the end (entry ``r``: the stage with
-    ``r`` stages after it), as ``schedules.inflight_rule`` gives them for the other schedules."""
-    d = 2 if tail_split > 1 else 0
-    return tuple(min(2 * r + 1 + d, num_microbatches) for r in range(num_stages))
+    """Fused 1F1B's microbatches in flight per stage, indexed from the end (entry ``r``: the stage with ``r``
+    stages after it, ``min(2r + 1, M)``, two more with a spread tail), read off its program as
+    ``schedules.inflight_rule`` reads the others'."""
+    program = _schedules.fused_1f1b(num_stages, num_microbatches, tail_gap=int(tail_split > 1))
+    return program.peak_inflight_all()[::-1]
 
 
-def _colour_per_stage(intervals: list[tuple[int, int, tuple[int, int, int]]], strict: bool
-                      ) -> tuple[dict[tuple[int, int, int], int], int]:
-    by_stage: dict[int, list[tuple[int, int, tuple[int, int, int]]]] = {}
-    for iv in intervals:
-        by_stage.setdefault(iv[2][0], []).append(iv)
-    slots: dict[tuple[int, int, int], int] = {}
-    n = 1
-    for ivs in by_stage.values():
-        got, k = _colour(ivs, strict)
-        slots.update(got)
-        n = max(n, k)
-    return slots, n
-
-
-# ---- what the program costs (pure) ----------------------------------------------------------------------
+# ---- what the program costs ----------------------------------------------------------------------------
 
 DISPATCH_S = 5e-5  # host seconds to launch one program when no profile measured it (``autoshard profile``)
 
@@ -317,43 +76,29 @@ class SpmdTime:
 
 def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
           link: Any, inner: int, dispatch: float = DISPATCH_S, tail: float = 0.0) -> SpmdTime:
-    """The program as it runs: ticks in lockstep, each as long as its slowest stage's action.
+    """The program as it runs: ``simulate(t, costs, "lockstep")`` (``pipeline_ir.simulate``), its ticks in
+    lockstep, each as long as its slowest stage's action, with
 
-    With ``f_u = micro_time_u / 3`` and ``b_u = 2·micro_time_u / 3`` (per virtual stage ``u``) (a backward costs two forwards, the
-    convention of ``schedules.Schedule.simulate``; ``micro_time`` already holds receiving the stage's
-    inputs; with a weight pass ``b_u = w_u = f_u``, its input- and weight-gradient halves) and ``a(t, s)``
-    the work of stage ``s`` at tick ``t`` (``f_u``, ``b_u`` and/or ``w_u`` of the chunks it runs):
+        f_u = micro_time_u / 3,  b_u = 2·f_u  (with a weight pass b_u = w_u = f_u)   per virtual stage u
+        x   = α + X / (n·β)                   a tick's message each way (X = ``stream_bytes`` of one
+                                              microbatch over the stage's n = ``inner`` devices, on ``link``)
+        x_G = α + X / (G·n·β)                 a spread tail's slice each way (G = ``t.tail_split``)
 
-        loop     = Σ_t max_s a(t, s) + T · 2·(α + X / (n·β))     (every tick sends the stream up and its
-                                                                   cotangent down, zeros when idle)
-        step     = loop + max_s update_s + dispatch
+    ``micro_time`` already holds receiving the stage's inputs; a spread tail's ``tail`` seconds (its forward
+    and backward for a whole microbatch) are left out of the last virtual stage's. The step adds the
+    slowest stage's ``update_times`` and one ``dispatch``. Against the MPMD runtime's asynchronous 1F1B,
+    where each stage runs at its own pace, a stage doing a forward while another does a backward waits for
+    it: the lockstep costs up to ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks
+    still exchange."""
+    got = simulate(t, lockstep_costs(micro_times, update_times, t, stream_bytes=stream_bytes, link=link, inner=inner,
+                                     dispatch=dispatch, tail=tail), "lockstep")
+    return SpmdTime(ticks=got.ticks, loop=got.loop, exchange=got.exchange, update=got.update, dispatch=got.dispatch)
 
-    ``X`` = ``stream_bytes`` of one microbatch, split over the stage's ``n = inner`` devices, on ``link``
-    (α latency, β bandwidth). Against the MPMD runtime's asynchronous 1F1B, where each stage runs at its
-    own pace, a stage doing a forward while another does a backward waits for it: the lockstep costs up to
-    ``4/3`` of ``f + b`` per microbatch in the steady state, and idle ticks still exchange.
 
-    A spread tail (``t.spread``: ``G = t.tail_split`` stages, ``tail`` the seconds of its forward and
-    backward for a whole microbatch, left out of the last virtual stage's ``micro_time``): at a tick whose
-    ``tail_micro >= 0`` the last ``G`` stages each add ``tail / G`` to their action, and the stream's slices
-    go out and their cotangents come back through ``G − 1`` exchanges each way:
-
-        + Σ_{tail ticks} 2·(G − 1)·(α + X / (G·n·β))"""
-    T, S = t.f_micro.shape
-    f = np.asarray(micro_times, np.float64) / 3.0  # per virtual stage u = chunk·S + s
-    b = f if t.weight_pass else 2.0 * f  # with a weight pass, B and W are one forward each
-    stage = np.arange(S)[None, :]
-    per = (np.where(t.f_micro >= 0, f[t.f_chunk * S + stage], 0.0)
-           + np.where(t.b_micro >= 0, b[t.b_chunk * S + stage], 0.0))
-    if t.weight_pass:
-        per = per + np.where(t.w_micro >= 0, f[t.w_chunk * S + stage], 0.0)
-    exchange = T * 2.0 * (link.latency + stream_bytes / max(inner, 1) / link.bandwidth)
-    if t.spread:
-        G = t.tail_split
-        on = (t.tail_micro >= 0)[:, None] & (np.arange(S) >= S - G)[None, :]
-        per = per + np.where(on, tail / G, 0.0)
-        exchange += int((t.tail_micro >= 0).sum()) * 2.0 * (G - 1) * (
-            link.latency + stream_bytes / G / max(inner, 1) / link.bandwidth)
-    loop = float(per.max(axis=1).sum()) + exchange
-    return SpmdTime(ticks=T, loop=loop, exchange=exchange, update=float(max(update_times, default=0.0)),
-                    dispatch=dispatch)
+def lockstep_costs(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
+                   link: Any, inner: int, dispatch: float = DISPATCH_S, tail: float = 0.0) -> Costs:
+    """``simulate``'s costs of the SPMD program's ticks ``t`` (``price``'s arguments; its docstring)."""
+    n = max(inner, 1)
+    return Costs.of_micro(micro_times, weight_pass=t.weight_pass, update=tuple(update_times), dispatch=dispatch,
+                          exchange=link.latency + stream_bytes / n / link.bandwidth, tail=tail,
+                          tail_exchange=link.latency + stream_bytes / t.tail_split / n / link.bandwidth)

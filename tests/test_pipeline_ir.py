@@ -1,0 +1,236 @@
+"""The pipeline program (``pipeline_ir``): every generator's program is valid, and ``simulate`` is one price
+that agrees with itself (lockstep never beats async), with the in-flight rules and with Alpa's closed form
+where both apply. Pure: no JAX, milliseconds a case."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline_ir import (
+    Costs,
+    PipelineProgram,
+    action_tables,
+    exchanges,
+    fused_1f1b,
+    schedule,
+    simulate,
+    ticks,
+    zb_v,
+)
+from pipeline_ir.program import _deps
+from solvers.inter_op import pipeline_cost
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> PipelineProgram:
+    """Any program a generator makes: a schedule by name (interleaved needs B a multiple of S), or fused
+    1F1B, with or without a tail gap, or ZB-V."""
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "fused-1f1b", "zb-v"]))
+    S = draw(st.integers(1, 5))
+    gap = draw(st.integers(0, 1))
+    if name == "zb-v":
+        return zb_v(S, draw(st.integers(1, 9)))
+    if name == "interleaved-1f1b":
+        return schedule(name, S, S * draw(st.integers(1, 3)), draw(st.integers(2, 3)), gap)
+    B = draw(st.integers(1, 9))
+    return fused_1f1b(S, B, gap) if name == "fused-1f1b" else schedule(name, S, B, 1, gap)
+
+
+def _costs(program: PipelineProgram, draw: st.DrawFn, **rest: float) -> Costs:
+    V = program.num_virtual_stages
+    times = st.lists(st.floats(0.1, 4.0), min_size=V, max_size=V)
+    return Costs(forward=draw(times), backward=draw(times), weight=draw(times) if program.weight_pass else (),
+                 **rest)
+
+
+@given(programs())
+@FAST
+def test_every_program_runs_each_pass_once_after_what_it_needs(program: PipelineProgram) -> None:
+    program.verify()
+    S, V = program.num_stages, program.num_virtual_stages
+    seen = Counter((a.virtual_stage(S, program.v_shape), a.microbatch, a.kind) for slot in program.slots for a in slot)
+    kinds = program.kinds
+    assert set(seen.values()) == {1}
+    assert set(seen) == {(u, m, k) for u in range(V) for m in range(program.num_microbatches) for k in kinds}
+    # a dependency runs in an earlier slot, or (fused) as the stage's own forward earlier in the same slot
+    at = {(a.virtual_stage(S, program.v_shape), a.microbatch, a.kind): (t, i)
+          for t, slot in enumerate(program.slots) for i, a in enumerate(slot)}
+    for key, (t, i) in at.items():
+        for dep in _deps(key, V):
+            gap = program.tail_gap if (key[0] == V - 1 and key[2] == "backward" and dep[2] == "forward") else 0
+            dt, di = at[dep]
+            assert dt + gap < t or (program.fused and not gap and dt == t and di < i), (key, dep)
+    # every stage runs one action a slot, or a forward then a backward where fused
+    for slot in program.slots:
+        per_stage = Counter(a.stage for a in slot)
+        assert max(per_stage.values(), default=0) <= (2 if program.fused else 1)
+
+
+@given(st.data())
+@FAST
+def test_lockstep_never_beats_async_on_the_same_program(data: st.DataObject) -> None:
+    program = data.draw(programs())
+    x = data.draw(st.sampled_from([0.0, 0.05, 0.5]))
+    costs = _costs(program, data.draw, comm=x, exchange=x)
+    lazy = simulate(program, costs, "async")
+    lock = simulate(program, costs, "lockstep")
+    assert lock.loop >= lazy.loop * (1 - 1e-12)
+    # both modes see the same work and the same order, so the same busy time and memory
+    assert np.allclose(lock.busy, lazy.busy)
+    assert lock.inflight == lazy.inflight and lock.inflight_by_chunk == lazy.inflight_by_chunk
+    assert lock.ticks == lazy.ticks == len(program.slots)
+
+
+def _walked_inflight(program: PipelineProgram) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The in-flight rule as ``Schedule.peak_inflight_all`` walked it before ``simulate`` counted it on
+    arrays: the set of (chunk, microbatch) a stage holds, from its forward to its last pass."""
+    S, last = program.num_stages, "weight" if program.weight_pass else "backward"
+    live: list[set[tuple[int, int]]] = [set() for _ in range(S)]
+    peak = [0] * S
+    by_chunk = [[0] * program.num_chunks for _ in range(S)]
+    for slot in program.slots:
+        for a in slot:
+            if a.kind == "forward":
+                live[a.stage].add((a.chunk, a.microbatch))
+                peak[a.stage] = max(peak[a.stage], len(live[a.stage]))
+                held = sum(c == a.chunk for c, _ in live[a.stage])
+                by_chunk[a.stage][a.chunk] = max(by_chunk[a.stage][a.chunk], held)
+            elif a.kind == last:
+                live[a.stage].discard((a.chunk, a.microbatch))
+    return tuple(peak), tuple(tuple(row) for row in by_chunk)
+
+
+@given(programs())
+@FAST
+def test_memory_is_the_old_in_flight_rule(program: PipelineProgram) -> None:
+    S, B, g = program.num_stages, program.num_microbatches, program.tail_gap
+    V = program.num_virtual_stages
+    got = simulate(program, Costs(forward=[1.0] * V, backward=[1.0] * V, weight=[1.0] * V), "async")
+    assert (got.inflight, got.inflight_by_chunk) == _walked_inflight(program)
+    assert got.inflight == program.peak_inflight_all()
+    r = [S - 1 - s for s in range(S)]
+    if program.fused:  # ``fused_inflight``'s rule: 2r + 1 (two more with a tail gap)
+        assert got.inflight == tuple(min(2 * x + 1 + 2 * g, B) for x in r)
+    elif program.name == "gpipe":
+        assert got.inflight == (B,) * S
+    elif program.name in ("1f1b", "zb-h1") and not g:
+        assert got.inflight == tuple(min(x + 1, B) for x in r)
+    elif program.name == "zb-v":  # half a stage a chunk: 1F1B's first stage, min(S, B) whole microbatches
+        assert got.inflight == (2 * min(S, B),) * S
+
+
+@given(st.integers(1, 6), st.integers(1, 12), st.lists(st.floats(0.1, 5.0), min_size=6, max_size=6),
+       st.sampled_from(["gpipe", "1f1b"]))
+@FAST
+def test_alpas_closed_form_is_the_async_price_of_equal_stages_and_bounds_it_otherwise(
+        S: int, B: int, pool: list[float], name: str) -> None:
+    # the stage DP's objective (solvers.inter_op.pipeline_cost) against the one price, where both apply
+    times = pool[:S]
+    got = simulate(schedule(name, S, B), Costs.of_micro(times, weight_pass=False), "async")
+    assert got.loop <= pipeline_cost(times, B) * (1 + 1e-12)
+    equal = [times[0]] * S
+    same = simulate(schedule(name, S, B), Costs.of_micro(equal, weight_pass=False), "async")
+    assert same.loop == pytest.approx(pipeline_cost(equal, B), rel=1e-12)
+
+
+def test_the_host_is_a_serial_resource_beside_the_stages() -> None:
+    program = schedule("1f1b", 3, 6)
+    costs = Costs.of_micro([1.0, 2.0, 1.5], weight_pass=False, update=(0.5, 0.25, 0.0), dispatch=0.01)
+    free = simulate(program, costs, "async")
+    assert free.passes == free.loop and free.step == pytest.approx(free.loop + 0.5 + 0.01)
+    slow = simulate(program, Costs.of_micro([1.0, 2.0, 1.5], weight_pass=False, host=10 * free.loop), "async")
+    assert slow.loop == free.loop and slow.passes == 10 * free.loop
+
+
+def test_fused_1f1b_is_a_program_whose_ticks_are_the_formula() -> None:
+    for S, M, g in ((1, 3, 0), (3, 5, 0), (4, 8, 1), (2, 1, 1)):
+        d = 2 * g
+        program = fused_1f1b(S, M, g)
+        program.verify()
+        t = action_tables(program, 2 if g else 1)
+        assert t.fused and t.num_ticks == M + 2 * S - 2 + d
+        want_f, want_b = np.full_like(t.f_micro, -1), np.full_like(t.b_micro, -1)
+        for s in range(S):
+            for m in range(M):
+                want_f[m + s, s] = m
+                want_b[m + 2 * (S - 1) - s + d, s] = m
+        assert (t.f_micro == want_f).all() and (t.b_micro == want_b).all()
+        if g:
+            assert [int(x) for x in np.flatnonzero(t.tail_micro >= 0)] == [m + S for m in range(M)]
+        # the buffers the SPMD program indexes: the residual slots hold what is in flight
+        full = ticks(program, 2 if g else 1)
+        assert full.res_slots == max(program.peak_inflight_all())
+
+
+def test_lockstep_price_is_each_ticks_slowest_stage_plus_its_exchanges() -> None:
+    # by hand, on the tables, as the SPMD program runs them (tests/test_spmd_program.py does the same
+    # through ``ticks.price``)
+    program = schedule("zb-h1", 3, 5)
+    f, b, w = [1.0, 2.0, 3.0], [0.5, 1.5, 1.0], [0.25, 0.5, 2.0]
+    got = simulate(program, Costs(forward=f, backward=b, weight=w, exchange=0.125), "lockstep")
+    dur = {"forward": f, "backward": b, "weight": w}
+    work = sum(max(dur[a.kind][a.stage] for a in slot) for slot in program.slots)
+    assert got.loop == pytest.approx(work + len(program.slots) * 2 * 0.125)
+    assert got.exchange == pytest.approx(len(program.slots) * 2 * 0.125)
+    assert math.isclose(sum(got.busy), program.num_microbatches * (sum(f) + sum(b) + sum(w)))
+
+
+def test_async_refuses_ticks_and_a_spread_tail_and_names_the_lengths_it_wants() -> None:
+    program = schedule("1f1b", 2, 4, tail_gap=1)
+    costs = Costs.of_micro([1.0, 1.0], weight_pass=False)
+    with pytest.raises(TypeError, match="PipelineProgram"):
+        simulate(action_tables(program), costs, "async")
+    with pytest.raises(ValueError, match="lockstep"):
+        simulate(program, costs, "async", tail_split=2)
+    with pytest.raises(ValueError, match=r"costs\.forward has 1 entries, expected one per virtual stage"):
+        simulate(program, Costs.of_micro([1.0], weight_pass=False), "async")
+    with pytest.raises(ValueError, match=r"weight pass needs costs\.weight"):
+        simulate(schedule("zb-h1", 2, 4), costs, "lockstep")
+    with pytest.raises(ValueError, match="mode 'fast'"):
+        simulate(program, costs, "fast")  # type: ignore[arg-type]
+
+
+def test_zb_v_runs_its_chunks_in_a_v_and_fills_the_bubble_at_1f1bs_memory() -> None:
+    for S, M in ((2, 2), (3, 5), (4, 8), (8, 16)):
+        program = zb_v(S, M)
+        assert program.place(0) == (0, 0) and program.place(2 * S - 1) == (0, 1)  # both ends on stage 0
+        assert program.place(S - 1) == (S - 1, 0) and program.place(S) == (S - 1, 1)  # the turn: one stage
+        V = 2 * S
+        unit = Costs(forward=[1.0] * V, backward=[1.0] * V, weight=[1.0] * V, comm=0.0)
+        got = simulate(program, unit, "async")
+        # each F, B, W a slot: 6M of work a stage, and S - 1 slots of fill, where 1F1B (a stage's F = 2,
+        # B = 4) idles 6(S - 1)
+        assert got.loop == 6 * M + S - 1
+        one = simulate(schedule("1f1b", S, M), Costs.of_micro([6.0] * S, weight_pass=False), "async")
+        assert one.loop == 6 * (M + S - 1)
+        assert simulate(program, unit, "lockstep").loop == got.loop  # equal actions: lockstep loses nothing
+    # a dependency across stages pays the link, the V's turn on one stage does not
+    program = zb_v(2, 1)
+    far = simulate(program, Costs(forward=[1.0] * 4, backward=[1.0] * 4, weight=[1.0] * 4, comm=10.0), "async")
+    # F0 F1 F2 F3 B3 B2 B1 B0 W0 in a chain: stage 0 -> 1 and back forward, again backward, four crossings
+    assert far.loop == pytest.approx(9 + 4 * 10.0)
+
+
+@given(programs())
+@FAST
+def test_exchanges_send_each_crossing_value_once_after_it_is_made_and_before_it_is_read(
+        program: PipelineProgram) -> None:
+    S, V, M = program.num_stages, program.num_virtual_stages, program.num_microbatches
+    got = exchanges(program)
+    crossings = sum(program.place(u)[0] != program.place(u - 1)[0] for u in range(1, V))
+    assert len(got) == 2 * crossings * M
+    assert len({(e.value, e.virtual_stage, e.microbatch) for e in got}) == len(got)
+    for e in got:
+        assert e.src != e.dst and e.sent < e.needed
+        assert e.dst == program.place(e.virtual_stage)[0]
+    # one stage, or a V's turn, sends nothing to itself
+    if S == 1:
+        assert got == ()
