@@ -1,11 +1,11 @@
 """Pipeline parallelism, in pass order: ``partition`` (the step cut into per-microbatch and per-step parts,
-layers), ``schedules`` (the schedules' names, from ``pipeline_ir``), ``pipeline_plan`` (the plan as data),
+layers), ``schedules`` (the schedules' names, from ``solvers.pipeline``), ``pipeline_plan`` (the plan as data),
 ``layer_prices`` (layers and stages priced by the intra-op planner), ``stages`` (the stage DP and the
 stages planned whole), ``report`` (for a person), ``runtime`` (one program per stage, run in the schedule's
 order) and ``spmd`` (the SPMD pipeline for identical stages).
 
-The pipeline program itself, its schedules, lowering and price live in the top-level ``pipeline_ir``,
-which imports no JAX; everything here needs JAX.
+The pipeline program itself, its schedules, lowering and price live in ``solvers.pipeline``, beside the
+stage DP, which imports no JAX; everything here needs JAX.
 """
 
 from autoshard.pipeline.partition import PipelineError, microbatch_args, trace_microbatch

@@ -19,7 +19,7 @@ profile``), and ``moved(u, kind)`` the inputs made on another stage or sliced fr
 where ``placed`` counts the parameters each stage reads, put once a step where the update left them in
 another layout (an upper bound).
 
-and ``pipeline_ir.simulate`` prices the step with the host as one more serial resource, ``max(pipeline, host) +
+and ``solvers.pipeline.simulate`` prices the step with the host as one more serial resource, ``max(pipeline, host) +
 update`` (``Costs.host``): a host slower than the stages' work leaves the devices waiting on it. The SPMD program (``spmd_program``) pays one call a step.
 
 Pure: counts come from the step's graph and the stages' op assignment, as ``partition.segments`` groups

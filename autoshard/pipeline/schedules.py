@@ -1,8 +1,8 @@
-"""Pipeline schedules: they live in ``pipeline_ir`` (the program, its generators, its price), JAX-free; this
+"""Pipeline schedules: they live in ``solvers.pipeline`` (the program, its generators, its price), JAX-free; this
 module keeps the names the runtime and older callers import."""
 
-from pipeline_ir.program import Action, PipelineProgram, Schedule, SimResult
-from pipeline_ir.schedules import (
+from solvers.pipeline.program import Action, PipelineProgram, Schedule, SimResult
+from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
     WEIGHT_PASS_SCHEDULES,
     chunk_inflight_rule,

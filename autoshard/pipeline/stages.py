@@ -47,7 +47,7 @@ Inputs: the step traced at microbatch size, the cluster's cost model (a 1-D mesh
    (``layer_prices.layouts_of_layers``): a stage's ILP is ``L/S`` times a layer's and gets less time
    per node, and alone it can end far above the sum the DP saw (GPT-39B on 8x8: 810 ms planned whole
    against 206 ms summed); started there it is the layers' layouts plus the resharding between them. The predicted step time is
-   these plans' ``t_s`` and ``u_s`` priced by ``pipeline_ir.simulate`` (the schedule's own timeline, the
+   these plans' ``t_s`` and ``u_s`` priced by ``solvers.pipeline.simulate`` (the schedule's own timeline, the
    MPMD runtime's host beside it), which ``T`` above bounds from above and equals on equal stages.
 
 **Recompute per stage** (``modes``: ``pipeline.recompute`` offers the modes cheaper than the one being
@@ -81,7 +81,7 @@ the faster is the plan's schedule. ZB-H1 keeps the microbatches in flight 1F1B k
 the stages' plans and memory hold for both; its weight-gradient passes fill 1F1B's warm-up and cool-down
 idle slots (Qi et al. 2024), which pays where the bubble is large: GPT-1T's 128 stages of 3x8 over 1024
 microbatches, 119.30 s of pipeline under 1F1B (then Alpa's closed form, an upper bound of the simulated
-timeline both are priced by now), 115.47 s under ZB-H1 (``pipeline_ir.simulate``).
+timeline both are priced by now), 115.47 s under ZB-H1 (``solvers.pipeline.simulate``).
 
 Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
 layers unrolled to pipeline them).
@@ -144,15 +144,15 @@ from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from autoshard.trace.remat import REMAT_MODES, summary
 from cost_models import CostModel
-from pipeline_ir.schedules import (
+from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
+from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
     WEIGHT_PASS_SCHEDULES,
     chunk_inflight_rule,
     inflight_rule,
     schedule,
 )
-from pipeline_ir.simulate import Costs, Timing, simulate
-from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
+from solvers.pipeline.simulate import Costs, Timing, simulate
 
 if TYPE_CHECKING:  # a later pass: it hands its modes in
     from autoshard.pipeline.recompute import StageModes
@@ -691,7 +691,7 @@ def _uniform_count(shape: tuple[int, int], cluster: tuple[int, int], blocks: int
 def _lockstep_time(name: str, stages: Sequence[StagePlan], into: np.ndarray, cost: CostModel,
                    num_microbatches: int, fused: bool, chunks: int = 1, tail_split: int = 1,
                    tail: float = 0.0, updates: Sequence[float] = ()) -> Timing:
-    """The SPMD program's step, priced (``pipeline_ir.simulate``, lockstep: ticks, each as long as its
+    """The SPMD program's step, priced (``solvers.pipeline.simulate``, lockstep: ticks, each as long as its
     slowest stage's work, two exchanges a tick; ``fused``: 1F1B's fused ticks; ``chunks``: the interleaved
     schedule's, ``stages`` then one per virtual stage, round the ring; ``tail_split > 1``: the tail, ``tail``
     seconds of the last stage's ``micro_time``, spread over that many stages), then each physical stage's
@@ -729,7 +729,7 @@ def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_micro
                    chunks: int, host: float = 0.0, updates: Sequence[float] = ()) -> Timing:
     """A step of ``num_microbatches`` under schedule ``name`` on the MPMD runtime, priced: (virtual) stages
     taking ``times`` a microbatch, its host ``host`` seconds a step issuing them, each physical stage's
-    ``updates`` once a step: ``simulate(..., "async")`` (``pipeline_ir.simulate``: each stage at its own
+    ``updates`` once a step: ``simulate(..., "async")`` (``solvers.pipeline.simulate``: each stage at its own
     pace, a backward costing twice a forward, ZB-H1's input- and weight-gradient parts one forward each;
     the passes take ``max(timeline, host)``)."""
     sched = schedule(name, num_stages, num_microbatches, chunks)

@@ -1,6 +1,6 @@
 """The SPMD pipeline's schedule as static tables, and what the program costs.
 
-The tables and their price live in ``pipeline_ir`` (``lowering.ticks``: a program's slots as tick tables
+The tables and their price live in ``solvers.pipeline`` (``lowering.ticks``: a program's slots as tick tables
 with buffer slots; ``simulate(..., "lockstep")``: their price); this module keeps the SPMD program's view of
 them: which schedules it runs, its errors, and ``price`` as the program's call costs it (``SpmdTime``).
 """
@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from autoshard.pipeline.partition import PipelineError
-from pipeline_ir import schedules as _schedules
-from pipeline_ir.lowering import Ticks, action_tables, spread_times, ticks
-from pipeline_ir.schedules import schedule
-from pipeline_ir.simulate import Costs, simulate
+from solvers.pipeline import schedules as _schedules
+from solvers.pipeline.lowering import Ticks, action_tables, spread_times, ticks
+from solvers.pipeline.schedules import schedule
+from solvers.pipeline.simulate import Costs, simulate
 
 __all__ = ["DISPATCH_S", "SCHEDULES", "SpmdTime", "Ticks", "action_tables", "cannot_run", "fused_1f1b",
            "fused_inflight", "lockstep_costs", "lockstep_tables", "price", "spread_times", "ticks"]
@@ -39,7 +39,7 @@ def lockstep_tables(name: str, num_stages: int, num_microbatches: int, chunks: i
 
 
 def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, actions_only: bool = False) -> Ticks:
-    """The tick tables of fused 1F1B (``pipeline_ir.schedules.fused_1f1b``: a forward and a backward in
+    """The tick tables of fused 1F1B (``solvers.pipeline.schedules.fused_1f1b``: a forward and a backward in
     every tick), the tail spread over ``tail_split`` stages; ``actions_only``: without the buffer slots
     (``action_tables``)."""
     program = _schedules.fused_1f1b(num_stages, num_microbatches, tail_gap=int(tail_split > 1))
@@ -76,7 +76,7 @@ class SpmdTime:
 
 def price(micro_times: Sequence[float], update_times: Sequence[float], t: Ticks, *, stream_bytes: float,
           link: Any, inner: int, dispatch: float = DISPATCH_S, tail: float = 0.0) -> SpmdTime:
-    """The program as it runs: ``simulate(t, costs, "lockstep")`` (``pipeline_ir.simulate``), its ticks in
+    """The program as it runs: ``simulate(t, costs, "lockstep")`` (``solvers.pipeline.simulate``), its ticks in
     lockstep, each as long as its slowest stage's action, with
 
         f_u = micro_time_u / 3,  b_u = 2·f_u  (with a weight pass b_u = w_u = f_u)   per virtual stage u

@@ -14,7 +14,7 @@ __all__ = ["InterOpSolution", "InterOpStats", "Stage", "pipeline_cost"]
 def pipeline_cost(times: np.ndarray | list[float], num_microbatches: int) -> float:
     """Alpa's step time ``Σ_s t_s + (B - 1)·max_s t_s`` of stages with per-microbatch times ``t_s``: the
     stage DP's objective. It equals the simulated 1F1B or GPipe timeline of equal stages and bounds it from
-    above otherwise (``pipeline_ir.simulate``, async; tests/test_pipeline_ir.py ties the two)."""
+    above otherwise (``solvers.pipeline.simulate``, async; tests/test_solvers.pipeline.py ties the two)."""
     t = np.asarray(times, dtype=np.float64)
     if not np.isfinite(t).all():
         return float("inf")

@@ -1,6 +1,6 @@
 """Lowering passes: a ``PipelineProgram`` made into what a runtime indexes. Pure (numpy, no JAX).
 
-- **Packing into lockstep ticks**: ``pipeline_ir.schedules.pack`` (list scheduling of the stages' orders
+- **Packing into lockstep ticks**: ``solvers.pipeline.schedules.pack`` (list scheduling of the stages' orders
   into unit slots); a program's slots are the SPMD program's ticks.
 - **Buffer slots** (``ticks``): every value that waits on a stage (the stream of ``F(u−1, m)`` for
   ``F(u, m)``, the cotangent of ``B(u+1, m)`` for ``B(u, m)``, the residuals from ``F`` to ``B`` or ``W``,
@@ -12,7 +12,7 @@
 - **Exchanges** (``exchanges``): every value a stage makes for another (the stream of ``F(u−1, m)``, the
   cotangent of ``B(u+1, m)``) as a send after the slot that makes it and a receive before the slot that
   reads it; the SPMD program exchanges on every tick (zeros when idle), a tail tick also its slices out
-  and back (``G − 1`` each way), and ``pipeline_ir.simulate`` prices that per tick (lockstep) or per
+  and back (``G − 1`` each way), and ``solvers.pipeline.simulate`` prices that per tick (lockstep) or per
   crossing dependency (async).
 
 ``ticks(program)`` gives the tables the SPMD program (``autoshard.pipeline.spmd_program``) indexes by
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline_ir.program import PipelineProgram
+from solvers.pipeline.program import PipelineProgram
 
 __all__ = ["Exchange", "Ticks", "action_tables", "exchanges", "spread_times", "ticks"]
 

@@ -7,9 +7,9 @@ stage, asynchronous or lockstep). Imports numpy and the standard library only, n
 (a test holds it to that), so a schedule is built, lowered and priced in microseconds.
 """
 
-from pipeline_ir.lowering import Exchange, Ticks, action_tables, exchanges, spread_times, ticks
-from pipeline_ir.program import KINDS, LOWERED_KINDS, Action, PipelineProgram, Schedule, SimResult
-from pipeline_ir.schedules import (
+from solvers.pipeline.lowering import Exchange, Ticks, action_tables, exchanges, spread_times, ticks
+from solvers.pipeline.program import KINDS, LOWERED_KINDS, Action, PipelineProgram, Schedule, SimResult
+from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
     WEIGHT_PASS_SCHEDULES,
     chunk_inflight_rule,
@@ -23,7 +23,7 @@ from pipeline_ir.schedules import (
     zb_h1,
     zb_v,
 )
-from pipeline_ir.simulate import MODES, Costs, Timing, simulate
+from solvers.pipeline.simulate import MODES, Costs, Timing, simulate
 
 __all__ = [
     "KINDS",

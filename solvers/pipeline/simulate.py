@@ -50,8 +50,8 @@ from typing import Literal
 
 import numpy as np
 
-from pipeline_ir.lowering import Ticks, action_tables
-from pipeline_ir.program import Action, PipelineProgram
+from solvers.pipeline.lowering import Ticks, action_tables
+from solvers.pipeline.program import Action, PipelineProgram
 
 __all__ = ["MODES", "Costs", "Timing", "memory", "simulate"]
 

@@ -3,7 +3,7 @@
 The standard library and numpy only (no JAX, no ``autoshard``): a program is built, checked, lowered and
 priced in milliseconds.
 Everything that knows a schedule's order reads it from here; everything that knows its time or memory asks
-``pipeline_ir.simulate`` (the DESIGN's "one representation, everything derived from it").
+``solvers.pipeline.simulate`` (the DESIGN's "one representation, everything derived from it").
 
 Model
 -----
@@ -36,10 +36,10 @@ and nothing waiting on a ``W``.
 Action kinds
 ------------
 ``forward``, ``backward`` (the input gradient where there is a weight pass) and ``weight`` are what
-schedules (``pipeline_ir.schedules``) order. A *fused* forward+backward (1F1B's fused ticks, the SPMD
+schedules (``solvers.pipeline.schedules``) order. A *fused* forward+backward (1F1B's fused ticks, the SPMD
 program's cheapest lockstep form) is not a kind of its own: it is a forward and a backward of one stage in
 the same slot of a ``fused`` program, the forward first (so the last stage may turn a microbatch round
-inside one slot). The lowering passes (``pipeline_ir.lowering``) add what a runtime needs beside them: the
+inside one slot). The lowering passes (``solvers.pipeline.lowering``) add what a runtime needs beside them: the
 spread ``tail``, the exchanges (``send``/``recv``), the buffer slots, and the once-a-step ``reduce`` and
 ``update`` (``LOWERED_KINDS``).
 
@@ -75,7 +75,7 @@ __all__ = ["KINDS", "LOWERED_KINDS", "Action", "PipelineProgram", "Schedule", "S
 
 Kind = Literal["forward", "backward", "weight"]
 KINDS: tuple[str, ...] = ("forward", "backward", "weight")  # what schedules order (module doc)
-# what the lowering passes add beside them (``pipeline_ir.lowering``; module doc, "Action kinds")
+# what the lowering passes add beside them (``solvers.pipeline.lowering``; module doc, "Action kinds")
 LOWERED_KINDS: tuple[str, ...] = ("tail", "send", "recv", "reduce", "update")
 _KINDS = ("forward", "backward")
 _WEIGHT_KINDS = ("forward", "backward", "weight")
@@ -303,8 +303,8 @@ class PipelineProgram:
         return self.peak_inflight_all()[stage]
 
     def peak_inflight_all(self) -> tuple[int, ...]:
-        """``peak_inflight`` of every stage: ``pipeline_ir.simulate.memory``, the one count of it."""
-        from pipeline_ir.simulate import memory  # the simulator reads programs: imported on use
+        """``peak_inflight`` of every stage: ``solvers.pipeline.simulate.memory``, the one count of it."""
+        from solvers.pipeline.simulate import memory  # the simulator reads programs: imported on use
 
         return memory(self)[0]
 
@@ -316,8 +316,8 @@ class PipelineProgram:
         return self.peak_inflight_by_chunk_all()[stage]
 
     def peak_inflight_by_chunk_all(self) -> tuple[tuple[int, ...], ...]:
-        """``peak_inflight_by_chunk`` of every stage (``pipeline_ir.simulate.memory``)."""
-        from pipeline_ir.simulate import memory
+        """``peak_inflight_by_chunk`` of every stage (``solvers.pipeline.simulate.memory``)."""
+        from solvers.pipeline.simulate import memory
 
         return memory(self)[1]
 
@@ -328,7 +328,7 @@ class PipelineProgram:
         comm_time: float = 0.0,
         weight_times: Sequence[float] | None = None,
     ) -> SimResult:
-        """``simulate(self, costs, "async")`` (``pipeline_ir.simulate``) with its timeline: each stage runs
+        """``simulate(self, costs, "async")`` (``solvers.pipeline.simulate``) with its timeline: each stage runs
         ``actions(stage)`` in order, each action starts once its stage is free and its inputs have arrived.
         Times are indexed by virtual stage; ``comm_time`` is added to every dependency that crosses from one
         physical stage to another; with a weight pass, ``backward_times`` are the input-gradient parts and
@@ -343,7 +343,7 @@ class PipelineProgram:
                     f"schedule {self.name!r}: {label} has {len(times)} entries, expected one per virtual "
                     f"stage ({V} = {self.num_stages} stages x {self.num_chunks} chunks)"
                 )
-        from pipeline_ir.simulate import Costs, simulate  # the simulator reads programs: imported on use
+        from solvers.pipeline.simulate import Costs, simulate  # the simulator reads programs: imported on use
 
         costs = Costs(forward=tuple(forward_times), backward=tuple(backward_times),
                       weight=tuple(weight_times or ()), comm=comm_time)

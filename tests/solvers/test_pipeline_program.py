@@ -1,4 +1,4 @@
-"""The pipeline program (``pipeline_ir``): every generator's program is valid, and ``simulate`` is one price
+"""The pipeline program (``solvers.pipeline``): every generator's program is valid, and ``simulate`` is one price
 that agrees with itself (lockstep never beats async), with the in-flight rules and with Alpa's closed form
 where both apply. Pure: no JAX, milliseconds a case."""
 
@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline_ir import (
+from solvers.inter_op import pipeline_cost
+from solvers.pipeline import (
     Costs,
     PipelineProgram,
     action_tables,
@@ -23,8 +24,7 @@ from pipeline_ir import (
     ticks,
     zb_v,
 )
-from pipeline_ir.program import _deps
-from solvers.inter_op import pipeline_cost
+from solvers.pipeline.program import _deps
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Schedules as pure generators of a ``PipelineProgram`` (``pipeline_ir.program``): each gives every
+"""Schedules as pure generators of a ``PipelineProgram`` (``solvers.pipeline.program``): each gives every
 stage's order of actions, and ``pack`` lowers the orders into unit-time slots, the lockstep ticks.
 
 The generators give each stage's order; the slots then come from list scheduling with unit times (``pack``):
@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
-from pipeline_ir.program import Action, Kind, PipelineProgram, _deps, _gap, _Key
+from solvers.pipeline.program import Action, Kind, PipelineProgram, _deps, _gap, _Key
 
 __all__ = [
     "SCHEDULE_NAMES",
