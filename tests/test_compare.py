@@ -85,6 +85,7 @@ def test_compare_lists_every_grid_layout_and_auto_is_never_worse() -> None:
         json.dumps(data)
 
 
+@pytest.mark.slow  # ~50 s; CI: test_plan_quality holds plans against data parallel and ZeRO-3
 def test_on_a_transformer_auto_is_never_worse_than_the_best_grid_layout() -> None:
     # issue #6's acceptance at CI size: GPT with 4 blocks on 2x4 (1.4k nodes); every hand layout is priced
     # by the same solver with the same budget. At 4 s the grid's tied seeds would get ~0.1 s each, too

@@ -65,6 +65,7 @@ def test_parallelize_across_two_processes_matches_one_process(tmp_path: Path) ->
     assert global_rel_error(want_opt, got_opt) <= TOL  # Adam's count, mu and nu after 3 steps
 
 
+@pytest.mark.slow  # CI: the ring in one process (test_ring) and parallelize across two processes (above)
 def test_ring_attention_across_two_processes_matches_one_process(tmp_path: Path) -> None:
     """GPT with one head and ``ring_attention`` (so only the ring splits the attention) on a mesh whose
     ``x`` axis is the two processes: the three steps equal one process's. The optimal plan runs the ring

@@ -198,7 +198,7 @@ def test_a_mode_no_split_can_fit_is_refused_before_its_rewrite_and_build(caplog)
     assert "as far as the mesh's axes divide its dimensions" in str(e.value)
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", pytest.param("full", marks=pytest.mark.slow)])
 def test_parallelized_step_with_recompute_matches_jit(mode: str, tmp_path: Path) -> None:
     """The planner's recompute, applied by ``parallelize`` on a 2x4 mesh, computes the unsharded step's
     numbers over 3 steps (fp32 loss and Adam moments, rel err <= 1e-5); a saved plan keeps the choice and
@@ -282,7 +282,7 @@ def test_the_rewrite_keeps_every_ops_phase_and_block() -> None:
         assert Counter((op.primitive, op.phase, op.layer) for op in g.ops) == want, mode
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", pytest.param("full", marks=pytest.mark.slow)])
 def test_a_pipeline_that_recomputes_matches_jit_and_replays_in_its_backward_programs(mode: str,
                                                                                        tmp_path: Path) -> None:
     """Recompute in a pipeline of 2 stages x 4 devices over 4 microbatches: the numbers of the unsharded

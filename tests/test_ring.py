@@ -43,7 +43,7 @@ def _loss(attend: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 @pytest.mark.parametrize("mesh_shape,spec", [
-    ((8,), P(None, "x", None, None)),            # 8 devices along the sequence
+    pytest.param((8,), P(None, "x", None, None), marks=pytest.mark.slow),  # 8 devices along the sequence
     ((2, 4), P(None, ("x", "y"), None, None)),   # a ring over two mesh axes
     ((2, 4), P("x", "y", None, None)),           # batch over x, sequence over y
     ((2, 4), P(None, "y", "x", None)),           # heads over x, sequence over y
@@ -201,6 +201,7 @@ def test_a_ring_inside_pipeline_stages_runs_like_jit(runtime: str) -> None:
     assert layouts and all(s.startswith("R·S(") for s in layouts), layouts  # [b, s, h, d] split along s
 
 
+@pytest.mark.slow  # ~45 s
 def test_a_recomputed_ring_replays_in_the_backward_pass_like_jit() -> None:
     """Full recompute rewrites each block: its ring forward runs again in the backward pass (a second ring
     call beside the gradient's), and the step still equals ``jax.jit``'s."""

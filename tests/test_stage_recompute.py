@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import pytest
 
 import autoshard
 from autoshard._examples import load_module
@@ -72,6 +73,7 @@ def test_the_stages_holding_fewer_microbatches_recompute_less_and_the_step_match
     assert plan.predicted_step_time < same.predicted_step_time
 
 
+@pytest.mark.slow  # CI: per-stage recompute run against jit (above)
 def test_a_plan_with_recompute_per_stage_survives_save_and_load_and_runs(tmp_path: Path) -> None:
     step, args = _step()
     plan = autoshard.plan(step, *args, hardware="auto", **PIPE)

@@ -50,7 +50,10 @@ def losses(name: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-@pytest.mark.parametrize("name", [*sm.STYLES, *sm.OTHERS])
+# CI trains the example, the numbered children and the scan; every style also plans and runs as the SPMD
+# program in test_spmd_program (some with -m slow)
+@pytest.mark.parametrize("name", [n if n in ("example", "numbered", "scan") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in (*sm.STYLES, *sm.OTHERS)])
 def test_each_style_trains_under_jit(name: str) -> None:
     got = losses(name)
     assert np.all(np.isfinite(got)) and got[0] > got[1] > got[2], got
@@ -78,7 +81,8 @@ def tiny_plan(name: str) -> tuple[float, tuple[tuple[str, int], ...]]:
 
 
 @pytest.mark.parametrize("name", [
-    *(n for n in sm.STYLES if n not in ("example", "scan")),
+    *(n if n != "flax_default" else pytest.param(n, marks=pytest.mark.slow)  # Block_i: as the numbered
+      for n in sm.STYLES if n not in ("example", "scan")),
     # the scan is another program, not other names: its body's values that it stacks for the backward pass
     # (``ys``) are body outputs, which ``strategies.registry.fused_tensors`` never counts as fused, where
     # the unrolled step's same values, read only by elementwise ops, are; ~1.5x on this tiny step

@@ -101,6 +101,7 @@ def test_a_tied_solve_is_the_best_uniform_assignment_of_the_original_problem(pro
     assert sol.cost >= brute_force_intra_op(problem).cost - 1e-6
 
 
+@pytest.mark.slow  # ~75 s: the CI run keeps the unpressured symmetry cases
 def test_tying_a_stack_under_memory_pressure_counts_every_copy() -> None:
     # Each block's nodes are live together to the end: with 6 blocks of 3 nodes at {4, 2, 1} bytes, a
     # limit of 40 allows at most 40 - 18 = 22 bytes over the all-1 plan. Tied, the solver must count all
