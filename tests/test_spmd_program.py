@@ -9,6 +9,7 @@ import logging
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -276,12 +277,10 @@ def test_the_program_exchanges_on_the_stage_axis_and_reduces_once() -> None:
     assert "all-reduce" in kinds(set(comps) - in_loop)  # the head's and tail's gradients, once per step
 
 
-@pytest.mark.slow  # CI: the exchanges-and-one-reduction test below, on stages of one device
-def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_once() -> None:
-    # 2 stages of 4 devices, each stage data parallel inside (every value with the microbatch's 8 rows split
-    # over the stage's axes): each device's partial sums of the blocks', the tail's and the head's gradients
-    # (the embeddings' too) are added up over the microbatches in the loop and reduced after it, once a step;
-    # the numbers are jax.jit's
+def _data_parallel_stages(rows: int, M: int, layers: int) -> tuple[SpmdPipelineStep, Any, Any, Any]:
+    """The tiny GPT's program of 2 stages x 4 devices, each stage data parallel over its microbatch's ``rows``
+    (every batch and activation value split by rows over the stage's axes): layouts given, not planned.
+    The step, the example's train step, its state and batch."""
     import dataclasses
 
     from autoshard.pipeline import plan_pipeline
@@ -289,8 +288,8 @@ def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_on
     from autoshard.target import cost_model_for
     from cost_models import ShardingSpec
 
-    rows, M = 8, 4
-    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", f"batch={rows * M}"], abstract=False)
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"layers={layers}", f"batch={rows * M}"],
+                      abstract=False)
     state, batch = ex.args
     full = trace(ex.train_step, state, batch)
     micro = trace(ex.train_step, *microbatch_args((state, batch), full, None, M))
@@ -303,8 +302,17 @@ def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_on
 
     plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, specs=dp(tuple(st.mesh.axis_names)),
                                                                       update_specs={}) for st in plan.stages))
-    step = spmd_pipeline_step(micro, full, plan, jax.devices())
-    want = _matches_jit(step, ex.train_step, state, batch)
+    return spmd_pipeline_step(micro, full, plan, jax.devices()), ex.train_step, state, batch
+
+
+@pytest.mark.slow  # CI: the exchanges-and-one-reduction test below, on stages of one device
+def test_data_parallel_stages_sum_their_gradients_in_the_loop_and_reduce_them_once() -> None:
+    # 2 stages of 4 devices, each stage data parallel inside (every value with the microbatch's 8 rows split
+    # over the stage's axes): each device's partial sums of the blocks', the tail's and the head's gradients
+    # (the embeddings' too) are added up over the microbatches in the loop and reduced after it, once a step;
+    # the numbers are jax.jit's
+    step, train_step, state, batch = _data_parallel_stages(rows=8, M=4, layers=4)
+    want = _matches_jit(step, train_step, state, batch)
     comps = _computations(step.lower(want, batch).compile().as_text())
     bodies = {b for lines in comps.values() for line in lines for b in re.findall(r"body=%?([\w.\-]+)", line)}
     in_loop = _reached(comps, bodies)
@@ -332,31 +340,10 @@ def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_de
     # inside the head's cond (stage 0 only) it hung the step (the other stage never joins); made once a
     # step before the loop, on every device, the step runs and computes jax.jit's numbers. The layouts are
     # given, not planned: no price decides them.
-    import dataclasses
-
-    from autoshard.pipeline import plan_pipeline
-    from autoshard.pipeline.spmd_program import spmd_pipeline_step
-    from autoshard.target import cost_model_for
-    from cost_models import ShardingSpec
-
-    rows, M = 4, 2
-    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=2", f"batch={rows * M}"], abstract=False)
-    state, batch = ex.args
-    full = trace(ex.train_step, state, batch)
-    micro = trace(ex.train_step, *microbatch_args((state, batch), full, None, M))
-    plan = plan_pipeline(micro, cost_model_for("h100", (2, 4), ("x", "y")), hardware="h100", num_microbatches=M,
-                         time_budget_s=5, stage_shape=(1, 4), uniform=True, schedule_name="1f1b")
-
-    def dp(axes: tuple[str, ...]) -> dict:
-        return {(): {t.id: ShardingSpec(dims=(axes,) + ((),) * (len(t.shape) - 1)) for t in micro.tensors
-                     if t.shape and t.shape[0] == rows and t.role.value in ("batch", "activation")}}
-
-    plan = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, specs=dp(tuple(st.mesh.axis_names)),
-                                                                      update_specs={}) for st in plan.stages))
-    step = spmd_pipeline_step(micro, full, plan, jax.devices())
+    step, train_step, state, batch = _data_parallel_stages(rows=4, M=2, layers=2)
     hlo = step.lower(state, batch).compile().as_text()
     assert not _stage_branch_permutes(hlo), _stage_branch_permutes(hlo)  # checked before running: no hang
-    _matches_jit(step, ex.train_step, state, batch, steps=1)
+    _matches_jit(step, train_step, state, batch, steps=1)
 
 
 @pytest.mark.parametrize("form,name", [pytest.param("state", "1f1b", marks=pytest.mark.slow),

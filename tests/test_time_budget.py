@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,18 +39,7 @@ class _Clock:
         return self.now
 
 
-class _MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        for i in range(4):
-            x = jnp.tanh(nn.Dense(24, name=f"dense_{i}")(x))
-        return jnp.mean(x**2)
-
-
-def _step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-    loss, grads = jax.value_and_grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
-    with jax.numpy_dtype_promotion("standard"):
-        return state.apply_gradients(grads=grads), {"loss": loss}
+from test_microbatch_choice import _MLP, _step  # noqa: E402  (the same 4-layer MLP step)
 
 
 def _state(rows: int, concrete: bool = False) -> tuple[TrainState, dict[str, jax.Array]]:

@@ -26,12 +26,7 @@ Per-stage orders (``W_s`` = warm-up forwards of stage ``s``, ``r = S-1-s`` stage
   2r + 1`` and in the steady state every stage is busy with ``f + b`` each tick. Peak in flight:
   ``min(2r + 1, B)`` (``+ 2`` with a tail gap).
 
-Bubble
-------
-With a forward time ``f`` and a backward time ``b`` per action, GPipe and 1F1B take
-``(B + S - 1)(f + b)``, so the idle fraction ``1 - Σ_s busy_s / (S · makespan)`` is ``(S-1)/(B+S-1)``.
-The interleaved schedule, whose actions each cost ``1/v`` of a full stage, idles ``(S-1)/(v·B + S-1)``
-(the paper's ``t_pb/t_id = (S-1)/(v·B)``, written as a fraction of the whole step).
+The bubble each schedule leaves: ``program``'s docstring.
 """
 
 from __future__ import annotations
