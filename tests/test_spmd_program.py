@@ -355,7 +355,8 @@ def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_de
                                        # models written as users write them (trace.structure finds their
                                        # blocks): Llama's layers/0.. reading a padding mask and RoPE tables
                                        # beside the stream, GPT-2's h/0, ordinal names
-                                       ("llama", "1f1b"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
+                                       pytest.param("llama", "1f1b", marks=pytest.mark.slow),
+                                       ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
                                        pytest.param("style:numbered", "zb-h1", marks=pytest.mark.slow),
                                        ("style:unnumbered", "interleaved-1f1b"),
                                        pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
