@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,19 +58,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 FORMS = ("pallas", "cudnn", "ring1", "ring8", "materialised", "softmax1024", "softmax4096", "softmax16384",
          "softmax65536")
+from gpu_ring_blocks import _median_seconds  # noqa: E402  (compiled once, then the median of repeats)
+
 SOFTMAX_ELEMENTS = 2**31  # the softmax rows: [2**31 / L, L] fp32 (8.6 GB), the bytes of 8 heads' 16k scores
-
-
-def _median(fn: Any, args: tuple[Any, ...], repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _inputs(batch: int, seq: int, heads: int, head_dim: int) -> tuple[Any, ...]:
@@ -116,10 +105,10 @@ def measure(form: str, batch: int, seq: int, heads: int, head_dim: int, repeats:
         def bwd_call(q: Any, k: Any, v: Any, dout: Any) -> Any:  # the backward splittable call's body
             return jax.vjp(gpt._mha, q, k, v)[1](dout)
 
-        row["forward_s"] = _median(fwd, (q, k, v), repeats)
-        row["backward_s"] = _median(jax.jit(bwd_call), (q, k, v, dout), repeats)
+        row["forward_s"] = _median_seconds(fwd, (q, k, v), repeats)
+        row["backward_s"] = _median_seconds(jax.jit(bwd_call), (q, k, v, dout), repeats)
         _, both = _fwd_and_grad(gpt.flash_attention)
-        row["fwd_bwd_s"] = _median(both, (q, k, v, dout), repeats)
+        row["fwd_bwd_s"] = _median_seconds(both, (q, k, v, dout), repeats)
         return row
     if form == "cudnn":
         impl = "cudnn" if on_gpu else None
@@ -132,8 +121,8 @@ def measure(form: str, batch: int, seq: int, heads: int, head_dim: int, repeats:
         row["heads"] = heads = max(1, heads // 2)
         q, k, v, dout = (x[:, :, :heads] for x in (q, k, v, dout))
     fwd, both = _fwd_and_grad(fn)
-    row["forward_s"] = _median(fwd, (q, k, v), repeats)
-    row["fwd_bwd_s"] = _median(both, (q, k, v, dout), repeats)
+    row["forward_s"] = _median_seconds(fwd, (q, k, v), repeats)
+    row["fwd_bwd_s"] = _median_seconds(both, (q, k, v, dout), repeats)
     row["backward_s"] = row["fwd_bwd_s"] - row["forward_s"]
     if form == "materialised":
         mem = both.lower(q, k, v, dout).compile().memory_analysis()
@@ -166,8 +155,8 @@ def _softmax_row(row: dict[str, Any], length: int, repeats: int) -> dict[str, An
     n = rows * length
     row.update(form=f"softmax{length}", rows=rows, length=length, forward_min_bytes=6 * n,
                backward_min_bytes=2 * n + 2 * n + 4 * n)
-    row["forward_s"] = _median(fwd, (x,), repeats)
-    row["fwd_bwd_s"] = _median(jax.jit(both), (x, dy), repeats)
+    row["forward_s"] = _median_seconds(fwd, (x,), repeats)
+    row["fwd_bwd_s"] = _median_seconds(jax.jit(both), (x, dy), repeats)
     row["backward_s"] = row["fwd_bwd_s"] - row["forward_s"]
     row["forward_gb_s"] = row["forward_min_bytes"] / row["forward_s"] / 1e9
     row["backward_gb_s"] = row["backward_min_bytes"] / max(row["backward_s"], 1e-12) / 1e9
