@@ -63,6 +63,7 @@ from autoshard.target import (
     Target,
     check_time_budget,
     parse_mesh,
+    runs_spmd,
     runtime_options,
 )
 from autoshard.trace import Graph, trace
@@ -746,8 +747,9 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     ``"spmd"`` as one program over a stage axis (``pipeline.spmd_program``: uniform stages; what runs across
     processes), ``"mpmd"`` as one program per stage and action dispatched from this process
     (``pipeline.runtime``: any stages, one process), ``"auto"`` (the default) SPMD when several processes
-    run, else MPMD, or SPMD where that prices faster once the MPMD runtime's host work is counted
-    (``plan``'s docstring). A flax nnx step that updates the objects it is
+    run or the mesh spans hosts, else MPMD, or SPMD where that prices faster once the MPMD runtime's host
+    work is counted (``plan``'s docstring); decided by ``target.runtime_options`` when planning, as
+    ``autoshard.plan`` decides it, and the plan runs on the runtime it was priced for (``target.runs_spmd``). A flax nnx step that updates the objects it is
     given (``optimizer.update(model, grads)``) runs as ``nnx.jit`` runs it (``autoshard.nnx_steps``).
 
         @autoshard.parallelize(mesh=(2, 4))
@@ -872,8 +874,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
         multi = distributed.multiprocess()
-        spmd = self.runtime == "spmd" or (self.runtime == "auto" and multi)
-        options = dataclasses.replace(self.options, uniform=spmd, spmd_if_faster=self.runtime == "auto" and not spmd)
+        processes = jax.process_count() if multi else 1
+        options = dataclasses.replace(self.options, **runtime_options(self.runtime, self.target, processes))
         if multi:  # planned on process 0, agreed by all: autoshard.distributed
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(
@@ -891,7 +893,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh), fn)
         assert micro is not None
         devices = list(device_mesh.devices.flat)
-        if spmd or (the_plan.spmd and self.runtime == "auto"):  # a plan made for the SPMD program runs as priced
+        if runs_spmd(self.runtime, the_plan.spmd, processes):  # a plan runs on the runtime it was priced for
             tail = tail_graph(fn, args, graph, the_plan, roles=self.roles)
             return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices, tail), fn)
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)

@@ -213,6 +213,20 @@ def uniform_stages(runtime: str, target: Target, processes: int = 1) -> bool:
     return processes > 1 or target.spans_hosts
 
 
+def runs_spmd(runtime: str, plan_spmd: bool, processes: int = 1) -> bool:
+    """Whether a pipelined plan runs as the SPMD program (``pipeline.spmd_program``) rather than the MPMD
+    runtime: ``runtime`` ``"spmd"`` or ``"mpmd"`` as asked; ``"auto"``: a plan made for the SPMD program
+    (``PipelinePlan.spmd``: ``uniform_stages`` chose it when planning, the mesh spanning hosts included)
+    runs as priced, and several processes always run it (the MPMD runtime drives one process's devices).
+    The one run-time rule, beside ``uniform_stages``, the one planning rule: ``parallelize`` plans with
+    ``runtime_options`` and runs with this, so a plan runs on the runtime it was priced for."""
+    if runtime not in RUNTIMES:
+        raise PlanningError(f"runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
+    if runtime != "auto":
+        return runtime == "spmd"
+    return plan_spmd or processes > 1
+
+
 def runtime_options(runtime: str, target: Target, processes: int = 1) -> dict[str, bool]:
     """``PipelineOptions``' fields for ``runtime``: ``uniform`` (``uniform_stages``), and ``spmd_if_faster``
     where ``"auto"`` leaves a single process the choice (the MPMD runtime's plan, and where its host work

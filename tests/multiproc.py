@@ -3,7 +3,7 @@ read their reports, shared by every such test.
 
 A worker is a script in ``tests/workers`` called as ``worker PORT RANK NPROC ARGS...``; it prints its report as
 the last line of its output, in JSON. Each runs in a session of its own (so a hung collective is ended with
-every child it started) without the parent's ``XLA_FLAGS`` (the worker sets its own device count)."""
+every child it started) with the parent's ``XLA_FLAGS`` less its device count (the worker sets its own)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ from pathlib import Path
 WORKERS = Path(__file__).parent / "workers"
 
 
+def without_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` less the simulated device count (a worker sets its own, ``jax_num_cpu_devices``); the test
+    session's compile flags (``conftest``) stay."""
+    return " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -32,7 +38,7 @@ def start(worker: str | Path, *args: object, nproc: int = 2, ranks: range | None
     with ``args`` after the port, rank and process count."""
     port = free_port() if port is None else port
     path = Path(worker) if Path(worker).is_absolute() else WORKERS / worker
-    environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | dict(env or {})
+    environ = dict(os.environ) | {"XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", ""))} | dict(env or {})
     return [subprocess.Popen([sys.executable, "-u", str(path), str(port), str(r), str(nproc), *map(str, args)],
                              env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)

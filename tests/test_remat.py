@@ -59,7 +59,8 @@ def test_recompute_shortens_live_ranges_and_adds_forward_work() -> None:
     assert flops["none"] < flops["selective"] < flops["full"]
     # selective replays all but the weight products (Korthikanti et al.): the attention core (QK^T and
     # softmax.V, matmuls with batch dimensions) and the elementwise ops; full replays the weight products too
-    forward = [op for op in graph.ops if op.layer in set(blocks(graph)) and op.phase == "forward"]
+    names = set(blocks(graph))
+    forward = [op for op in graph.ops if op.layer in names and op.phase == "forward"]
     weights = sum(op.flops for op in forward if saved_by_selective(op))
     attention = sum(op.flops for op in forward if op.primitive == "dot_general" and not saved_by_selective(op))
     assert weights > 0 and attention > 0

@@ -278,7 +278,7 @@ def test_a_pipeline_for_a_mesh_across_hosts_is_planned_for_the_program_that_runs
     """One process drives one host's devices, so the MPMD runtime (every stage's programs dispatched from
     one process) runs only inside a host: ``runtime="auto"`` plans a pipeline for the SPMD program when the
     mesh spans hosts (8x8 H100: eight hosts) or several processes run; ``spmd``/``mpmd`` are kept as asked."""
-    from autoshard.target import uniform_stages
+    from autoshard.target import runs_spmd, uniform_stages
 
     one_host, hosts = Target.of((2, 4), "h100"), Target.of((8, 8), "h100")
     assert not one_host.spans_hosts and hosts.spans_hosts
@@ -286,3 +286,8 @@ def test_a_pipeline_for_a_mesh_across_hosts_is_planned_for_the_program_that_runs
     assert uniform_stages("auto", hosts) and not uniform_stages("mpmd", hosts) and uniform_stages("spmd", one_host)
     with pytest.raises(PlanningError, match=r"runtime='threads'.*auto, spmd, mpmd"):
         uniform_stages("threads", hosts)
+    # and at run time a plan runs where it was priced: "auto" follows the plan (several processes: SPMD)
+    assert runs_spmd("auto", True) and not runs_spmd("auto", False) and runs_spmd("auto", False, processes=2)
+    assert runs_spmd("spmd", False) and not runs_spmd("mpmd", True)
+    with pytest.raises(PlanningError, match=r"runtime='threads'"):
+        runs_spmd("threads", True)

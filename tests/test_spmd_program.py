@@ -464,6 +464,25 @@ def test_a_plan_made_for_the_program_runs_as_the_program() -> None:
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
 
 
+@pytest.mark.slow
+def test_parallelize_on_a_mesh_across_hosts_plans_and_runs_the_spmd_program_from_one_process() -> None:
+    """``runtime="auto"`` decides alike in ``plan`` and ``parallelize`` (``target.runtime_options``): a mesh
+    across hosts (2 hosts of 4 devices here) gets a pipeline planned for the SPMD program even from one
+    process, and runs as that program (``target.runs_spmd``), as ``jax.jit`` computes."""
+    from cost_models import CostModel
+
+    fn, args, batch = make("optax")
+    want = jax.tree.map(lambda x: np.asarray(x).copy(), args)
+    hosts = CostModel.load("h100", mesh_shape=(2, 4), axis_names=("node", "gpu"), num_hosts=2, devices_per_host=4)
+    step = autoshard.parallelize(fn, mesh={"node": 2, "gpu": 4}, hardware=hosts, microbatches=4, pipeline=True,
+                                 stage_shape=(1, 2), time_budget_s=8)
+    *got, m1 = step(*args, batch)
+    *want, m2 = jax.jit(fn)(*want, batch)
+    assert step.plan.spmd and type(step._last.step).__name__ == "SpmdPipelineStep"
+    assert global_rel_error(np.asarray(m2["loss"]), np.asarray(m1["loss"])) <= TOL
+    assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
+
+
 def test_golden_uniform_blocks_on_two_hosts_give_stages_inside_hosts_and_one_program() -> None:
     # 4 wide blocks (hidden 2048, bf16) on 2 hosts of 4 H100s, 3 GB a device: the weights and Adam state
     # (~2.6 GB a replica) fit no device whole; NVLink inside a host, InfiniBand between hosts

@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.pop("XLA_FLAGS", None)  # the device count comes from jax_num_cpu_devices here
+os.environ["XLA_FLAGS"] = " ".join(  # the device count comes from jax_num_cpu_devices here
+    f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax

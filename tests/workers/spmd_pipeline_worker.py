@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-os.environ.pop("XLA_FLAGS", None)  # the device count comes from jax_num_cpu_devices here
+os.environ["XLA_FLAGS"] = " ".join(  # the device count comes from jax_num_cpu_devices here
+    f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
 
 import jax
 
