@@ -232,7 +232,7 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
     it unblocks the stage before), else a forward while under ``2S`` in flight (chunk 1 first, the deeper
     one, which frees memory sooner), else its oldest pending ``W``, else idles. The ``W`` so fill what would
     be bubbles and the V keeps the turn at the bottom on one stage, so the step idles about ``S − 1``
-    slots of ``6B`` (1F1B: ``6(S − 1)``). Priced by ``simulate``; the SPMD program does not run it yet."""
+    slots of ``6B`` (1F1B: ``6(S − 1)``). Priced by ``simulate``; ``lowering.ticks`` lays it out for the SPMD program."""
     _check_sizes("zb-v", num_stages, num_microbatches)
     S, M = num_stages, num_microbatches
     V, cap = 2 * S, 2 * S

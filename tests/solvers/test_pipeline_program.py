@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -234,3 +235,112 @@ def test_exchanges_send_each_crossing_value_once_after_it_is_made_and_before_it_
     # one stage, or a V's turn, sends nothing to itself
     if S == 1:
         assert got == ()
+
+
+def _replay(program: PipelineProgram) -> Any:
+    """Run ``ticks(program)``'s tables as the SPMD program does, on tokens instead of arrays: each tick a
+    stage's forward, backward, weight pass read and write the slots the tables name, then the exchanges
+    (without a V: the forward's value one way up, the backward's one way down, round the ring with chunks;
+    in a V: each value towards the stage of the virtual stage that reads it, one message each way, kept on
+    the stage at the turn) land where the receive tables say. Fails on a read of a value not there (not
+    yet written, overwritten, or never sent) and on a write over a value that is still to be read; returns
+    the tables."""
+    t = ticks(program)
+    S, V, T = program.num_stages, program.num_virtual_stages, t.num_ticks
+    wp = t.weight_pass
+    ring = program.num_chunks > 1 and not program.v_shape
+    size = {"act": t.act_slots, "cot": t.cot_slots, "res": t.res_slots, "g": t.g_slots}
+    buf: dict[str, list[list[Any]]] = {k: [[None] * n for _ in range(S)] for k, n in size.items()}
+    left: Counter = Counter()  # reads each value still waits for
+
+    def write(s: int, name: str, k: int, token: Any, reads: int, at: int) -> None:
+        assert 0 <= k < size[name], f"{name} slot {k} of stage {s} out of range at tick {at}"
+        old = buf[name][s][k]
+        assert old is None or left[old] == 0, f"{name} slot {k} of stage {s} overwritten at tick {at}: {old} unread"
+        buf[name][s][k] = token
+        if token is not None:
+            left[token] = reads
+
+    def read(s: int, name: str, k: int, token: Any, at: int) -> None:
+        got = buf[name][s][int(k)] if 0 <= k < size[name] else "nothing"
+        assert got == token and left[token] > 0, f"stage {s} reads {token} at tick {at} from {name} slot {k}: {got}"
+        left[token] -= 1
+
+    def u_of(chunk: int, s: int) -> int:
+        return int(t.virtual(np.asarray(chunk), np.asarray(s)))
+
+    for at in range(T):
+        up: list[Any] = [None] * S
+        down: list[Any] = [None] * S
+        kept: list[dict[str, Any]] = [{} for _ in range(S)]
+
+        def send(s: int, token: Any, dst: int, kind: str, way: str, at: int = at, up: list[Any] = up,
+                 down: list[Any] = down, kept: list[dict[str, Any]] = kept) -> None:
+            if program.v_shape:  # towards the stage that reads it
+                way = "turn" if dst == s else "up" if dst == s + 1 else "down"
+                assert way != "down" or dst == s - 1
+            if way == "turn":
+                kept[s][kind] = token
+                return
+            box = up if way == "up" else down
+            assert box[s] is None, f"stage {s} sends two values {way} at tick {at}"
+            box[s] = token
+
+        for s in range(S):
+            if (m := int(t.f_micro[at, s])) >= 0:
+                u = u_of(t.f_chunk[at, s], s)
+                if u > 0:
+                    read(s, "act", t.act_read[at, s], ("stream", u, m), at)
+                write(s, "res", int(t.res_write[at, s]), ("res", u, m), 1 + wp, at)
+                if u == V - 1:
+                    write(s, "cot", int(t.cot_self[at, s]), ("cot", u, m), 1 + wp, at)
+                else:
+                    send(s, ("stream", u + 1, m), program.place(u + 1)[0], "act", "up")
+            if (m := int(t.b_micro[at, s])) >= 0:
+                u = u_of(t.b_chunk[at, s], s)
+                read(s, "res", t.res_read[at, s], ("res", u, m), at)
+                read(s, "cot", t.cot_read[at, s], ("cot", u, m), at)
+                if wp:
+                    write(s, "g", int(t.g_write[at, s]), ("g", u, m), 1, at)
+                if u > 0:
+                    send(s, ("cot", u - 1, m), program.place(u - 1)[0], "cot", "down")
+            if wp and (m := int(t.w_micro[at, s])) >= 0:
+                u = u_of(t.w_chunk[at, s], s)
+                read(s, "res", t.w_res[at, s], ("res", u, m), at)
+                read(s, "cot", t.w_cot[at, s], ("cot", u, m), at)
+                read(s, "g", t.g_read[at, s], ("g", u, m), at)
+        for s in range(S):  # the end of the tick: what arrives, where the tables keep it
+            below = up[(s - 1) % S] if ring or s > 0 else None
+            above = down[(s + 1) % S] if ring or s < S - 1 else None
+            tables = [("act", t.act_recv, below), ("cot", t.cot_recv, above)]
+            if program.v_shape:
+                tables += [("act", t.act_recv_down, above), ("cot", t.cot_recv_up, below),
+                           ("act", t.act_turn, kept[s].get("act")), ("cot", t.cot_turn, kept[s].get("cot"))]
+            for name, table, token in tables:
+                if (k := int(table[at, s])) >= 0:
+                    reads = 1 if name == "act" else 1 + wp
+                    write(s, name, k, token, reads, at)
+    assert not +left, f"values never read: {sorted(+left)[:5]}"
+    return t
+
+
+@given(programs())
+@FAST
+def test_tick_tables_deliver_every_value_before_it_is_read_and_keep_it_until_then(program: PipelineProgram) -> None:
+    _replay(program)
+
+
+def test_zb_v_ticks_lay_out_both_ways_and_hold_1f1bs_activations() -> None:
+    for S, M in ((1, 3), (2, 1), (2, 4), (3, 5), (4, 8), (4, 32), (8, 16)):
+        program = zb_v(S, M)
+        t = _replay(program)
+        assert t.num_ticks == len(program.slots) and t.v_shape
+        # residuals live from F to W, at most 2S chunk-microbatches a stage (the builder's cap): a chunk is
+        # half a stage, so 1F1B's first stage's S whole microbatches, whatever M
+        assert t.res_slots <= min(2 * S, 2 * M)
+        if S > 1:  # the turn keeps its values on stage S - 1; chunk 1's come the other way
+            assert (t.act_turn[:, S - 1] >= 0).sum() == M and (t.act_turn[:, : S - 1] < 0).all()
+            assert (t.cot_turn[:, S - 1] >= 0).sum() == M
+            assert (t.act_recv_down >= 0).sum() == (S - 1) * M == (t.cot_recv_up >= 0).sum()
+    with pytest.raises(ValueError, match=r"in a V.*tail spread over 2 stages"):
+        ticks(zb_v(2, 4), 2)
