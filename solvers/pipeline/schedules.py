@@ -38,6 +38,7 @@ from solvers.pipeline.program import Action, Kind, PipelineProgram, _deps, _gap,
 
 __all__ = [
     "SCHEDULE_NAMES",
+    "V_SCHEDULES",
     "WEIGHT_PASS_SCHEDULES",
     "chunk_inflight_rule",
     "fused_1f1b",
@@ -296,6 +297,8 @@ _BUILDERS: Mapping[str, Callable[[int, int, int, int], PipelineProgram]] = {
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 WEIGHT_PASS_SCHEDULES = ("zb-h1",)  # the schedules whose backwards split into input- and weight-gradient passes
+# the schedules in a V (two chunks a stage, a weight pass): the SPMD program runs them, the MPMD runtime not yet
+V_SCHEDULES = ("zb-v",)
 
 
 @functools.lru_cache(maxsize=16)
@@ -303,8 +306,14 @@ def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
     """Build the schedule called ``name`` (one of ``SCHEDULE_NAMES``); built once for the same arguments (a
     frozen value: the planner asks for GPT-1T's 128 stages x 1024 microbatches several times, 1.6 s each).
     ``tail_gap``: slots between the last virtual stage's forward and backward (module doc)."""
+    if name in V_SCHEDULES:
+        if chunks != 2 or tail_gap:
+            raise ValueError(f"schedule {name!r} runs two model chunks a stage in a V and leaves no tail gap; got "
+                             f"chunks={chunks}, tail_gap={tail_gap}")
+        return zb_v(num_stages, num_microbatches)
     if name not in _BUILDERS:
-        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of "
+                         f"{', '.join((*SCHEDULE_NAMES, *V_SCHEDULES))}")
     if name != "interleaved-1f1b" and chunks != 1:
         raise ValueError(
             f"schedule {name!r} runs one model chunk per stage, got chunks={chunks}; "
