@@ -55,6 +55,7 @@ from autoshard.planner.summary import human_time
 from autoshard.planner.utilization import model_flops
 from autoshard.target import (
     RUNTIMES,
+    SPMD_ONLY,
     BudgetLike,
     HardwareLike,
     MeshLike,
@@ -145,7 +146,7 @@ def plan(
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
                               max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks,
-                              **runtime_options(runtime, target))
+                              **runtime_options(runtime, target, schedule=schedule))
     return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
                     roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
 
@@ -481,6 +482,8 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     shorter (GPT-1T: 95.6 s of ticks against the base's 79.8 s; planned at an 80 GB budget, 100.9 s a step
     against 84.4 s, for 57 s more)."""
     if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
+        return piped
+    if piped.num_chunks > 1:  # the planner chose ZB-V's chunks in a V: interleaving derives from one a stage
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
         if left is not None and deadline is not None and piped.bubble_fraction >= INTERLEAVE_BUBBLE:
@@ -872,7 +875,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
         multi = distributed.multiprocess()
-        spmd = self.runtime == "spmd" or (self.runtime == "auto" and multi)
+        spmd = self.runtime == "spmd" or (self.runtime == "auto" and (multi or self.options.schedule in SPMD_ONLY))
         options = dataclasses.replace(self.options, uniform=spmd, spmd_if_faster=self.runtime == "auto" and not spmd)
         if multi:  # planned on process 0, agreed by all: autoshard.distributed
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
