@@ -124,8 +124,8 @@ def test_memory_is_the_old_in_flight_rule(program: PipelineProgram) -> None:
         assert got.inflight == (B,) * S
     elif program.name in ("1f1b", "zb-h1") and not g:
         assert got.inflight == tuple(min(x + 1, B) for x in r)
-    elif program.name == "zb-v":  # half a stage a chunk: 1F1B's first stage, min(S, B) whole microbatches
-        assert got.inflight == (2 * min(S, B),) * S
+    elif program.name == "zb-v":  # half a stage a chunk: at most 1F1B's first stage, min(S, B) whole microbatches
+        assert max(got.inflight) == 2 * min(S, B)
 
 
 @given(st.integers(1, 6), st.integers(1, 12), st.lists(st.floats(0.1, 5.0), min_size=6, max_size=6),
@@ -207,17 +207,24 @@ def test_zb_v_runs_its_chunks_in_a_v_and_fills_the_bubble_at_1f1bs_memory() -> N
         V = 2 * S
         unit = Costs(forward=[1.0] * V, backward=[1.0] * V, weight=[1.0] * V, comm=0.0)
         got = simulate(program, unit, "async")
-        # each F, B, W a slot: 6M of work a stage, and S - 1 slots of fill, where 1F1B (a stage's F = 2,
-        # B = 4) idles 6(S - 1)
-        assert got.loop == 6 * M + S - 1
+        # each F, B, W a slot: 6M of work a stage, and 2(S - 1) slots of fill (M >= 2S), where ZB-H1 (a
+        # stage's F = B = W = 2) idles 4(S - 1) and 1F1B (F = 2, B = 4) 6(S - 1)
+        if M >= 2 * S:
+            assert got.loop == 6 * M + 2 * (S - 1)
+            zb_h1 = simulate(schedule("zb-h1", S, M), Costs(forward=[2.0] * S, backward=[2.0] * S,
+                                                            weight=[2.0] * S), "lockstep")
+            assert zb_h1.loop == 6 * M + 4 * (S - 1)
+        else:
+            assert 6 * M < got.loop < 6 * (M + S - 1)
         one = simulate(schedule("1f1b", S, M), Costs.of_micro([6.0] * S, weight_pass=False), "async")
         assert one.loop == 6 * (M + S - 1)
         assert simulate(program, unit, "lockstep").loop == got.loop  # equal actions: lockstep loses nothing
     # a dependency across stages pays the link, the V's turn on one stage does not
     program = zb_v(2, 1)
     far = simulate(program, Costs(forward=[1.0] * 4, backward=[1.0] * 4, weight=[1.0] * 4, comm=10.0), "async")
-    # F0 F1 F2 F3 B3 B2 B1 B0 W0 in a chain: stage 0 -> 1 and back forward, again backward, four crossings
-    assert far.loop == pytest.approx(9 + 4 * 10.0)
+    # F0 F1 F2 F3 B3 B2 W2 B1 B0 W0 in a chain (a stage runs its one pending W first): stage 0 -> 1 and back
+    # forward, again backward, four crossings
+    assert far.loop == pytest.approx(10 + 4 * 10.0)
 
 
 @given(programs())
@@ -336,8 +343,8 @@ def test_zb_v_ticks_lay_out_both_ways_and_hold_1f1bs_activations() -> None:
         t = _replay(program)
         assert t.num_ticks == len(program.slots) and t.v_shape
         # residuals live from F to W, at most 2S chunk-microbatches a stage (the builder's cap): a chunk is
-        # half a stage, so 1F1B's first stage's S whole microbatches, whatever M
-        assert t.res_slots <= min(2 * S, 2 * M)
+        # half a stage, so 1F1B's first stage's S whole microbatches, whatever M; and one W's inputs at a time
+        assert t.res_slots <= min(2 * S, 2 * M) and t.g_slots == 1 and t.cot_slots <= 2
         if S > 1:  # the turn keeps its values on stage S - 1; chunk 1's come the other way
             assert (t.act_turn[:, S - 1] >= 0).sum() == M and (t.act_turn[:, : S - 1] < 0).all()
             assert (t.cot_turn[:, S - 1] >= 0).sum() == M
