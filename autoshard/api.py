@@ -109,7 +109,8 @@ def plan(
 
     Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
     (stages on submeshes, ``B`` microbatches, ``schedule`` "auto" (1F1B or ZB-H1, whichever prices faster on
-    the stages cut), "1f1b", "gpipe", "zb-h1" or "interleaved-1f1b" with ``num_chunks`` chunks per stage, ``num_layers`` layers to
+    the stages cut, and ZB-V for the SPMD program), "1f1b", "gpipe", "zb-h1", "zb-v" (two chunks a stage in a
+    V: the SPMD program only) or "interleaved-1f1b" with ``num_chunks`` chunks per stage, ``num_layers`` layers to
     cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
     the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
     ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one. With no

@@ -553,7 +553,8 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``V = v·S`` virtual stages (``v = chunks`` model chunks a stage, 1 but for the interleaved
     schedule) of ``K / V`` of the step's ``K`` repeated blocks each, the layers before the first block with
-    virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S``. Over
+    virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S`` (in a V,
+    ``_place``). Over
     every submesh option ``m`` whose stage count ``S = N / n_m`` makes ``V`` divide ``K`` (and is at most
     ``limit``), with the stage DP's tables ``t'[a_u, b_u, m]`` (``a_u, b_u``: virtual stage u's layers) as
     their times:
@@ -568,7 +569,9 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     tick, ``2(S − 1 − s) + 1`` in flight). With ``zero_bubble`` (the schedule left to the planner) ZB-H1's
     unit ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one
     forward long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in
-    flight (held until ``W``). The interleaved schedule has the one form, its unit ticks.
+    flight (held until ``W``), and ZB-V's cut (``2S`` virtual stages of ``K / 2S`` blocks, chunk 1 of stage
+    ``s`` holding virtual stage ``2S − 1 − s``: ``_place``) with its unit ticks, its chunks' own microbatches
+    in flight, its tail on stage 0 (never spread). The interleaved schedule has the one form, its unit ticks.
 
     With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
     is priced a second way, the tail (the layers from ``tail_first`` on, after the last block,
