@@ -655,3 +655,12 @@ def test_the_first_call_leaves_the_callers_state_alive() -> None:
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
     step(out, batch)
     assert any(x.is_deleted() for x in jax.tree.leaves(out))
+
+
+@pytest.mark.slow  # an error's wording, 13 s of tracing: CI keeps to its time
+def test_zb_v_runs_on_the_spmd_program_only_and_says_so() -> None:
+    # ZB-V's chunks in a V: the MPMD runtime does not run them, so a plan for it is refused by name
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4"], abstract=True)
+    with pytest.raises(PipelineError, match=r"'zb-v' runs two chunks a stage in a V, which only the SPMD program"):
+        autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, schedule="zb-v",
+                       runtime="mpmd", time_budget_s=5)
