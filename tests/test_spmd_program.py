@@ -231,6 +231,10 @@ def test_models_written_as_users_write_them_run_as_one_program(form: str, name: 
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
     assert type(step._last.step).__name__ == "SpmdPipelineStep" and step.plan.schedule == name
     assert len(structure(step._last.step.micro).tags) == 4
+    if name == "zb-v":  # the plan's stages in a V (stage 0 holds virtual stages 0 and 3), priced as they run
+        plan, priced = step.plan, step._last.step.predicted
+        assert plan.num_chunks == 2 and plan.place(3) == (0, 1) and plan.stages[3].origin == plan.stages[0].origin
+        assert plan.predicted_step_time == pytest.approx(priced.step - priced.dispatch, rel=1e-3)
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:

@@ -416,7 +416,20 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             return SHARES.min_layer_seconds
         return max(SHARES.min_stage_seconds, min(per_solve, left / (1.3 * 2 * len(set(keys) - set(done)))))
 
-    shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget, v_shape)
+    est = None
+    if v_shape:
+        # a stage's two chunks in a V hold its 2S chunk-microbatches between them, split unevenly (stage 0:
+        # 2S - 1 and 1) and the other way on another stage: two identical chunks (same ops, same shape) are
+        # planned once for all stages, at their stage's mean in flight, each under half the stage's budget
+        # (both hold what the stage holds); other chunks (the head's, the tail's) share it by what their
+        # layers hold at their own count
+        for s in range(num_stages):
+            u0, u1 = s, 2 * num_stages - 1 - s
+            if keys[u0] == keys[u1]:
+                held[u0] = held[u1] = (held[u0] + held[u1]) / 2
+        static, active = _static_memory(prices), _range_sums(prices.micro_memory)
+        est = [float(static[a, b, m] + held[u] * active[a, b, m]) for u, (a, b, m) in enumerate(chosen)]
+    shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget, v_shape, est)
     done: dict[Any, Part] = {}
     planned: dict[int, Part] = {}
     for s in sorted(range(len(chosen)), key=lambda u: (-held[u], u)):
@@ -768,7 +781,8 @@ def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_micro
 
 
 def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Sequence[Any], num_stages: int,
-                   memory_budget: float | None, v_shape: bool = False) -> dict[Any, float | None]:
+                   memory_budget: float | None, v_shape: bool = False,
+                   est: Sequence[float] | None = None) -> dict[Any, float | None]:
     """The memory each (virtual) stage is planned under, by its key (identical stages share one plan).
 
     A physical stage holds all its chunks (``len(chosen) / num_stages`` of them, virtual stages ``p``,
@@ -780,7 +794,8 @@ def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Se
     head's). Without chunks a stage gets the whole budget."""
     if memory_budget is None or len(chosen) == num_stages:
         return dict.fromkeys(keys, memory_budget)
-    est = [sum(prices.parts[ell][m].memory for ell in range(a, b + 1)) for a, b, m in chosen]
+    if est is None:  # (ZB-V gives its own: ``_plan_pipeline``)
+        est = [sum(prices.parts[ell][m].memory for ell in range(a, b + 1)) for a, b, m in chosen]
     out: dict[Any, float | None] = {}
     for u, key in enumerate(keys):
         here = _place(u, num_stages, v_shape)[0]
