@@ -168,6 +168,7 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
     pytest.param("state", "interleaved-1f1b", (1, 4), "auto", marks=pytest.mark.slow),  # the scan case below
     ("state", "1f1b", (1, 2), "selective"),
     pytest.param("optax", "zb-h1", (1, 2), "auto", marks=pytest.mark.slow),  # ZB-H1: llama's, below
+    pytest.param("state", "zb-v", (1, 4), "auto", marks=pytest.mark.slow),  # ZB-V: test_zb_v_... in CI
     ("state:scan", "interleaved-1f1b", (1, 4), "auto")])
 def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], recompute: str) -> None:
     fn, args, batch = make(form)
@@ -188,7 +189,7 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
     with pytest.raises(ArgumentMismatch, match=r"argument leaf \d+ \(batch.tokens\) is int32\["):
         step._last.step(*got, half)
     assert step.plan.schedule == name and step.plan.num_physical_stages == 8 // (shape[0] * shape[1])
-    assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
+    assert step._last.step.num_chunks == (2 if name in ("interleaved-1f1b", "zb-v") else 1)
     # the plan priced the program as it runs: its lockstep ticks (interleaved too), one call a step
     priced = step._last.step.predicted
     assert step.plan.predicted_step_time == pytest.approx(priced.step - priced.dispatch, rel=1e-3)
@@ -231,10 +232,9 @@ def test_models_written_as_users_write_them_run_as_one_program(form: str, name: 
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
     assert type(step._last.step).__name__ == "SpmdPipelineStep" and step.plan.schedule == name
     assert len(structure(step._last.step.micro).tags) == 4
-    if name == "zb-v":  # the plan's stages in a V (stage 0 holds virtual stages 0 and 3), priced as they run
-        plan, priced = step.plan, step._last.step.predicted
+    if name == "zb-v":  # the plan's stages in a V: stage 0 holds virtual stages 0 and 3
+        plan = step.plan
         assert plan.num_chunks == 2 and plan.place(3) == (0, 1) and plan.stages[3].origin == plan.stages[0].origin
-        assert plan.predicted_step_time == pytest.approx(priced.step - priced.dispatch, rel=1e-3)
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
