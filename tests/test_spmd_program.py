@@ -421,6 +421,16 @@ def test_zb_v_on_four_stages_of_two_devices_keeps_its_exchanges_out_of_the_stage
 
 
 @pytest.mark.slow
+def test_zb_v_exchanging_streams_and_cotangents_apart_gives_the_same_numbers() -> None:
+    # where the stream's and the cotangent's shapes differ, each goes its own way (four ppermutes a tick)
+    step, train_step, state, batch = _zb_v_step(stages=2, layers=4, M=4, devices=2)
+    step.merge_exchanges = False  # before the first call traces the program
+    hlo = step.lower(state, batch).as_text()
+    assert hlo.count("collective_permute") == 4, hlo.count("collective_permute")
+    _matches_jit(step, train_step, state, batch)
+
+
+@pytest.mark.slow
 def test_zb_v_holds_about_1f1bs_activations_whatever_the_microbatch_count() -> None:
     # XLA's temp bytes of the compiled program (4 stages, 8 blocks, 16 rows a microbatch): ZB-V keeps at most
     # 2S chunk-microbatches in flight a stage, each half a stage's blocks, as 1F1B keeps S whole ones, and

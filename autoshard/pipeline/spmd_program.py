@@ -325,6 +325,9 @@ class SpmdPipelineStep:
         self.schedule = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1))
         self.ticks = fused_1f1b(S, M, G) if fused and schedule_name == "1f1b" else ticks(self.schedule, G)
         self.v_shape = self.ticks.v_shape  # chunk 1 of stage s runs virtual stage 2S - 1 - s (ZB-V)
+        # in a V, one message each way a tick carries a stream or a cotangent where their shapes agree (False:
+        # both kinds each way, four ppermutes, as where they differ)
+        self.merge_exchanges = True
         self.split = weight_pass(micro, self.cut, self.parts) if self.ticks.weight_pass else None
         self.unreduced_once: dict[str, tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]] = {}
         # the chunk's weight gradients, partial sums over the stage's data-parallel axes, left unreduced
@@ -810,7 +813,7 @@ class SpmdPipelineStep:
         # in a V each stage hears from both sides: one message each way, a stream or a cotangent (``ticks``
         # checks a stage sends at most one value each way a tick), or both kinds each way where their shapes
         # differ; the turn's values stay on stage S - 1
-        one_way = [(a.shape, a.dtype) for a in acts] == [(a.shape, a.dtype) for a in cots]
+        one_way = self.merge_exchanges and [(a.shape, a.dtype) for a in acts] == [(a.shape, a.dtype) for a in cots]
 
         def keep(buf: Any, k: Any, x: Any) -> Any:  # ``x`` into slot ``k`` if ``k >= 0``, one slot's select
             return put(buf, k, jnp.where(k >= 0, x.astype(buf.dtype), get(buf, k)))
