@@ -484,7 +484,7 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     against 84.4 s, for 57 s more)."""
     if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
         return piped
-    if piped.num_chunks > 1:  # the planner chose ZB-V's chunks in a V: interleaving derives from one a stage
+    if piped.schedule in SPMD_ONLY:  # the planner chose ZB-V's chunks in a V: interleaving derives from one a stage
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
         if left is not None and deadline is not None and piped.bubble_fraction >= INTERLEAVE_BUBBLE:
