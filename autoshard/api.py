@@ -55,6 +55,7 @@ from autoshard.planner.summary import human_time
 from autoshard.planner.utilization import model_flops
 from autoshard.target import (
     RUNTIMES,
+    SPMD_ONLY,
     BudgetLike,
     HardwareLike,
     MeshLike,
@@ -109,7 +110,8 @@ def plan(
 
     Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
     (stages on submeshes, ``B`` microbatches, ``schedule`` "auto" (1F1B or ZB-H1, whichever prices faster on
-    the stages cut), "1f1b", "gpipe", "zb-h1" or "interleaved-1f1b" with ``num_chunks`` chunks per stage, ``num_layers`` layers to
+    the stages cut, and ZB-V for the SPMD program), "1f1b", "gpipe", "zb-h1", "zb-v" (two chunks a stage in a
+    V: the SPMD program only) or "interleaved-1f1b" with ``num_chunks`` chunks per stage, ``num_layers`` layers to
     cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
     the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
     ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one. With no
@@ -146,7 +148,7 @@ def plan(
     target = Target.of(mesh, hardware, memory_budget)
     options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
                               max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks,
-                              **runtime_options(runtime, target))
+                              **runtime_options(runtime, target, schedule=schedule))
     return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
                     roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
 
@@ -482,6 +484,8 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     shorter (GPT-1T: 95.6 s of ticks against the base's 79.8 s; planned at an 80 GB budget, 100.9 s a step
     against 84.4 s, for 57 s more)."""
     if options.schedule != "auto" or options.stage_shape is not None or options.num_chunks != INTERLEAVE_CHUNKS:
+        return piped
+    if piped.schedule in SPMD_ONLY:  # the planner chose ZB-V's chunks in a V: interleaving derives from one a stage
         return piped
     if (piped.bubble_fraction < INTERLEAVE_BUBBLE) if left is None else (left < 0.5 * took):
         if left is not None and deadline is not None and piped.bubble_fraction >= INTERLEAVE_BUBBLE:
@@ -875,7 +879,8 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         device_mesh = self.device_mesh
         multi = distributed.multiprocess()
         processes = jax.process_count() if multi else 1
-        options = dataclasses.replace(self.options, **runtime_options(self.runtime, self.target, processes))
+        options = dataclasses.replace(self.options, **runtime_options(self.runtime, self.target, processes,
+                                                                        schedule=self.options.schedule))
         if multi:  # planned on process 0, agreed by all: autoshard.distributed
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(

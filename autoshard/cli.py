@@ -179,9 +179,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="also plan a pipeline with B microbatches; the faster plan wins (see --pipeline)")
     p.add_argument("--pipeline", choices=["auto", "yes", "no"], default="auto",
                    help="with --microbatches: 'yes' forces the pipelined plan, 'no' the intra-operator one")
-    p.add_argument("--schedule", default="auto", choices=["auto", "1f1b", "gpipe", "zb-h1", "interleaved-1f1b"],
-                   help="pipeline schedule (auto: 1f1b or zb-h1, whichever the planner prices faster; "
-                   "interleaved-1f1b needs --stage-shape; --chunks per stage)")
+    p.add_argument("--schedule", default="auto", choices=["auto", "1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v"],
+                   help="pipeline schedule (auto: 1f1b or zb-h1, whichever the planner prices faster, and zb-v "
+                   "too for the SPMD program; interleaved-1f1b needs --stage-shape; --chunks per stage; zb-v: "
+                   "two chunks a stage in a V, the SPMD program only)")
     p.add_argument("--chunks", type=_count, default=2, metavar="V", help="model chunks per stage (interleaved)")
     p.add_argument("--stage-shape", metavar="HxD", help="every stage on a submesh of H hosts x D devices")
     p.add_argument("--layers", type=_count, metavar="L", help="layers the pipeline planner cuts the model into")
@@ -210,7 +211,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     options = PipelineOptions(microbatches=args.microbatches, pipeline={"auto": None, "yes": True, "no": False}[args.pipeline],
                               schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages,
                               num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape),
-                              **runtime_options(args.runtime, target))
+                              **runtime_options(args.runtime, target, schedule=args.schedule))
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
     the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget,

@@ -23,7 +23,9 @@ log = logging.getLogger("autoshard")
 
 DEFAULT_MEMORY_MARGIN = 0.10  # keep 10% of device memory free for XLA's temporaries and fragmentation
 DEFAULT_AXIS_NAMES = {1: ("x",), 2: ("x", "y"), 3: ("x", "y", "z")}
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")  # the schedules the pipeline runtime runs
+# the schedules the pipeline runtimes run (ZB-V, two chunks a stage in a V: the SPMD program only)
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v")
+SPMD_ONLY = ("zb-v",)  # of those, the schedules only the SPMD program runs
 MeshLike = Sequence[int] | Mapping[str, int] | str | Any  # Any: a jax.sharding.Mesh or AbstractMesh
 HardwareLike = str | CostModel
 BudgetLike = float | int | str | None
@@ -227,11 +229,12 @@ def runs_spmd(runtime: str, plan_spmd: bool, processes: int = 1) -> bool:
     return plan_spmd or processes > 1
 
 
-def runtime_options(runtime: str, target: Target, processes: int = 1) -> dict[str, bool]:
+def runtime_options(runtime: str, target: Target, processes: int = 1, schedule: str = "auto") -> dict[str, bool]:
     """``PipelineOptions``' fields for ``runtime``: ``uniform`` (``uniform_stages``), and ``spmd_if_faster``
     where ``"auto"`` leaves a single process the choice (the MPMD runtime's plan, and where its host work
-    weighs, the SPMD program's too: ``api._choose``)."""
-    uniform = uniform_stages(runtime, target, processes)
+    weighs, the SPMD program's too: ``api._choose``). A ``schedule`` only the SPMD program runs (ZB-V) makes
+    ``"auto"`` the SPMD program."""
+    uniform = uniform_stages(runtime, target, processes) or (runtime == "auto" and schedule in SPMD_ONLY)
     return {"uniform": uniform, "spmd_if_faster": runtime == "auto" and not uniform}
 
 
@@ -242,8 +245,9 @@ class PipelineOptions:
     ``microbatches``: microbatches per step (None: no pipeline is planned); ``pipeline``: True always
     returns the pipelined plan, False never plans one, None returns the faster; ``schedule``: "auto" (the
     default: 1F1B or ZB-H1, whichever the planner prices faster on the stages it cuts), "1f1b", "gpipe",
-    "zb-h1" (zero-bubble H1: weight gradients deferred into the bubbles) or "interleaved-1f1b"
-    (``num_chunks`` model chunks per stage; needs ``stage_shape``); ``num_layers``: layers to cut the step into (default: one per named block, plus one);
+    "zb-h1" (zero-bubble H1: weight gradients deferred into the bubbles), "interleaved-1f1b"
+    (``num_chunks`` model chunks per stage; needs ``stage_shape``) or "zb-v" (zero-bubble V: two chunks a
+    stage in a V, 1F1B's activation memory; the SPMD program only, ``uniform``); ``num_layers``: layers to cut the step into (default: one per named block, plus one);
     ``max_stages``: at most that many stages; ``stage_shape``: (hosts, devices) of every stage's submesh;
     ``uniform``: only stages the SPMD pipeline program runs (equal submeshes, the same number of blocks
     each), priced as that program runs them (``pipeline.stages._uniform``); ``spmd_if_faster``: a

@@ -168,6 +168,7 @@ def test_tick_tables_follow_the_schedule_in_buffers_it_bounds(name: str, stages:
     pytest.param("state", "interleaved-1f1b", (1, 4), "auto", marks=pytest.mark.slow),  # the scan case below
     ("state", "1f1b", (1, 2), "selective"),
     pytest.param("optax", "zb-h1", (1, 2), "auto", marks=pytest.mark.slow),  # ZB-H1: llama's, below
+    pytest.param("state", "zb-v", (1, 4), "auto", marks=pytest.mark.slow),  # ZB-V: test_zb_v_... in CI
     ("state:scan", "interleaved-1f1b", (1, 4), "auto")])
 def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], recompute: str) -> None:
     fn, args, batch = make(form)
@@ -188,7 +189,7 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
     with pytest.raises(ArgumentMismatch, match=r"argument leaf \d+ \(batch.tokens\) is int32\["):
         step._last.step(*got, half)
     assert step.plan.schedule == name and step.plan.num_physical_stages == 8 // (shape[0] * shape[1])
-    assert step._last.step.num_chunks == (2 if name == "interleaved-1f1b" else 1)
+    assert step._last.step.num_chunks == (2 if name in ("interleaved-1f1b", "zb-v") else 1)
     # the plan priced the program as it runs: its lockstep ticks (interleaved too), one call a step
     priced = step._last.step.predicted
     assert step.plan.predicted_step_time == pytest.approx(priced.step - priced.dispatch, rel=1e-3)
@@ -210,6 +211,8 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
     pytest.param("style:numbered", "zb-h1", marks=pytest.mark.slow),
     pytest.param("style:numbered", "interleaved-1f1b", marks=pytest.mark.slow),
     pytest.param("style:unnumbered", "zb-h1", marks=pytest.mark.slow),
+    # ZB-V (two chunks a stage in a V): CI runs the tiny GPT's (test_zb_v_...), these with -m slow
+    pytest.param("llama", "zb-v", marks=pytest.mark.slow), pytest.param("style:numbered", "zb-v", marks=pytest.mark.slow),
     pytest.param("style:flax_default", "1f1b", marks=pytest.mark.slow),
     pytest.param("style:nnx_list", "1f1b", marks=pytest.mark.slow)])
 def test_models_written_as_users_write_them_run_as_one_program(form: str, name: str) -> None:
@@ -218,7 +221,7 @@ def test_models_written_as_users_write_them_run_as_one_program(form: str, name: 
     makes the mask from its microbatch), ordinal names, GPT-2's ``h/0``; the program equals ``jax.jit``."""
     fn, args, batch = make(form)
     want_args = jax.tree.map(lambda x: np.asarray(x).copy(), args)
-    shape = (1, 4) if name == "interleaved-1f1b" else (1, 2)
+    shape = (1, 4) if name in ("interleaved-1f1b", "zb-v") else (1, 2)  # 2 stages x 2 chunks of a block
     step = autoshard.parallelize(fn, mesh=(2, 4), microbatches=4, pipeline=True, schedule=name, stage_shape=shape,
                                  time_budget_s=8, runtime="spmd")
     got, want = list(args), list(want_args)
@@ -229,6 +232,9 @@ def test_models_written_as_users_write_them_run_as_one_program(form: str, name: 
     assert global_rel_error(jax.tree.leaves(want), jax.tree.leaves(got)) <= TOL
     assert type(step._last.step).__name__ == "SpmdPipelineStep" and step.plan.schedule == name
     assert len(structure(step._last.step.micro).tags) == 4
+    if name == "zb-v":  # the plan's stages in a V: stage 0 holds virtual stages 0 and 3
+        plan = step.plan
+        assert plan.num_chunks == 2 and plan.place(3) == (0, 1) and plan.stages[3].origin == plan.stages[0].origin
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
@@ -357,6 +363,7 @@ def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_de
                                        # beside the stream, GPT-2's h/0, ordinal names
                                        pytest.param("llama", "1f1b", marks=pytest.mark.slow),
                                        ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
+                                       pytest.param("llama", "zb-v", marks=pytest.mark.slow),
                                        pytest.param("style:numbered", "zb-h1", marks=pytest.mark.slow),
                                        ("style:unnumbered", "interleaved-1f1b"),
                                        pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
@@ -381,6 +388,64 @@ def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path,
     leaves = jax.tree.leaves(want)
     assert global_rel_error(np.array(losses), got["losses"]) <= TOL
     assert global_rel_error(leaves, [got[f"leaf_{i}"] for i in range(len(leaves))]) <= TOL
+
+
+def _zb_v_step(stages: int, layers: int, M: int, devices: int) -> tuple[SpmdPipelineStep, Any, Any, Any]:
+    """The tiny GPT (``layers`` blocks, 2 rows a microbatch) as ZB-V's SPMD program on ``stages`` stages of
+    ``devices / stages`` devices: the step, the example's train step, its state and batch."""
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", [f"layers={layers}", f"batch={2 * M}"], abstract=False)
+    state, batch = ex.args
+    full = trace(ex.train_step, state, batch)
+    micro = trace_microbatch(ex.train_step, ex.args, full, M)
+    step = SpmdPipelineStep(micro, full, stage_mesh(jax.devices()[:devices], stages), M, "zb-v")
+    return step, ex.train_step, state, batch
+
+
+def test_zb_v_runs_its_two_chunks_in_a_v_and_gives_jits_numbers() -> None:
+    # ZB-V: 2 stages of 2 chunks (a block each), chunk 1 of stage s running virtual stage 3 - s, so the head
+    # and the tail both run on stage 0 and the turn stays on stage 1; 3 steps equal jax.jit's
+    step, train_step, state, batch = _zb_v_step(stages=2, layers=4, M=4, devices=2)
+    assert step.num_chunks == 2 and step.ticks.v_shape and step.ticks.weight_pass
+    assert step.schedule.place(0) == (0, 0) and step.schedule.place(3) == (0, 1)
+    _matches_jit(step, train_step, state, batch)
+
+
+@pytest.mark.slow  # CI: the case above
+def test_zb_v_on_four_stages_of_two_devices_keeps_its_exchanges_out_of_the_stages_branches() -> None:
+    # 4 stages of 2 devices, 8 microbatches: stages exchange with both neighbours in a tick (chunk 0's stream
+    # up, chunk 1's down), at the tick's top level; the numbers are jax.jit's
+    step, train_step, state, batch = _zb_v_step(stages=4, layers=8, M=8, devices=8)
+    hlo = step.lower(state, batch).compile().as_text()
+    assert not _stage_branch_permutes(hlo), _stage_branch_permutes(hlo)
+    _matches_jit(step, train_step, state, batch)
+
+
+@pytest.mark.slow
+def test_zb_v_exchanging_streams_and_cotangents_apart_gives_the_same_numbers() -> None:
+    # where the stream's and the cotangent's shapes differ, each goes its own way (four ppermutes a tick)
+    step, train_step, state, batch = _zb_v_step(stages=2, layers=4, M=4, devices=2)
+    step.merge_exchanges = False  # before the first call traces the program
+    hlo = step.lower(state, batch).as_text()
+    assert hlo.count("collective_permute") == 4, hlo.count("collective_permute")
+    _matches_jit(step, train_step, state, batch)
+
+
+@pytest.mark.slow
+def test_zb_v_holds_about_1f1bs_activations_whatever_the_microbatch_count() -> None:
+    # XLA's temp bytes of the compiled program (4 stages, 8 blocks, 16 rows a microbatch): ZB-V keeps at most
+    # 2S chunk-microbatches in flight a stage, each half a stage's blocks, as 1F1B keeps S whole ones, and
+    # one W's inputs (B's inner gradients) at a time, as ZB-H1 does; neither grows with M
+    temp = {}
+    for M in (8, 32):
+        ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=8", f"batch={16 * M}"], abstract=True)
+        full = trace(ex.train_step, *ex.args)
+        micro = trace_microbatch(ex.train_step, ex.args, full, M)
+        for name in ("1f1b", "zb-v"):
+            step = SpmdPipelineStep(micro, full, stage_mesh(jax.devices()[:4], 4), M, name)
+            temp[(name, M)] = step.lower(*ex.args).compile().memory_analysis().temp_size_in_bytes
+    for M in (8, 32):
+        assert temp[("zb-v", M)] <= 1.05 * temp[("1f1b", M)], temp
+    assert temp[("zb-v", 32)] <= 1.01 * temp[("zb-v", 8)], temp
 
 
 def test_the_price_is_the_lockstep_of_the_schedule() -> None:
@@ -623,3 +688,12 @@ def test_the_first_call_leaves_the_callers_state_alive() -> None:
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
     step(out, batch)
     assert any(x.is_deleted() for x in jax.tree.leaves(out))
+
+
+@pytest.mark.slow  # an error's wording, 13 s of tracing: CI keeps to its time
+def test_zb_v_runs_on_the_spmd_program_only_and_says_so() -> None:
+    # ZB-V's chunks in a V: the MPMD runtime does not run them, so a plan for it is refused by name
+    ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4"], abstract=True)
+    with pytest.raises(PipelineError, match=r"'zb-v' runs two chunks a stage in a V, which only the SPMD program"):
+        autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, schedule="zb-v",
+                       runtime="mpmd", time_budget_s=5)

@@ -23,6 +23,7 @@ from autoshard.planner.plan import (
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
+from solvers.pipeline.schedules import V_SCHEDULES
 
 PIPELINE_PLAN_VERSION = 1
 
@@ -89,7 +90,8 @@ class PipelinePlan:
 
     With ``num_chunks = v > 1`` (the interleaved schedule) ``stages`` are the ``V = v·S`` *virtual* stages
     in model order, each with its contiguous layers; virtual stage ``u`` runs on physical stage ``u mod S``
-    (same submesh and origin), which so holds chunks ``u, u+S, ...``."""
+    (same submesh and origin), which so holds chunks ``u, u+S, ...``; under ZB-V (two chunks in a V) chunk 1
+    of stage ``s`` is virtual stage ``2S − 1 − s`` (``place``)."""
 
     mesh: LogicalMesh
     hardware: str
@@ -140,6 +142,12 @@ class PipelinePlan:
     def num_physical_stages(self) -> int:
         return len(self.stages) // self.num_chunks
 
+    def place(self, u: int) -> tuple[int, int]:
+        """``(physical stage, chunk)`` of virtual stage ``u``: ``(u mod S, u div S)``, or for a schedule in a V
+        (ZB-V: ``V_SCHEDULES``) ``(2S − 1 − u, 1)`` for ``u >= S`` (``PipelineProgram.place``)."""
+        S = self.num_physical_stages
+        return (2 * S - 1 - u, 1) if self.schedule in V_SCHEDULES and u >= S else (u % S, u // S)
+
     @property
     def cluster(self) -> tuple[int, int]:
         return cluster_of(self.mesh)
@@ -166,10 +174,11 @@ class PipelinePlan:
         if self.num_chunks < 1 or len(self.stages) != S * self.num_chunks:
             raise PlanError(f"{len(self.stages)} virtual stages do not make {self.num_chunks} chunks per stage")
         for u, st in enumerate(self.stages[S:], start=S):
-            first = self.stages[u % S]
+            here, chunk = self.place(u)
+            first = self.stages[here]
             if (st.submesh, st.origin) != (first.submesh, first.origin):
                 raise PlanError(f"virtual stage {u} runs on submesh {st.submesh} at {st.origin}; as chunk "
-                                f"{u // S} of stage {u % S} it must run on {first.submesh} at {first.origin}")
+                                f"{chunk} of stage {here} it must run on {first.submesh} at {first.origin}")
         for s, st in enumerate(self.stages):
             check_axes(st.specs, st.mesh, f"stage {s}: ")
             check_axes(st.update_specs, st.mesh, f"stage {s}'s update: ")

@@ -82,7 +82,8 @@ def explain_pipeline(plan: PipelinePlan) -> str:
     S = V // max(1, plan.num_chunks)  # physical stages; a stage runs its chunks
     work = sum(times) * B / S if S else 0.0
     # once per step, each physical stage its chunks' updates; the rest of the step is the schedule's passes
-    update = max((sum(plan.stages[u].update_time for u in range(s, V, S)) for s in range(S)), default=0.0)
+    update = max((sum(plan.stages[u].update_time for u in range(V) if plan.place(u)[0] == s) for s in range(S)),
+                 default=0.0)
     pipe = plan.predicted_step_time - update
     total = plan.predicted_step_time or 1.0
     # the stages' own timeline (its idle fraction is the bubble); what the step adds to it, the host issuing

@@ -49,7 +49,7 @@ from autoshard.pipeline.partition import (
     split_step,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.pipeline.schedules import Schedule, schedule
+from autoshard.pipeline.schedules import V_SCHEDULES, Schedule, schedule
 from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
 from autoshard.trace.graph import Graph, Scope
 from cost_models import ShardingSpec
@@ -310,6 +310,10 @@ def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax
     """The runnable pipeline of ``plan`` for ``graph`` (the step traced at microbatch size) on ``devices``
     (row-major over the plan's cluster of (hosts, devices per host))."""
     plan.verify(graph)
+    if plan.schedule in V_SCHEDULES:
+        raise PipelineError(f"the plan's {plan.schedule!r} schedule runs its chunks in a V, which only the SPMD "
+                            "program runs (runtime='spmd'); the MPMD runtime runs 1f1b, gpipe, zb-h1 and "
+                            "interleaved-1f1b")
     cluster = plan.cluster
     if len(devices) < cluster[0] * cluster[1]:
         raise PipelineError(f"the plan's cluster {cluster[0]}x{cluster[1]} needs {cluster[0] * cluster[1]} "

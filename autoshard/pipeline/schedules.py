@@ -4,6 +4,7 @@ module keeps the names the runtime and older callers import."""
 from solvers.pipeline.program import Action, PipelineProgram, Schedule, SimResult
 from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
+    V_SCHEDULES,
     WEIGHT_PASS_SCHEDULES,
     chunk_inflight_rule,
     gpipe,
@@ -16,6 +17,7 @@ from solvers.pipeline.schedules import (
 
 __all__ = [
     "SCHEDULE_NAMES",
+    "V_SCHEDULES",
     "WEIGHT_PASS_SCHEDULES",
     "Action",
     "PipelineProgram",

@@ -55,6 +55,18 @@ of ``B``'s values waits in a buffer of its own, and the residuals and the receiv
 ``W``. With ``B`` and ``W`` about a forward each, the lockstep loses little to the asynchronous schedule
 (1F1B's unit ticks make a forward wait for a backward elsewhere: up to 4/3 of the work).
 
+ZB-V (``schedules.zb_v``, Qi et al. 2024): two chunks a stage in a V, with ZB-H1's weight pass. Chunk 0 of
+stage ``s`` is virtual stage ``s``, chunk 1 is ``2S − 1 − s`` (weights stacked so, ``_by_stage``), so the head
+(``u = 0``) and the tail (``u = V − 1``) both run on stage 0, and the turn at the bottom (``S − 1`` to ``S``)
+stays on stage ``S − 1``: its stream and cotangent are kept there at the end of the tick, not exchanged.
+Chunk 0's stream goes up and its cotangent down, chunk 1's the other way, so a stage hears from both
+neighbours in one tick; since it runs one action a tick it sends at most one value each way, and the tick
+still ends with two ``ppermute`` (up and down), each carrying a stream or a cotangent (four where their
+shapes differ), read into the slot the receive table for that side names (``lowering.Ticks``). At most
+``2S`` chunk-microbatches are in flight a stage (until ``W``), each half a stage's layers: 1F1B's
+activation memory, with the bubble filled by ``W``. The tail cannot be spread over other stages (stage 0
+holds it beside the head).
+
 Gradients are reduced once a step, as the planner prices them: a stage's partial sums over its data-parallel
 axes (weight gradients of the chunk, the tail's and the head's, the loss, the embeddings' scatter-adds
 into zeros) leave each action unreduced, stacked along a leading dimension split over those axes
@@ -93,7 +105,7 @@ from autoshard.emit.program import check_leaves, copied_leaves
 from autoshard.emit.specs import named_sharding, normalize_key
 from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.pipeline.schedules import schedule
+from autoshard.pipeline.schedules import V_SCHEDULES, schedule
 from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, cannot_run, fused_1f1b, price, ticks
 from autoshard.pipeline.uniform import (
     Group,
@@ -296,8 +308,11 @@ class SpmdPipelineStep:
         inner = int(np.prod([mesh.shape[a] for a in self.inner_axes]))
         self.predicted: SpmdTime | None = None  # set by ``spmd_pipeline_step`` from the plan's stage times
         S = mesh.shape[STAGE_AXIS]
-        chunks = num_chunks if schedule_name == "interleaved-1f1b" else 1
+        chunks = num_chunks if schedule_name == "interleaved-1f1b" else 2 if schedule_name in V_SCHEDULES else 1
         self.num_chunks = chunks
+        if schedule_name in V_SCHEDULES and tail is not None:
+            raise cannot_run(f"{schedule_name} runs its last virtual stage on stage 0, beside the head: the layers "
+                             "after the blocks cannot be spread over other stages there; plan with tail_split=1")
         self.parts = split_step(micro)
         self.cut = uniform_stages(micro, S * chunks, self.parts)  # one template chunk per virtual stage
         self.num_microbatches = M = num_microbatches
@@ -309,6 +324,10 @@ class SpmdPipelineStep:
         G = self.spread.split if self.spread is not None else 1
         self.schedule = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1))
         self.ticks = fused_1f1b(S, M, G) if fused and schedule_name == "1f1b" else ticks(self.schedule, G)
+        self.v_shape = self.ticks.v_shape  # chunk 1 of stage s runs virtual stage 2S - 1 - s (ZB-V)
+        # in a V, one message each way a tick carries a stream or a cotangent where their shapes agree (False:
+        # both kinds each way, four ppermutes, as where they differ)
+        self.merge_exchanges = True
         self.split = weight_pass(micro, self.cut, self.parts) if self.ticks.weight_pass else None
         self.unreduced_once: dict[str, tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]] = {}
         # the chunk's weight gradients, partial sums over the stage's data-parallel axes, left unreduced
@@ -377,7 +396,6 @@ class SpmdPipelineStep:
     def _program(self, *leaves: Any) -> list[Any]:
         check_leaves(self.graph, leaves, "pipeline")  # when jax.jit traces
         g, cut, M, V = self.micro, self.cut, self.num_microbatches, self.cut.num_stages
-        S, v = V // self.num_chunks, self.num_chunks
         interp = Interpreter(self.mesh, self.specs)
         env: dict[int, Any] = {}
         batch_pos = set(self.batch_pos)
@@ -408,13 +426,13 @@ class SpmdPipelineStep:
         f_stacked = [j for j, k in enumerate(cut.f_kinds) if k == "stacked"]
         b_stacked = [j for j, k in enumerate(cut.b_kinds) if k == "stacked"]
         def per_stage(tids: list[int]) -> Any:  # [S, v, ...]: stage s holds chunks u = c·S + s, c = 0..v-1
-            rows = strided_rows(g, tids)
+            rows = strided_rows(g, tids)  # (in a V chunk 1 of stage s is u = 2S - 1 - s)
             if rows is not None:  # row first + u·step of a layer stack [K, ...]: a reshape, local to each stage
                 x, first, step = rows
                 x = jax.lax.index_in_dim(env[x].reshape(V, step, *env[x].shape[1:]), first, 1, keepdims=False)
             else:
                 x = jnp.stack([value(t) for t in tids])
-            return jnp.swapaxes(x.reshape(v, S, *x.shape[1:]), 0, 1)
+            return self._by_stage(x)
 
         stacked = [per_stage([cut.chunk_f[u].inputs[j] for u in range(V)]) for j in f_stacked]
         stacked += [per_stage([cut.chunk_b[u].inputs[j] for u in range(V)]) for j in b_stacked]
@@ -436,7 +454,8 @@ class SpmdPipelineStep:
                   ("f_micro", "f_chunk", "b_micro", "b_chunk", "act_read", "act_recv", "cot_read", "cot_recv",
                    "cot_self", "res_write", "res_read")
                   + (("w_micro", "w_chunk", "w_res", "w_cot", "g_write", "g_read") if self.ticks.weight_pass else ())
-                  + (("tail_micro", "tail_cot") if self.ticks.spread else ())}
+                  + (("tail_micro", "tail_cot") if self.ticks.spread else ())
+                  + (("act_recv_down", "cot_recv_up", "act_turn", "cot_turn") if self.ticks.v_shape else ())}
         if self.ticks.spread:  # whether the stream leaves for the tail's stages at the end of the tick
             tables["tail_send"] = jnp.asarray(np.append(self.ticks.tail_micro[1:], -1))
         stage_spec = PartitionSpec(STAGE_AXIS)
@@ -454,7 +473,7 @@ class SpmdPipelineStep:
             else x  # noqa: E731
         for k, pos in enumerate(cut.acc_out):
             for u in range(V):
-                env[cut.chunk_b[u].outputs[pos]] = scale(chunk_acc[k][u % S, u // S])
+                env[cut.chunk_b[u].outputs[pos]] = scale(chunk_acc[k][self.schedule.place(u)])
         for t, x in once_acc.items():
             env[t] = scale(x)
         update = self._stacked_gradients(chunk_acc, env, scale)
@@ -469,6 +488,22 @@ class SpmdPipelineStep:
         for o, i in g.output_aliases.items():  # a new state leaf leaves as its input came: the next step takes it
             outs[o] = jax.lax.with_sharding_constraint(outs[o], self.in_shardings[i])
         return outs
+
+    def _by_stage(self, x: Any) -> Any:
+        """``x`` ``[V, ...]`` by virtual stage as the stages hold it, ``[S, v, ...]``: stage ``s``'s chunk ``c``
+        is ``u = c·S + s``, or in a V (``v_shape``) ``2S − 1 − s`` for chunk 1 (chunk 1's rows reversed)."""
+        v = self.num_chunks
+        x = x.reshape(v, x.shape[0] // v, *x.shape[1:])
+        if self.v_shape:
+            x = jnp.concatenate([x[:1], jnp.flip(x[1:], axis=1)])
+        return jnp.swapaxes(x, 0, 1)
+
+    def _by_virtual(self, a: Any) -> Any:
+        """``a`` ``[S, v, ...]`` as the stages hold it, by virtual stage ``[V, ...]`` (``_by_stage``'s inverse)."""
+        x = jnp.swapaxes(a, 0, 1)
+        if self.v_shape:
+            x = jnp.concatenate([x[:1], jnp.flip(x[1:], axis=1)])
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
     def _stacked_gradients(self, chunk_acc: list[Any], env: dict[int, Any], scale: Any) -> Group:
         """The update's ops left to run once a layer stack's gradients are in ``env``: each op that stacks the
@@ -489,7 +524,7 @@ class SpmdPipelineStep:
                     rows[u * d + i] != cut.chunk_b[u].outputs[p] for u in range(V) for i, p in enumerate(pos)):
                 continue
             per_block = [chunk_acc[cut.acc_out.index(p)] for p in pos]  # each [S, v, ...]
-            per_block = [jnp.swapaxes(a, 0, 1).reshape(V, *a.shape[2:]) for a in per_block]  # u = c·S + s
+            per_block = [self._by_virtual(a) for a in per_block]  # [V, ...]
             x = jnp.stack(per_block, axis=1)
             env[g.ops[op_id].outputs[0]] = scale(x.reshape(V * d, *x.shape[2:]))
             skip.add(op_id)
@@ -520,6 +555,9 @@ class SpmdPipelineStep:
 
         def chunk_of(w: Any, ch: Any) -> Any:
             return jax.lax.dynamic_index_in_dim(w, ch, 0, keepdims=False)
+
+        def virtual(ch: Any) -> Any:  # the virtual stage of this stage's chunk ``ch``: the head's at 0, the tail's at V-1
+            return jnp.where(ch == 1, 2 * S - 1 - s, ch * S + s) if self.v_shape else ch * S + s
         n_whole = len(self._whole_ids)
         outer = dict(zip(self._whole_ids, whole[:n_whole], strict=True))
         small_pre = dict(zip(self.spread.pre, whole[n_whole:], strict=True)) if self.spread is not None else {}
@@ -593,7 +631,7 @@ class SpmdPipelineStep:
 
         def forward(c: dict, t: Any, mb: dict[int, Any]) -> tuple[dict, list[Any]]:
             ch = tables["f_chunk"][t, s]
-            u = ch * S + s  # the virtual stage: the head's at 0, the tail's at V - 1
+            u = virtual(ch)
             e = micro_env(mb)
 
             def from_head(c: dict) -> tuple[list[Any], list[Any]]:
@@ -658,7 +696,7 @@ class SpmdPipelineStep:
 
         def backward(c: dict, t: Any, mb: dict[int, Any]) -> tuple[dict, list[Any]]:
             ch = tables["b_chunk"][t, s]
-            u = ch * S + s
+            u = virtual(ch)
             e = micro_env(mb)
             slot = tables["res_read"][t, s]
             k = tables["cot_read"][t, s]
@@ -772,6 +810,32 @@ class SpmdPipelineStep:
                     cot[ch] = jnp.where(s == S - 1, put(cot[ch], k, whole_cot), cot[ch])
                 return dict(c, cot=cot)
 
+        # in a V each stage hears from both sides: one message each way, a stream or a cotangent (``ticks``
+        # checks a stage sends at most one value each way a tick), or both kinds each way where their shapes
+        # differ; the turn's values stay on stage S - 1
+        one_way = self.merge_exchanges and [(a.shape, a.dtype) for a in acts] == [(a.shape, a.dtype) for a in cots]
+
+        def keep(buf: Any, k: Any, x: Any) -> Any:  # ``x`` into slot ``k`` if ``k >= 0``, one slot's select
+            return put(buf, k, jnp.where(k >= 0, x.astype(buf.dtype), get(buf, k)))
+
+        def exchange_v(c: dict, t: Any, send_act: list[Any], send_cot: list[Any]) -> dict:
+            f_on, ch_f = tables["f_micro"][t, s] >= 0, tables["f_chunk"][t, s]
+            ring_up, ring_down = [(i, i + 1) for i in range(S - 1)], [(i + 1, i) for i in range(S - 1)]
+            if one_way:  # chunk 0's stream and chunk 1's cotangent go up, chunk 1's stream and chunk 0's down
+                msg_up = [jnp.where(f_on & (ch_f == 0), a, x) for a, x in zip(send_act, send_cot, strict=True)]
+                msg_down = [jnp.where(f_on & (ch_f == 1), a, x) for a, x in zip(send_act, send_cot, strict=True)]
+                act_up = cot_up = [jax.lax.ppermute(x, STAGE_AXIS, ring_up) for x in msg_up]
+                act_down = cot_down = [jax.lax.ppermute(x, STAGE_AXIS, ring_down) for x in msg_down]
+            else:
+                act_up, act_down = ([jax.lax.ppermute(x, STAGE_AXIS, p) for x in send_act] for p in (ring_up, ring_down))
+                cot_up, cot_down = ([jax.lax.ppermute(x, STAGE_AXIS, p) for x in send_cot] for p in (ring_up, ring_down))
+            act, cot = list(c["act"]), list(c["cot"])
+            for name, got in (("act_recv", act_up), ("act_recv_down", act_down), ("act_turn", send_act)):
+                act = [keep(b, tables[name][t, s], x) for b, x in zip(act, got, strict=True)]
+            for name, got in (("cot_recv", cot_down), ("cot_recv_up", cot_up), ("cot_turn", send_cot)):
+                cot = [keep(b, tables[name][t, s], x) for b, x in zip(cot, got, strict=True)]
+            return dict(c, act=act, cot=cot)
+
         def tick(c: dict, t: Any) -> tuple[dict, None]:
             if sp is not None:  # first the tail of the microbatch whose stream arrived last tick
                 c = jax.lax.cond((tables["tail_micro"][t] >= 0) & (s >= S - sp.split), tail_slice,
@@ -785,12 +849,15 @@ class SpmdPipelineStep:
                 c, send_cot = jax.lax.cond(bm >= 0, backward, no_backward, c, t, b_mb)
                 if wp is not None:  # then the weight-gradient part of an earlier backward
                     c = jax.lax.cond(wm >= 0, weight, lambda c, t, mb: c, c, t, w_mb)
-            got_act = [jax.lax.ppermute(x, STAGE_AXIS, up) for x in send_act]
-            got_cot = [jax.lax.ppermute(x, STAGE_AXIS, down) for x in send_cot]
-            ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]
-            act = [jnp.where(ka >= 0, put(b, ka, x), b) for b, x in zip(c["act"], got_act, strict=True)]
-            cot = [jnp.where(kc >= 0, put(b, kc, x), b) for b, x in zip(c["cot"], got_cot, strict=True)]
-            c = dict(c, act=act, cot=cot)
+            if self.v_shape:
+                c = exchange_v(c, t, send_act, send_cot)
+            else:
+                got_act = [jax.lax.ppermute(x, STAGE_AXIS, up) for x in send_act]
+                got_cot = [jax.lax.ppermute(x, STAGE_AXIS, down) for x in send_cot]
+                ka, kc = tables["act_recv"][t, s], tables["cot_recv"][t, s]
+                act = [jnp.where(ka >= 0, put(b, ka, x), b) for b, x in zip(c["act"], got_act, strict=True)]
+                cot = [jnp.where(kc >= 0, put(b, kc, x), b) for b, x in zip(c["cot"], got_cot, strict=True)]
+                c = dict(c, act=act, cot=cot)
             if sp is not None:  # the spread tail's exchanges, on every stage or none (the tables are per tick)
                 c = jax.lax.cond(tables["tail_micro"][t] >= 0, return_tail, lambda c, t: c, c, t)
                 c = jax.lax.cond(tables["tail_send"][t] >= 0, send_tail, lambda c: c, c)
@@ -859,7 +926,8 @@ def _priced(plan: PipelinePlan, step: SpmdPipelineStep) -> SpmdTime | None:
     link = cost.cluster.inter_link if len(hosts) > 1 else cost.cluster.intra_link
     stream = sum(step.micro.tensors[t].nbytes for t in step.cut.head_act)
     dispatch = getattr(cost.profile, "overhead", 0.0) or DISPATCH_S
-    per_stage_update = [sum(st.update_time for st in plan.stages[u::S]) for u in range(S)]  # its chunks
+    per_stage_update = [sum(plan.stages[u].update_time for u in range(len(plan.stages))  # its chunks
+                            if step.schedule.place(u)[0] == s) for s in range(S)]
     times = [st.micro_time for st in plan.stages]
     if plan.tail_split > 1:  # the tail's seconds leave the last stage for the G stages' tail ticks
         times[-1] = max(times[-1] - plan.tail_time, 0.0)

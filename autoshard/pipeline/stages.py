@@ -83,6 +83,13 @@ idle slots (Qi et al. 2024), which pays where the bubble is large: GPT-1T's 128 
 microbatches, 119.30 s of pipeline under 1F1B (then Alpa's closed form, an upper bound of the simulated
 timeline both are priced by now), 115.47 s under ZB-H1 (``solvers.pipeline.simulate``).
 
+For the SPMD program (``uniform``) the schedule left to the planner also prices ZB-V (two chunks a stage
+in a V, with ZB-H1's weight pass; ``schedules.zb_v``) on the same layer prices: the cut into ``2S`` virtual
+stages of ``K / 2S`` blocks (chunk 1 of stage ``s`` being virtual stage ``2S − 1 − s``, ``_place``), its
+lockstep ticks (``simulate``), its memory its chunks' own microbatches in flight; it wins where its ticks are
+shorter (each a forward of half a stage, the bubble filled with ``W``). Its tail stays on stage 0 (no
+spread), and the MPMD runtime does not run it.
+
 Known limits: a ``scan`` over layers is one forward op, so a scanned stack is one layer (trace with the
 layers unrolled to pipeline them).
 """
@@ -147,6 +154,7 @@ from cost_models import CostModel
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
 from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
+    V_SCHEDULES,
     WEIGHT_PASS_SCHEDULES,
     chunk_inflight_rule,
     inflight_rule,
@@ -205,9 +213,14 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
-    if schedule_name not in (*SCHEDULE_NAMES, "auto"):
-        raise PipelineError(f"schedule {schedule_name!r}: expected one of {', '.join(SCHEDULE_NAMES)} or 'auto'")
+    if schedule_name not in (*SCHEDULE_NAMES, *V_SCHEDULES, "auto"):
+        raise PipelineError(f"schedule {schedule_name!r}: expected one of "
+                            f"{', '.join((*SCHEDULE_NAMES, *V_SCHEDULES))} or 'auto'")
+    if schedule_name in V_SCHEDULES and not uniform:
+        raise PipelineError(f"schedule {schedule_name!r} runs two chunks a stage in a V, which only the SPMD program "
+                            "runs: plan with uniform=True (runtime='spmd'), or use 'zb-h1'")
     interleaved = schedule_name == "interleaved-1f1b"
+    v_shape = schedule_name in V_SCHEDULES  # ZB-V asked for (under "auto", ``_uniform`` may choose it)
     # "auto" cuts and plans the stages for 1F1B, whose microbatches in flight ZB-H1 shares, then picks
     pricing = "1f1b" if schedule_name == "auto" else schedule_name
     if interleaved and (stage_shape is None or num_chunks < 2):
@@ -244,7 +257,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                      f"as they are, not also on their {sum(v is not None for _, v in options)} 2-D layouts")
         options = tuple(o for o in options if o[1] is None)
     n_devices = cluster[0] * cluster[1]
-    chunks = num_chunks if interleaved else 1
+    chunks = num_chunks if interleaved else 2 if v_shape else 1
     limit = min(max_stages or layers, layers)  # stages at most (interleaved: the stage shape's count)
     if interleaved:
         limit = n_devices // (options[0][0][0] * options[0][0][1])
@@ -260,7 +273,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                             f"has {layers}: pass num_layers >= {chunks * limit} or fewer chunks")
     try:
         inflight = inflight_rule(pricing, limit, num_microbatches, chunks)
-        by_chunk = chunk_inflight_rule(pricing, limit, num_microbatches, chunks) if interleaved else None
+        by_chunk = chunk_inflight_rule(pricing, limit, num_microbatches, chunks) if chunks > 1 else None
     except ValueError as e:
         raise PipelineError(str(e)) from None
 
@@ -301,7 +314,8 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             tail_first=_last_block_layer(graph, parts, layer_of_op) + 1, chunks=chunks)
         chosen, placement, dp_cost, fused, inflight, pricing = (cut.stages, cut.origins, cut.time, cut.fused,
                                                                 cut.inflight, cut.schedule)
-        by_chunk, split, tail_time = cut.by_chunk, cut.tail_split, cut.tail_time
+        by_chunk, split, tail_time, chunks = cut.by_chunk, cut.tail_split, cut.tail_time, cut.chunks
+        v_shape = cut.schedule in V_SCHEDULES
         dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
     elif interleaved:
         # every option is the one stage shape, laid out differently: the fastest cut over those that have one
@@ -378,11 +392,12 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
 
     # ---- the chosen stages re-planned whole ----
     num_stages = len(chosen) // chunks  # physical
+    places = [_place(u, num_stages, v_shape) for u in range(len(chosen))]  # (stage, chunk) of each virtual stage
     stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
                   [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
     # a chunk counts its own microbatches in flight (``Schedule.peak_inflight_by_chunk``), a stage all of its
-    held = [by_chunk[num_stages - 1 - u % num_stages][u // num_stages] if by_chunk is not None
-            else inflight[num_stages - 1 - u % num_stages] for u in range(len(chosen))]
+    held = [by_chunk[num_stages - 1 - s][c] if by_chunk is not None else inflight[num_stages - 1 - s]
+            for s, c in places]
     # Identical stages (same ops on the same submesh shape) are planned once, for the most microbatches in
     # flight among them: fewer in flight need less memory, so that plan fits them all, and one solve with
     # their pooled time beats several short ones (short solves of large stages vary a lot). Their memory
@@ -401,7 +416,20 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             return SHARES.min_layer_seconds
         return max(SHARES.min_stage_seconds, min(per_solve, left / (1.3 * 2 * len(set(keys) - set(done)))))
 
-    shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget)
+    est = None
+    if v_shape:
+        # a stage's two chunks in a V hold its 2S chunk-microbatches between them, split unevenly (stage 0:
+        # 2S - 1 and 1) and the other way on another stage: two identical chunks (same ops, same shape) are
+        # planned once for all stages, at their stage's mean in flight, each under half the stage's budget
+        # (both hold what the stage holds); other chunks (the head's, the tail's) share it by what their
+        # layers hold at their own count
+        for s in range(num_stages):
+            u0, u1 = s, 2 * num_stages - 1 - s
+            if keys[u0] == keys[u1]:
+                held[u0] = held[u1] = (held[u0] + held[u1]) / 2
+        static, active = _static_memory(prices), _range_sums(prices.micro_memory)
+        est = [float(static[a, b, m] + held[u] * active[a, b, m]) for u, (a, b, m) in enumerate(chosen)]
+    shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget, v_shape, est)
     done: dict[Any, Part] = {}
     planned: dict[int, Part] = {}
     for s in sorted(range(len(chosen)), key=lambda u: (-held[u], u)):
@@ -457,7 +485,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
         ))
     times = [st.micro_time for st in stages]
     names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
-    per_stage = [range(s, len(stages), num_stages) for s in range(num_stages)]  # a stage's chunks
+    per_stage = [[u for u in range(len(stages)) if places[u][0] == s] for s in range(num_stages)]  # its chunks
     updates = [sum(stages[u].update_time for u in us) for us in per_stage]  # once a step, after the passes
     if uniform:  # the SPMD program's lockstep ticks, interleaved or not
         priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks, split,
@@ -520,6 +548,14 @@ class _UniformCut:
     schedule: str
     tail_split: int
     tail_time: float
+    chunks: int = 1  # model chunks a stage (2 for ZB-V, whose chunks run in a V: ``_place``)
+
+
+def _place(u: int, num_stages: int, v_shape: bool = False) -> tuple[int, int]:
+    """``(stage, chunk)`` of virtual stage ``u`` (``PipelineProgram.place``): ``(u mod S, u div S)``, or in a
+    V (ZB-V) ``(2S − 1 − u, 1)`` for ``u >= S``."""
+    S = num_stages
+    return (2 * S - 1 - u, 1) if v_shape and u >= S else (u % S, u // S)
 
 
 def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
@@ -530,7 +566,8 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     """The stages the SPMD program runs (``spmd_program.uniform_stages``): ``S`` equal submeshes tiling the
     cluster, ``V = v·S`` virtual stages (``v = chunks`` model chunks a stage, 1 but for the interleaved
     schedule) of ``K / V`` of the step's ``K`` repeated blocks each, the layers before the first block with
-    virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S``. Over
+    virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S`` (in a V,
+    ``_place``). Over
     every submesh option ``m`` whose stage count ``S = N / n_m`` makes ``V`` divide ``K`` (and is at most
     ``limit``), with the stage DP's tables ``t'[a_u, b_u, m]`` (``a_u, b_u``: virtual stage u's layers) as
     their times:
@@ -545,7 +582,9 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     tick, ``2(S − 1 − s) + 1`` in flight). With ``zero_bubble`` (the schedule left to the planner) ZB-H1's
     unit ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one
     forward long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in
-    flight (held until ``W``). The interleaved schedule has the one form, its unit ticks.
+    flight (held until ``W``), and ZB-V's cut (``2S`` virtual stages of ``K / 2S`` blocks, chunk 1 of stage
+    ``s`` holding virtual stage ``2S − 1 − s``: ``_place``) with its unit ticks, its chunks' own microbatches
+    in flight, its tail on stage 0 (never spread). The interleaved schedule has the one form, its unit ticks.
 
     With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
     is priced a second way, the tail (the layers from ``tail_first`` on, after the last block,
@@ -561,53 +600,57 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     static, active = _static_memory(prices), _range_sums(prices.micro_memory)
     best: _UniformCut | None = None
     tried: list[str] = []
+    # the cuts to price on each shape: the schedule's chunks, and with the schedule left to the planner
+    # (one chunk a stage) ZB-V's two in a V too
+    layouts = [(chunks, pricing in V_SCHEDULES)] + ([(2, True)] if zero_bubble and chunks == 1 else [])
     for m, shape in enumerate(submeshes):
         size = shape[0] * shape[1]
-        S = _uniform_count(shape, cluster, K, limit, chunks)
-        if not S:
-            continue
-        V = chunks * S
-        n = K // V
-        ends = [span[tags[(u + 1) * n - 1]][1] for u in range(V - 1)] + [layers - 1]
-        starts = [0] + [e + 1 for e in ends[:-1]]
-        if any(span[tags[u * n]][0] < starts[u] for u in range(1, V)):
-            tried.append(f"{shape[0]}x{shape[1]}: a block's ops share a layer with the block before")
-            continue
-        t = [float(stage_time[a, b, m]) for a, b in zip(starts, ends, strict=True)]
-        if not np.isfinite(sum(t)):
-            tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
-            continue
-        link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
-        G = _tail_split(spread_rows, S)
-        tail = _tail_seconds(prices, tail_first, m) if spread_rows else 0.0
-        for name, fused, inflight, by_chunk, table, g in _tick_forms(pricing, S, num_microbatches, chunks,
-                                                                     (1, G) if G > 1 and tail > 0 else (1,),
-                                                                     zero_bubble):
-            held = [by_chunk[S - 1 - u % S][u // S] if by_chunk is not None else inflight[S - 1 - u]
-                    for u in range(V)]
-            need = [sum(static[starts[u], ends[u], m] + held[u] * active[starts[u], ends[u], m]
-                        for u in range(s, V, S)) for s in range(S)]
-            if memory_budget is not None and max(need) > memory_budget * (1 + 1e-6):
-                worst = int(np.argmax(need))
-                tried.append(f"{S} stages of {shape[0]}x{shape[1]} ({name}{' fused' if fused else ''}"
-                             f"{f', the tail over {g}' if g > 1 else ''}): over the memory budget (stage {worst}: "
-                             f"{need[worst] / 1e9:.4g} GB by its layers' plans)")
+        for v, v_shape in layouts:
+            S = _uniform_count(shape, cluster, K, limit, v)
+            if not S:
                 continue
-            total = price(spread_times(t, tail, g), [0.0] * S, table, stream_bytes=float(into[starts[1]]), link=link,
-                          inner=size, dispatch=0.0, tail=tail).loop
-            log.debug("%d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
-                      name, " fused" if fused else "", g, total, tail)
-            if best is None or total < best.time:
-                origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
-                best = _UniformCut(stages=[(a, b, m) for a, b in zip(starts, ends, strict=True)],
-                                   origins=[origins[u % S] for u in range(V)], time=total, fused=fused,
-                                   inflight=inflight, by_chunk=by_chunk, schedule=name, tail_split=g,
-                                   tail_time=tail if g > 1 else 0.0)
+            V = v * S
+            n = K // V
+            ends = [span[tags[(u + 1) * n - 1]][1] for u in range(V - 1)] + [layers - 1]
+            starts = [0] + [e + 1 for e in ends[:-1]]
+            if any(span[tags[u * n]][0] < starts[u] for u in range(1, V)):
+                tried.append(f"{shape[0]}x{shape[1]}: a block's ops share a layer with the block before")
+                continue
+            t = [float(stage_time[a, b, m]) for a, b in zip(starts, ends, strict=True)]
+            if not np.isfinite(sum(t)):
+                tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
+                continue
+            link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
+            G = 1 if v_shape else _tail_split(spread_rows, S)  # a V's tail stays on stage 0, beside the head
+            tail = _tail_seconds(prices, tail_first, m) if spread_rows and not v_shape else 0.0
+            forms = _tick_forms("zb-v" if v_shape else pricing, S, num_microbatches, v,
+                                (1, G) if G > 1 and tail > 0 else (1,), zero_bubble and not v_shape)
+            places = [_place(u, S, v_shape) for u in range(V)]
+            for name, fused, inflight, by_chunk, table, g in forms:
+                held = [by_chunk[S - 1 - st][c] if by_chunk is not None else inflight[S - 1 - st] for st, c in places]
+                need = [sum(static[starts[u], ends[u], m] + held[u] * active[starts[u], ends[u], m]
+                            for u in range(V) if places[u][0] == st) for st in range(S)]
+                if memory_budget is not None and max(need) > memory_budget * (1 + 1e-6):
+                    worst = int(np.argmax(need))
+                    tried.append(f"{S} stages of {shape[0]}x{shape[1]} ({name}{' fused' if fused else ''}"
+                                 f"{f', the tail over {g}' if g > 1 else ''}): over the memory budget (stage {worst}: "
+                                 f"{need[worst] / 1e9:.4g} GB by its layers' plans)")
+                    continue
+                total = price(spread_times(t, tail, g), [0.0] * S, table, stream_bytes=float(into[starts[1]]),
+                              link=link, inner=size, dispatch=0.0, tail=tail).loop
+                log.debug("%d stages of %s, %s%s, tail over %d: %.4g s (tail %.4g s a microbatch)", S, shape,
+                          name, " fused" if fused else "", g, total, tail)
+                if best is None or total < best.time:
+                    origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
+                    best = _UniformCut(stages=[(a, b, m) for a, b in zip(starts, ends, strict=True)],
+                                       origins=[origins[st] for st, _ in places], time=total, fused=fused,
+                                       inflight=inflight, by_chunk=by_chunk, schedule=name, tail_split=g,
+                                       tail_time=tail if g > 1 else 0.0, chunks=v)
     if best is None:
         raise _no_uniform_cut(K, tried, chunks)
-    S = len(best.stages) // chunks
+    S = len(best.stages) // best.chunks
     log.info("uniform stages for the SPMD program: %d stages of %d block(s)%s on %s, %s%s%s", S, K // S,
-             f" in {chunks} chunks" if chunks > 1 else "", costs[best.stages[0][2]].mesh, best.schedule,
+             f" in {best.chunks} chunks" if best.chunks > 1 else "", costs[best.stages[0][2]].mesh, best.schedule,
              ", fused ticks" if best.fused else "",
              f", the tail spread over {best.tail_split} stages" if best.tail_split > 1 else "")
     return best
@@ -738,7 +781,8 @@ def _pipeline_time(name: str, times: Sequence[float], num_stages: int, num_micro
 
 
 def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Sequence[Any], num_stages: int,
-                   memory_budget: float | None) -> dict[Any, float | None]:
+                   memory_budget: float | None, v_shape: bool = False,
+                   est: Sequence[float] | None = None) -> dict[Any, float | None]:
     """The memory each (virtual) stage is planned under, by its key (identical stages share one plan).
 
     A physical stage holds all its chunks (``len(chosen) / num_stages`` of them, virtual stages ``p``,
@@ -750,10 +794,12 @@ def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Se
     head's). Without chunks a stage gets the whole budget."""
     if memory_budget is None or len(chosen) == num_stages:
         return dict.fromkeys(keys, memory_budget)
-    est = [sum(prices.parts[ell][m].memory for ell in range(a, b + 1)) for a, b, m in chosen]
+    if est is None:  # (ZB-V gives its own: ``_plan_pipeline``)
+        est = [sum(prices.parts[ell][m].memory for ell in range(a, b + 1)) for a, b, m in chosen]
     out: dict[Any, float | None] = {}
     for u, key in enumerate(keys):
-        mates = range(u % num_stages, len(chosen), num_stages)
+        here = _place(u, num_stages, v_shape)[0]
+        mates = [w for w in range(len(chosen)) if _place(w, num_stages, v_shape)[0] == here]
         total = sum(est[w] for w in mates)
         share = est[u] / total if math.isfinite(total) and total > 0 else 1 / len(mates)
         out[key] = min(out.get(key) or math.inf, memory_budget * share)

@@ -20,7 +20,7 @@ from solvers.pipeline.simulate import Costs, simulate
 __all__ = ["DISPATCH_S", "SCHEDULES", "SpmdTime", "Ticks", "action_tables", "cannot_run", "fused_1f1b",
            "fused_inflight", "lockstep_costs", "lockstep_tables", "price", "spread_times", "ticks"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # what the SPMD program runs as such
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")  # what the SPMD program runs as such
 
 
 def cannot_run(msg: str) -> PipelineError:

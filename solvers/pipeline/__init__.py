@@ -11,6 +11,7 @@ from solvers.pipeline.lowering import Exchange, Ticks, action_tables, exchanges,
 from solvers.pipeline.program import KINDS, LOWERED_KINDS, Action, PipelineProgram, Schedule, SimResult
 from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
+    V_SCHEDULES,
     WEIGHT_PASS_SCHEDULES,
     chunk_inflight_rule,
     fused_1f1b,
@@ -30,6 +31,7 @@ __all__ = [
     "LOWERED_KINDS",
     "MODES",
     "SCHEDULE_NAMES",
+    "V_SCHEDULES",
     "WEIGHT_PASS_SCHEDULES",
     "Action",
     "Costs",

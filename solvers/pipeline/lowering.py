@@ -15,6 +15,10 @@
   and back (``G − 1`` each way), and ``solvers.pipeline.simulate`` prices that per tick (lockstep) or per
   crossing dependency (async).
 
+A program in a V (ZB-V) lays out too: each value is received from the side it comes from (chunk 0's stream
+from below, chunk 1's from above, the cotangents the other way), the turn's stay on stage ``S − 1``, and
+a stage sends at most one value each way a tick (``Ticks.act_recv_down``).
+
 ``ticks(program)`` gives the tables the SPMD program (``autoshard.pipeline.spmd_program``) indexes by
 ``[tick, stage]``: the action, its microbatch, and the buffer slots it reads and writes; ``action_tables``
 the same without the buffer slots (what pricing reads).
@@ -76,6 +80,16 @@ class Ticks:
     tail_cot: np.ndarray | None = None
     tail_split: int = 1
     v_shape: bool = False  # chunk 1 of stage s is virtual stage 2S-1-s (``PipelineProgram.v_shape``)
+    # in a V a stage hears from both neighbours: ``act_recv`` / ``cot_recv`` stay what arrives from the stage
+    # below (sent up) and from the one above (sent down), and chunk 1's values come the other way:
+    # ``act_recv_down`` its stream from above, ``cot_recv_up`` its cotangent from below; at the turn (stage
+    # S-1) chunk 0's stream and chunk 1's cotangent stay on the stage, kept at the end of the tick that makes
+    # them in ``act_turn`` / ``cot_turn``. A stage sends at most one value each way a tick (``ticks`` checks),
+    # so one message each way carries either
+    act_recv_down: np.ndarray | None = None
+    cot_recv_up: np.ndarray | None = None
+    act_turn: np.ndarray | None = None
+    cot_turn: np.ndarray | None = None
 
     def virtual(self, chunk: np.ndarray, stage: np.ndarray) -> np.ndarray:
         """The virtual stage of each ``(chunk, stage)``: ``chunk·S + stage``, or in a V ``2S − 1 − stage`` for
@@ -123,31 +137,54 @@ def _colour(intervals: list[tuple[int, int, Any]], strict: bool) -> tuple[dict[A
 
 def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int, int]],
             bwd: dict[tuple[int, int], tuple[int, int]], fused: bool,
-            wgt: dict[tuple[int, int], tuple[int, int]] | None = None, tail_split: int = 1) -> Ticks:
+            wgt: dict[tuple[int, int], tuple[int, int]] | None = None, tail_split: int = 1,
+            v_shape: bool = False) -> Ticks:
     """Tables from when each action runs: ``fwd[(u, m)] = (tick, stage)``, ``bwd`` and ``wgt`` (a weight
     pass) likewise. With a weight pass the residuals and the received cotangent live until ``W``. With
     ``tail_split > 1`` the tail of microbatch ``m`` runs at tick ``fwd[(V-1, m)] + 1`` on other stages and
-    its cotangent reaches the last stage at the end of that tick (the schedule leaves the gap)."""
+    its cotangent reaches the last stage at the end of that tick (the schedule leaves the gap). ``v_shape``:
+    virtual stage ``u``'s place is the V's (``PipelineProgram.place``) and each value is received from the
+    side it comes from (``Ticks.act_recv_down`` and the rest)."""
+    def place(u: int) -> tuple[int, int]:  # (stage, chunk), as PipelineProgram.place
+        return (2 * S - 1 - u, 1) if v_shape and u >= S else (u % S, u // S)
+
+    def way(u_from: int, u_to: int) -> str:
+        """How a value of ``u_from`` reaches ``u_to``'s stage: on the ring (not a V: ``up`` for the stream,
+        ``down`` for the cotangent, as always), or in a V from below (``up``), above (``down``) or itself."""
+        a, b = place(u_from)[0], place(u_to)[0]
+        if not v_shape:
+            return "up" if u_to > u_from else "down"
+        return "turn" if a == b else "up" if b == a + 1 else "down"
+
     last = wgt if wgt else bwd  # the action that reads a microbatch's residuals and cotangent last
     f_micro, f_chunk, b_micro, b_chunk = (np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32),
                                           np.full((T, S), -1, np.int32), np.zeros((T, S), np.int32))
     for (u, m), (t, s) in fwd.items():
-        f_micro[t, s], f_chunk[t, s] = m, u // S
+        f_micro[t, s], f_chunk[t, s] = m, place(u)[1]
     for (u, m), (t, s) in bwd.items():
-        b_micro[t, s], b_chunk[t, s] = m, u // S
-    act_iv = [(fwd[(u - 1, m)][0], fwd[(u, m)][0], (u % S, u, m)) for u in range(1, V) for m in range(M)]
-    cot_iv = [(bwd[(u + 1, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V - 1) for m in range(M)]
+        b_micro[t, s], b_chunk[t, s] = m, place(u)[1]
+    st = lambda u: place(u)[0]  # noqa: E731
+    act_iv = [(fwd[(u - 1, m)][0], fwd[(u, m)][0], (st(u), u, m)) for u in range(1, V) for m in range(M)]
+    cot_iv = [(bwd[(u + 1, m)][0], last[(u, m)][0], (st(u), u, m)) for u in range(V - 1) for m in range(M)]
     spread = tail_split > 1
-    self_iv = [(fwd[(V - 1, m)][0] + spread, last[(V - 1, m)][0], ((V - 1) % S, V - 1, m)) for m in range(M)]
-    res_iv = [(fwd[(u, m)][0], last[(u, m)][0], (u % S, u, m)) for u in range(V) for m in range(M)]
+    self_iv = [(fwd[(V - 1, m)][0] + spread, last[(V - 1, m)][0], (st(V - 1), V - 1, m)) for m in range(M)]
+    res_iv = [(fwd[(u, m)][0], last[(u, m)][0], (st(u), u, m)) for u in range(V) for m in range(M)]
     act_slot, n_act = _colour_per_stage(act_iv, strict=False)
     cot_slot, n_cot = _colour_per_stage(cot_iv + self_iv, strict=fused)  # the last stage's: made and read in F, B
     res_slot, n_res = _colour_per_stage(res_iv, strict=True)
     neg = lambda: np.full((T, S), -1, np.int32)  # noqa: E731
-    act_read, act_recv, cot_read, cot_recv, cot_self, res_w, res_r = neg(), neg(), neg(), neg(), neg(), neg(), neg()
+    act_read, cot_read, cot_self, res_w, res_r = neg(), neg(), neg(), neg(), neg()
+    recv = {(kind, w): neg() for kind in ("act", "cot") for w in ("up", "down", "turn")}
+
+    def receive(kind: str, w: str, t: int, s: int, k: int, what: str) -> None:
+        table = recv[(kind, w)]
+        if table[t, s] >= 0:  # a builder bug: two values for one slot table at once
+            raise AssertionError(f"two {kind} values reach stage {s} {w} at the end of tick {t} ({what})")
+        table[t, s] = k
+
     for (s, u, m), k in act_slot.items():
         act_read[fwd[(u, m)][0], s] = k
-        act_recv[fwd[(u - 1, m)][0], s] = k
+        receive("act", way(u - 1, u), fwd[(u - 1, m)][0], s, k, f"the stream into F({u}, {m})")
     tail_micro, tail_cot = (np.full(T, -1, np.int32), np.full(T, -1, np.int32)) if spread else (None, None)
     for (s, u, m), k in cot_slot.items():
         cot_read[bwd[(u, m)][0], s] = k
@@ -160,26 +197,37 @@ def _tables(S: int, T: int, V: int, M: int, fwd: dict[tuple[int, int], tuple[int
         elif u == V - 1:
             cot_self[fwd[(u, m)][0], s] = k
         else:
-            cot_recv[bwd[(u + 1, m)][0], s] = k
+            receive("cot", way(u + 1, u), bwd[(u + 1, m)][0], s, k, f"the cotangent into B({u}, {m})")
     for (s, u, m), k in res_slot.items():
         res_w[fwd[(u, m)][0], s] = k
         res_r[bwd[(u, m)][0], s] = k
+    sides: dict[str, Any] = {}
+    if v_shape:
+        # one message each way a tick: what arrives from below is a stream or a cotangent, never both
+        for a, b in (("up", "up"), ("down", "down")):
+            both = (recv[("act", a)] >= 0) & (recv[("cot", b)] >= 0)
+            if both.any():
+                t, s = (int(i) for i in np.argwhere(both)[0])
+                raise ValueError(f"in a V, stage {s} would receive a stream and a cotangent from one neighbour at "
+                                 f"the end of tick {t}; the SPMD program sends one value each way a tick")
+        sides = dict(act_recv_down=recv[("act", "down")], cot_recv_up=recv[("cot", "up")],
+                     act_turn=recv[("act", "turn")], cot_turn=recv[("cot", "turn")])
     weight: dict[str, Any] = {}
     if wgt:
         w_micro, w_chunk, w_res, w_cot, g_w, g_r = (neg(), np.zeros((T, S), np.int32), neg(), neg(), neg(), neg())
-        g_slot, n_g = _colour_per_stage([(bwd[(u, m)][0], wgt[(u, m)][0], (u % S, u, m))
+        g_slot, n_g = _colour_per_stage([(bwd[(u, m)][0], wgt[(u, m)][0], (st(u), u, m))
                                          for u in range(V) for m in range(M)], strict=True)
         for (u, m), (t, s) in wgt.items():
-            w_micro[t, s], w_chunk[t, s] = m, u // S
+            w_micro[t, s], w_chunk[t, s] = m, place(u)[1]
             w_res[t, s] = res_slot[(s, u, m)]
             w_cot[t, s] = cot_slot[(s, u, m)]
             g_w[bwd[(u, m)][0], s] = g_r[t, s] = g_slot[(s, u, m)]
         weight = dict(w_micro=w_micro, w_chunk=w_chunk, w_res=w_res, w_cot=w_cot, g_write=g_w, g_read=g_r,
                       g_slots=n_g)
     return Ticks(f_micro=f_micro, f_chunk=f_chunk, b_micro=b_micro, b_chunk=b_chunk, act_read=act_read,
-                 act_recv=act_recv, cot_read=cot_read, cot_recv=cot_recv, cot_self=cot_self, res_write=res_w,
-                 res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused,
-                 tail_micro=tail_micro, tail_cot=tail_cot, tail_split=tail_split, **weight)
+                 act_recv=recv[("act", "up")], cot_read=cot_read, cot_recv=recv[("cot", "down")], cot_self=cot_self,
+                 res_write=res_w, res_read=res_r, act_slots=n_act, cot_slots=n_cot, res_slots=n_res, fused=fused,
+                 tail_micro=tail_micro, tail_cot=tail_cot, tail_split=tail_split, v_shape=v_shape, **sides, **weight)
 
 
 def ticks(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
@@ -190,18 +238,24 @@ def ticks(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
     the last virtual stage makes its own (the tail's) during ``F``; residuals live from ``F(u, m)`` to
     ``B(u, m)``, or to ``W(u, m)`` with a weight pass (ZB-H1), which also keeps the cotangent and what ``B``
     computed for ``W`` (the gradients of the block's inner values) until then. ``tail_split > 1``: the tail
-    is spread over that many stages (``_tables``; ``sched`` needs ``tail_gap >= 1``)."""
+    is spread over that many stages (``_tables``; ``sched`` needs ``tail_gap >= 1``).
+
+    In a V (``sched.v_shape``, ZB-V) chunk 0's stream comes from the stage below and chunk 1's from the stage
+    above, the cotangents the other way, and the turn's (``F(S−1) → F(S)``, ``B(S) → B(S−1)``, both on stage
+    ``S − 1``) stay on the stage: each has its own receive table (``Ticks.act_recv_down`` and the rest),
+    and a stage sends at most one value each way a tick, which ``_tables`` checks. A spread tail does not
+    combine with a V: the last virtual stage sits on stage 0, beside the head."""
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
+    if sched.v_shape and tail_split > 1:
+        raise ValueError(f"program {sched.name!r} runs its chunks in a V, whose last virtual stage is stage 0: "
+                         f"a tail spread over {tail_split} stages does not lay out there; use tail_split=1")
     _check_gap(sched, tail_split)
-    if sched.v_shape:
-        raise ValueError(f"program {sched.name!r} runs its chunks in a V, which the SPMD program's buffers do not "
-                         "lay out yet: price it (simulate, action_tables), do not run it")
     acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
     for t, slot in enumerate(sched.slots):
         for a in slot:
-            acts[a.kind][(a.virtual_stage(S), a.microbatch)] = (t, a.stage)
+            acts[a.kind][(a.virtual_stage(S, sched.v_shape), a.microbatch)] = (t, a.stage)
     return _tables(S, len(sched.slots), V, M, acts["forward"], acts["backward"], fused=sched.fused,
-                   wgt=acts["weight"] or None, tail_split=tail_split)
+                   wgt=acts["weight"] or None, tail_split=tail_split, v_shape=sched.v_shape)
 
 
 def _check_gap(sched: PipelineProgram, tail_split: int) -> None:

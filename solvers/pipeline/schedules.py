@@ -38,6 +38,7 @@ from solvers.pipeline.program import Action, Kind, PipelineProgram, _deps, _gap,
 
 __all__ = [
     "SCHEDULE_NAMES",
+    "V_SCHEDULES",
     "WEIGHT_PASS_SCHEDULES",
     "chunk_inflight_rule",
     "fused_1f1b",
@@ -228,11 +229,16 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
     ``W``): 1F1B's activation memory, each chunk holding half a stage's layers.
 
     Built greedily in unit slots (each ``F``, ``B``, ``W`` one slot, about equal when a chunk is half a
-    stage): at each slot every stage runs, of what its dependencies allow, a ``B`` (the oldest microbatch:
-    it unblocks the stage before), else a forward while under ``2S`` in flight (chunk 1 first, the deeper
-    one, which frees memory sooner), else its oldest pending ``W``, else idles. The ``W`` so fill what would
-    be bubbles and the V keeps the turn at the bottom on one stage, so the step idles about ``S − 1``
-    slots of ``6B`` (1F1B: ``6(S − 1)``). Priced by ``simulate``; the SPMD program does not run it yet."""
+    stage): at each slot every stage runs, of what its dependencies allow, its pending ``W`` (one at most
+    waits), else a ``B`` (the oldest microbatch: it unblocks the stage before), else a forward while under
+    ``2S`` in flight (chunk 1 first, the deeper one, which frees memory sooner), else idles. The V keeps the
+    turn at the bottom on one stage, so the step idles about ``2(S − 1)`` slots of ``6B`` (ZB-H1 about
+    ``4(S − 1)`` in these half-stage slots, 1F1B ``6(S − 1)``). Deferring ``W`` further, to fill more of the
+    warm-up and cool-down, saves ``S − 1`` more slots (under 1% at ``B = 128``) but holds each deferred
+    ``W``'s inputs (the block's inner gradients, which ``B`` leaves it, and the cotangent: buffers of their
+    own in the SPMD program, ``lowering.ticks``) about ``1.4 S`` times at once, 23% of XLA's temp bytes over
+    1F1B's on the tiny GPT, where one at a time keeps ZB-V at 1F1B's activation memory. Priced by
+    ``simulate``; ``lowering.ticks`` lays it out for the SPMD program."""
     _check_sizes("zb-v", num_stages, num_microbatches)
     S, M = num_stages, num_microbatches
     V, cap = 2 * S, 2 * S
@@ -256,7 +262,10 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
             backs = [(next_b[s][c], c) for c in (1, 0) if next_b[s][c] < M
                      and ran((us[c], next_b[s][c], "forward"))
                      and (us[c] == V - 1 or ran((us[c] + 1, next_b[s][c], "backward")))]
-            if backs:
+            if pending_w[s]:  # W's inputs wait in buffers of their own (``lowering``): one at a time
+                a = pending_w[s].pop(0)
+                pick = a, (us[a.chunk], a.microbatch, "weight")
+            elif backs:
                 m, c = min(backs)
                 pick = Action(s, m, "backward", c), (us[c], m, "backward")
                 next_b[s][c] += 1
@@ -267,9 +276,6 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
                         pick = Action(s, m, "forward", c), (us[c], m, "forward")
                         next_f[s][c] += 1
                         break
-            if pick is None and pending_w[s]:
-                a = pending_w[s].pop(0)
-                pick = a, (us[a.chunk], a.microbatch, "weight")
             if pick is not None:
                 started.append(pick)
         if not started:  # a builder bug, not a user error
@@ -296,6 +302,8 @@ _BUILDERS: Mapping[str, Callable[[int, int, int, int], PipelineProgram]] = {
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 WEIGHT_PASS_SCHEDULES = ("zb-h1",)  # the schedules whose backwards split into input- and weight-gradient passes
+# the schedules in a V (two chunks a stage, a weight pass): the SPMD program runs them, the MPMD runtime not yet
+V_SCHEDULES = ("zb-v",)
 
 
 @functools.lru_cache(maxsize=16)
@@ -303,8 +311,14 @@ def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
     """Build the schedule called ``name`` (one of ``SCHEDULE_NAMES``); built once for the same arguments (a
     frozen value: the planner asks for GPT-1T's 128 stages x 1024 microbatches several times, 1.6 s each).
     ``tail_gap``: slots between the last virtual stage's forward and backward (module doc)."""
+    if name in V_SCHEDULES:
+        if chunks != 2 or tail_gap:
+            raise ValueError(f"schedule {name!r} runs two model chunks a stage in a V and leaves no tail gap; got "
+                             f"chunks={chunks}, tail_gap={tail_gap}")
+        return zb_v(num_stages, num_microbatches)
     if name not in _BUILDERS:
-        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(f"unknown pipeline schedule {name!r}; expected one of "
+                         f"{', '.join((*SCHEDULE_NAMES, *V_SCHEDULES))}")
     if name != "interleaved-1f1b" and chunks != 1:
         raise ValueError(
             f"schedule {name!r} runs one model chunk per stage, got chunks={chunks}; "

@@ -4,7 +4,7 @@
 Every process has 4 CPU devices (gloo collectives); the (2, 4) mesh spans all of them. Each process builds
 the example GPT with 4 blocks (tiny preset, same seed), keeps its own rows of the batch and runs 3 steps of
 ``parallelize(step, mesh=(2, 4), microbatches=4, pipeline=True, schedule=SCHEDULE, stage_shape=(1, 2))``:
-one SPMD program over 4 stages of 2 devices (interleaved: 2 stages of 4 devices, 2 chunks each). ``FORM`` is ``state`` (the example's flax ``TrainState`` step)
+one SPMD program over 4 stages of 2 devices (interleaved and ZB-V: 2 stages of 4 devices, 2 chunks each). ``FORM`` is ``state`` (the example's flax ``TrainState`` step)
 or ``optax`` (the same model written ``step(params, opt_state, batch)`` over plain optax); ``:heavy`` after it
 gives the model a tail worth spreading over stages (32768 words, planned for A100s). Process 0 writes
 the losses, the parameters and the plan to ``OUTDIR``.
@@ -45,7 +45,8 @@ batch = jax.tree.map(np.asarray, batch)
 rows = jax.tree.leaves(batch)[0].shape[0] // nproc
 mine = jax.tree.map(lambda a: a[rank * rows : (rank + 1) * rows], batch)  # this process's part
 
-shape = (1, 4) if schedule == "interleaved-1f1b" else (1, 2)  # interleaved: 2 stages x 2 chunks of a block
+# interleaved and ZB-V: 2 stages x 2 chunks of a block
+shape = (1, 4) if schedule in ("interleaved-1f1b", "zb-v") else (1, 2)
 step = autoshard.parallelize(train_step, mesh=(2, 4), microbatches=4, pipeline=True, schedule=schedule,
                              stage_shape=shape, time_budget_s=20,
                              **({"hardware": "a100"} if form.endswith(":heavy") else {}))
