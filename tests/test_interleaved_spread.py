@@ -106,8 +106,8 @@ def test_a_derived_interleaved_pipeline_whose_lockstep_ticks_cannot_pay_is_not_p
     # smaller bubble saves, as priced from the base's own stage times: it is neither traced nor planned
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=4", "batch=64"], abstract=True)
     base = autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=32, pipeline=True, stage_shape=(1, 2),
-                          time_budget_s=8, runtime="spmd", hardware="a100")
-    assert base.spmd and base.num_physical_stages == 4
+                          time_budget_s=20, runtime="spmd", hardware="a100")  # ~8 s here; the stage times
+    assert base.spmd and base.num_physical_stages == 4  # must be solved, not cut short on a loaded machine
     ours, derived = interleaved_lockstep(base, 16, 64)
     assert derived >= ours
 

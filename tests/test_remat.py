@@ -283,7 +283,10 @@ def test_the_rewrite_keeps_every_ops_phase_and_block() -> None:
         assert Counter((op.primitive, op.phase, op.layer) for op in g.ops) == want, mode
 
 
-@pytest.mark.parametrize("mode", ["selective", pytest.param("full", marks=pytest.mark.slow)])
+# -m slow (88 s): CI runs a pipeline recomputing per stage against jit (test_stage_recompute) and a pipeline's
+# invariant replays (test_a_pipeline_recomputes_a_blocks_batch_independent_values_first)
+@pytest.mark.parametrize("mode", [pytest.param("selective", marks=pytest.mark.slow),
+                                  pytest.param("full", marks=pytest.mark.slow)])
 def test_a_pipeline_that_recomputes_matches_jit_and_replays_in_its_backward_programs(mode: str,
                                                                                        tmp_path: Path) -> None:
     """Recompute in a pipeline of 2 stages x 4 devices over 4 microbatches: the numbers of the unsharded
