@@ -222,9 +222,13 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
                  and need("none") > budget)
     if speculate and left is None:
         # the step cannot fit as traced, so an intra-operator plan fits only by recomputing, is cramped, and a
-        # pipeline is planned beside it: the two share the default budget (GPT-39B on 8x8: the intra plan's
-        # 60 s of solving left the pipeline, which wins, to finish at 146 s)
-        intra_s = SHARES.intra_with_pipeline * 2 * SHARES.auto_seconds(len(graph.ops))
+        # pipeline is planned too: the intra-operator plan gets the default budget whether it is made beside
+        # the pipeline search (a core free) or before it, so that the plan does not depend on the machine's
+        # load. A share of it made GPT-39B on 8x8 depend on it: at a one-minute load of 1.7 on two cores no
+        # child is forked, the intra plan had 26 s (20 s of it building), its seeds stopped after ZeRO-3's
+        # 510.6 s, and the pipeline won at 38.7% MFU; forked at a lower load, 42 s reach the tied seed's
+        # 9.01 s (44.0%)
+        intra_s = SHARES.auto_seconds(len(graph.ops))
     def settle(get: Callable[[], tuple[Plan, Graph]]) -> None:
         """The intra-operator plan and its graph from ``get``, or the error that keeps a pipeline the only way."""
         nonlocal intra, intra_error, graph
@@ -256,8 +260,6 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             # user's budget, both get what tracing left of it
             if left is not None:
                 intra_s = left
-            elif speculate:
-                intra_s = SHARES.auto_seconds(len(graph.ops))
             # a child stuck (on a lock another thread held at the fork) is stopped after twice its budget
             patience = 2 * (intra_s or SHARES.auto_seconds(len(graph.ops))) + 30
             pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan", patience=patience)
