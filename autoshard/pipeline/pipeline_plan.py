@@ -23,6 +23,7 @@ from autoshard.planner.plan import (
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
+from solvers.pipeline.program import place
 from solvers.pipeline.schedules import V_SCHEDULES
 
 PIPELINE_PLAN_VERSION = 1
@@ -143,10 +144,9 @@ class PipelinePlan:
         return len(self.stages) // self.num_chunks
 
     def place(self, u: int) -> tuple[int, int]:
-        """``(physical stage, chunk)`` of virtual stage ``u``: ``(u mod S, u div S)``, or for a schedule in a V
-        (ZB-V: ``V_SCHEDULES``) ``(2S − 1 − u, 1)`` for ``u >= S`` (``PipelineProgram.place``)."""
-        S = self.num_physical_stages
-        return (2 * S - 1 - u, 1) if self.schedule in V_SCHEDULES and u >= S else (u % S, u // S)
+        """``(physical stage, chunk)`` of virtual stage ``u`` (``solvers.pipeline.program.place``; in a V for
+        a schedule of ``V_SCHEDULES``)."""
+        return place(u, self.num_physical_stages, self.schedule in V_SCHEDULES)
 
     @property
     def cluster(self) -> tuple[int, int]:

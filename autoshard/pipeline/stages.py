@@ -85,7 +85,7 @@ timeline both are priced by now), 115.47 s under ZB-H1 (``solvers.pipeline.simul
 
 For the SPMD program (``uniform``) the schedule left to the planner also prices ZB-V (two chunks a stage
 in a V, with ZB-H1's weight pass; ``schedules.zb_v``) on the same layer prices: the cut into ``2S`` virtual
-stages of ``K / 2S`` blocks (chunk 1 of stage ``s`` being virtual stage ``2S − 1 − s``, ``_place``), its
+stages of ``K / 2S`` blocks (chunk 1 of stage ``s`` being virtual stage ``2S − 1 − s``, ``place``), its
 lockstep ticks (``simulate``), its memory its chunks' own microbatches in flight; it wins where its ticks are
 shorter (each a forward of half a stage, the bubble filled with ``W``). Its tail stays on stage 0 (no
 spread), and the MPMD runtime does not run it.
@@ -152,6 +152,7 @@ from autoshard.trace.graph import Graph
 from autoshard.trace.remat import REMAT_MODES, summary
 from cost_models import CostModel
 from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
+from solvers.pipeline.program import place
 from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
     V_SCHEDULES,
@@ -392,7 +393,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
 
     # ---- the chosen stages re-planned whole ----
     num_stages = len(chosen) // chunks  # physical
-    places = [_place(u, num_stages, v_shape) for u in range(len(chosen))]  # (stage, chunk) of each virtual stage
+    places = [place(u, num_stages, v_shape) for u in range(len(chosen))]  # (stage, chunk) of each virtual stage
     stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
                   [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
     # a chunk counts its own microbatches in flight (``Schedule.peak_inflight_by_chunk``), a stage all of its
@@ -548,14 +549,7 @@ class _UniformCut:
     schedule: str
     tail_split: int
     tail_time: float
-    chunks: int = 1  # model chunks a stage (2 for ZB-V, whose chunks run in a V: ``_place``)
-
-
-def _place(u: int, num_stages: int, v_shape: bool = False) -> tuple[int, int]:
-    """``(stage, chunk)`` of virtual stage ``u`` (``PipelineProgram.place``): ``(u mod S, u div S)``, or in a
-    V (ZB-V) ``(2S − 1 − u, 1)`` for ``u >= S``."""
-    S = num_stages
-    return (2 * S - 1 - u, 1) if v_shape and u >= S else (u % S, u // S)
+    chunks: int = 1  # model chunks a stage (2 for ZB-V, whose chunks run in a V: ``place``)
 
 
 def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: np.ndarray, prices: Any,
@@ -567,7 +561,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     cluster, ``V = v·S`` virtual stages (``v = chunks`` model chunks a stage, 1 but for the interleaved
     schedule) of ``K / V`` of the step's ``K`` repeated blocks each, the layers before the first block with
     virtual stage 0 and those after the last with ``V-1``; virtual stage ``u`` on stage ``u mod S`` (in a V,
-    ``_place``). Over
+    ``place``). Over
     every submesh option ``m`` whose stage count ``S = N / n_m`` makes ``V`` divide ``K`` (and is at most
     ``limit``), with the stage DP's tables ``t'[a_u, b_u, m]`` (``a_u, b_u``: virtual stage u's layers) as
     their times:
@@ -583,7 +577,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     unit ticks too: every action (``F``, ``B`` the input gradient, ``W`` the weight gradient) about one
     forward long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in
     flight (held until ``W``), and ZB-V's cut (``2S`` virtual stages of ``K / 2S`` blocks, chunk 1 of stage
-    ``s`` holding virtual stage ``2S − 1 − s``: ``_place``) with its unit ticks, its chunks' own microbatches
+    ``s`` holding virtual stage ``2S − 1 − s``: ``place``) with its unit ticks, its chunks' own microbatches
     in flight, its tail on stage 0 (never spread). The interleaved schedule has the one form, its unit ticks.
 
     With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
@@ -625,7 +619,7 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
             tail = _tail_seconds(prices, tail_first, m) if spread_rows and not v_shape else 0.0
             forms = _tick_forms("zb-v" if v_shape else pricing, S, num_microbatches, v,
                                 (1, G) if G > 1 and tail > 0 else (1,), zero_bubble and not v_shape)
-            places = [_place(u, S, v_shape) for u in range(V)]
+            places = [place(u, S, v_shape) for u in range(V)]
             for name, fused, inflight, by_chunk, table, g in forms:
                 held = [by_chunk[S - 1 - st][c] if by_chunk is not None else inflight[S - 1 - st] for st, c in places]
                 need = [sum(static[starts[u], ends[u], m] + held[u] * active[starts[u], ends[u], m]
@@ -798,8 +792,8 @@ def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Se
         est = [sum(prices.parts[ell][m].memory for ell in range(a, b + 1)) for a, b, m in chosen]
     out: dict[Any, float | None] = {}
     for u, key in enumerate(keys):
-        here = _place(u, num_stages, v_shape)[0]
-        mates = [w for w in range(len(chosen)) if _place(w, num_stages, v_shape)[0] == here]
+        here = place(u, num_stages, v_shape)[0]
+        mates = [w for w in range(len(chosen)) if place(w, num_stages, v_shape)[0] == here]
         total = sum(est[w] for w in mates)
         share = est[u] / total if math.isfinite(total) and total > 0 else 1 / len(mates)
         out[key] = min(out.get(key) or math.inf, memory_budget * share)

@@ -71,13 +71,22 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["KINDS", "LOWERED_KINDS", "Action", "PipelineProgram", "Schedule", "SimResult"]
+__all__ = ["KINDS", "LOWERED_KINDS", "Action", "PipelineProgram", "Schedule", "SimResult", "place"]
 
 Kind = Literal["forward", "backward", "weight"]
 KINDS: tuple[str, ...] = ("forward", "backward", "weight")  # what schedules order (module doc)
 # what the lowering passes add beside them (``solvers.pipeline.lowering``; module doc, "Action kinds")
 LOWERED_KINDS: tuple[str, ...] = ("tail", "send", "recv", "reduce", "update")
 _KINDS = ("forward", "backward")
+
+
+def place(u: int, num_stages: int, v_shape: bool = False) -> tuple[int, int]:
+    """``(stage, chunk)`` of virtual stage ``u`` on ``num_stages`` stages: ``(u mod S, u div S)``, or in a V
+    (``PipelineProgram.v_shape``, ZB-V) ``(2S − 1 − u, 1)`` for ``u >= S``; ``Action.virtual_stage`` inverts
+    it. The one rule for the program, the plan (``PipelinePlan.place``) and the stage planner."""
+    S = num_stages
+    return (2 * S - 1 - u, 1) if v_shape and u >= S else (u % S, u // S)
+
 _WEIGHT_KINDS = ("forward", "backward", "weight")
 _Key = tuple[int, int, str]  # (virtual stage, microbatch, kind)
 
@@ -144,10 +153,8 @@ class PipelineProgram:
         return self.num_stages * self.num_chunks
 
     def place(self, u: int) -> tuple[int, int]:
-        """``(stage, chunk)`` of virtual stage ``u``: ``(u mod S, u div S)``, or in a V ``(2S − 1 − u, 1)`` for
-        ``u >= S``."""
-        S = self.num_stages
-        return (2 * S - 1 - u, 1) if self.v_shape and u >= S else (u % S, u // S)
+        """``(stage, chunk)`` of virtual stage ``u`` (``place``)."""
+        return place(u, self.num_stages, self.v_shape)
 
     def actions(self, stage: int) -> tuple[Action, ...]:
         """The actions of physical ``stage`` in execution order."""
