@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import multiproc
 import pytest
 
 jupytext = pytest.importorskip("jupytext")
@@ -42,10 +43,7 @@ def run_notebook(path: Path, timeout_s: int = 300):
     """Convert ``path`` with jupytext and execute it in a fresh kernel; returns the executed notebook."""
     nb = jupytext.read(path)
     env = dict(os.environ)
-    env["XLA_FLAGS"] = " ".join(
-        [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        + ["--xla_force_host_platform_device_count=8"]
-    )
+    env["XLA_FLAGS"] = f"{multiproc.without_device_count(env.get('XLA_FLAGS', ''))} --xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("MPLBACKEND", None)  # the kernel's inline backend renders the figures as image/png
     with tempfile.TemporaryDirectory() as kernels:

@@ -16,8 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = " ".join(  # the device count comes from jax_num_cpu_devices here
-    f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
+# XLA_FLAGS: the test session's, less the device count (``multiproc.start``); jax_num_cpu_devices sets it here
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax

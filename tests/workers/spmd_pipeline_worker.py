@@ -7,12 +7,9 @@ gradient's norm from process 0 as JSON.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = " ".join(  # the device count comes from jax_num_cpu_devices here
-    f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f)
-
+# XLA_FLAGS: the test session's, less the device count (``multiproc.start``); jax_num_cpu_devices sets it here
 import jax
 
 port, rank, nproc = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
