@@ -177,3 +177,32 @@ def test_cli_explain_with_why_and_json(wide, tmp_path: Path, capsys: pytest.Capt
     assert len(data["plan"]["top_ops"]) == 3
     assert main(["explain", str(path), "--why", "t1"]) == 2
     assert "--why needs --graph" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("style", ["numbered", "flax_default", "nnx_list"])
+def test_layer_indices_fold_in_the_names_models_give_them(wide, style: str) -> None:
+    """The summary's classes, the per-layer view and the top ops fold a layer's index however the model
+    names its layers (the example's ``block_3``; ``h['3']``, flax's ``Block_3``, an nnx list's ``blocks[3]``,
+    a scope's ``layers/3``): the style models' real names, traced, give the example's classes and layers."""
+    import style_models as sm
+
+    from autoshard.planner.summary import fold_layer_indices, tensor_class
+    from autoshard.trace.graph import Role
+
+    def params(name: str) -> list[str]:
+        s = sm.STYLES[name]
+        return [t.name for t in autoshard.trace(s.train_step, *s.make("tiny", abstract=True)).input_tensors(Role.PARAM)]
+
+    example, mine = params("example"), params(style)
+    assert len({tensor_class(n) for n in mine}) == len({tensor_class(n) for n in example}) < len(example)
+    _, _, plan = wide
+    spec = ShardingSpec.parse("R")
+
+    def layers(names: list[str]) -> list[tuple[str, ...]]:
+        inputs = tuple(TensorLayout(name=n, shape=(8,), dtype="float32", role="param", spec=spec) for n in names)
+        return [g.layers for g in layer_layouts(dataclasses.replace(plan, inputs=inputs))]
+
+    got, want = layers(mine), layers(example)
+    assert len(got) == len(want) == 1 and len(got[0]) == len(want[0]) == sm.STYLES[style].PRESETS["tiny"].layers
+    assert fold_layer_indices("Llama.loss/Llama/layers/31/self_attn") == "Llama.loss/Llama/layers/*/self_attn"
+    assert fold_layer_indices("state.params.ln_f.scale") == "state.params.ln_f.scale"

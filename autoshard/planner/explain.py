@@ -26,7 +26,7 @@ import dataclasses
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,15 +35,13 @@ from autoshard.planner.build import MEMORY_TIE_BREAK, BuiltProblem, TensorKey
 from autoshard.planner.plan import Plan, PlanError, TensorLayout, decode_choice
 from autoshard.planner.planning import ProblemCache
 from autoshard.planner.readback import breakdown, peak_memory_of, step_time_of, step_time_of_breakdown
-from autoshard.planner.summary import human_time, tensor_class
+from autoshard.planner.summary import fold_layer_indices, human_time, layer_index, tensor_class
 from autoshard.target import cost_model_for
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
 from cost_models import CostModel, LogicalMesh, dtype_bytes
 from solvers import InfeasibleError, solve_intra_op
 
-_LAYER = re.compile(r"(?:_\d+|\[\d+\]|^\d+)$")  # block_3, [3], or a list's 3 (layers.3)
-_INDEX = re.compile(r"(\d+)\]?$")
 _OP_ID = re.compile(r"\w+ \(op \d+\)")
 GRADIENTS_NOTE = ("gradients: estimated as one gradient per parameter, in the parameter's dtype and layout,\n"
                   "   all live at once (the solver places gradients freely; this is the usual upper bound)")
@@ -119,29 +117,45 @@ def class_layouts(plan: Plan) -> list[ClassLayout]:
     return [ClassLayout(role=r, name=n, shape=s, specs=dict(c)) for (r, n, s), c in rows]
 
 
-def _split_layer(name: str) -> tuple[str, str] | None:
-    """``state.params.block_3.mlp.fc.kernel`` -> (``block_3``, ``mlp.fc.kernel``); None outside layers."""
-    head, sep, rest = name.partition("params.")
-    parts = (rest if sep else head).split(".")
-    for i, part in enumerate(parts[:-1]):
-        if _LAYER.search(part):
-            return ".".join(parts[: i + 1]), ".".join(parts[i + 1:])
-    return None
+def _layer_split(names: Sequence[str]) -> Callable[[str], tuple[str, str] | None]:
+    """How ``layer_layouts`` cuts a parameter's name into its layer and the name inside it:
+    ``state.params.block_3.mlp.fc.kernel`` -> (``block_3``, ``mlp.fc.kernel``), ``...layers['3'].mlp...``
+    -> (``layers['3']``, ...); None outside layers. The layer is the first indexed component whose index
+    differs between the parameters (an nnx state's ``state[0]``, the same for every parameter, is not one)."""
+    def parts(name: str) -> list[str]:
+        head, sep, rest = name.partition("params.")
+        return (rest if sep else head).split(".")
+
+    seen: dict[str, set[int]] = defaultdict(set)
+    for name in names:
+        p = parts(name)
+        for i, part in enumerate(p[:-1]):
+            if (k := layer_index(part)) is not None:
+                seen[fold_layer_indices(".".join(p[: i + 1]))].add(k)
+
+    def split(name: str) -> tuple[str, str] | None:
+        p = parts(name)
+        for i, part in enumerate(p[:-1]):
+            if layer_index(part) is not None and len(seen[fold_layer_indices(".".join(p[: i + 1]))]) > 1:
+                return ".".join(p[: i + 1]), ".".join(p[i + 1:])
+        return None
+
+    return split
 
 
 def layer_layouts(plan: Plan) -> list[LayerLayouts]:
     """Per layer, the layouts of its parameters; consecutive layers with the same layouts are folded."""
     layers: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for t in plan.inputs:
-        if t.role != "param":
-            continue
-        split = _split_layer(t.name)
+    params = [t for t in plan.inputs if t.role == "param"]
+    split_layer = _layer_split([t.name for t in params])
+    for t in params:
+        split = split_layer(t.name)
         if split is not None:
             layers[split[0]].append((split[1], str(t.spec)))
 
     def order(layer: str) -> tuple[str, int]:
-        m = _INDEX.search(layer)
-        return (_LAYER.sub("", layer), int(m.group(1)) if m else -1)
+        index = layer_index(layer)
+        return (fold_layer_indices(layer), -1 if index is None else index)
 
     out: list[LayerLayouts] = []
     for layer in sorted(layers, key=order):

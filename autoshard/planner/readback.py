@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -18,11 +17,11 @@ import numpy as np
 
 from autoshard.planner.build import BuiltProblem
 from autoshard.planner.plan import TensorLayout
+from autoshard.planner.summary import fold_layer_indices
 from autoshard.trace.graph import Graph, Scope
 from cost_models import CostModel, ShardingSpec
 
 TOP_OPS = 30  # op groups recorded per plan, costliest first
-_SCOPE_INDEX = re.compile(r"_\d+(?=[./]|$)")
 
 
 def layouts(graph: Graph, built: BuiltProblem, choice: np.ndarray, pins: Mapping[int, ShardingSpec]
@@ -201,7 +200,7 @@ def top_ops(built: BuiltProblem, choice: np.ndarray, n: int = TOP_OPS) -> list[d
             continue
         scope, op_id = node.ops[0]
         op = built.graphs[scope].ops[op_id]
-        folded = _SCOPE_INDEX.sub("_*", op.scope)
+        folded = fold_layer_indices(op.scope)
         shape = built.graphs[scope].tensors[op.outputs[0]].shape if op.outputs else ()
         key = (op.primitive, folded, op.source, op.phase, node.kind, shape)
         g = groups.get(key)

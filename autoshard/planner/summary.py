@@ -12,7 +12,30 @@ from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
 from cost_models import LogicalMesh
 
-_LAYER_INDEX = re.compile(r"_\d+(?=\.|$)|\[\d+\](?=\.)|(?<=\.)\d+(?=\.)")  # block_3, [3], layers.3
+# A layer's index inside a name, in every form models give one: a numbered name (``block_3``, flax's
+# ``Block_3``), a list's index (``layers[3]``, ``layers['3']`` as a dict of lists' keys, ``layers.3``,
+# ``layers/3`` in a name scope, ``h/3``). Group 1 is the number.
+_LAYER_INDEX = re.compile(r"_(\d+)(?=[./\[]|$)|\[['\"]?(\d+)['\"]?\](?=[./\[]|$)|(?<=[./])(\d+)(?=[./\[]|$)")
+
+
+def _starred(m: re.Match[str]) -> str:
+    text = m.group(0)
+    return "_*" if text.startswith("_") else text.replace(m.group(2), "*") if text.startswith("[") else "*"
+
+
+def fold_layer_indices(name: str) -> str:
+    """``name`` with every layer index folded to ``*`` (``state.params.layers['3'].mlp.kernel`` ->
+    ``state.params.layers['*'].mlp.kernel``, ``GPT/block_3/attn`` -> ``GPT/block_*/attn``): one class for
+    a parameter, or an op's scope, repeated in every layer. The one rule the summary, ``explain``,
+    ``compare`` and the plan's top ops fold by. Blocks whose names carry no number (``self.first``,
+    ``self.second``) are not folded: names only label (the blocks themselves are ``trace.structure``'s)."""
+    return _LAYER_INDEX.sub(_starred, name)
+
+
+def layer_index(part: str) -> int | None:
+    """The layer index a name's component ends with (``block_3``, ``[3]``, ``['3']``, ``3``), else None."""
+    m = re.fullmatch(r"(?:.*_(\d+)|.*\[['\"]?(\d+)['\"]?\]|(\d+))", part)
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
 
 
 def human_time(seconds: float) -> str:
@@ -32,8 +55,7 @@ def mfu_line(mfu: float, flops: ModelFlops | None) -> str:
 
 def tensor_class(name: str) -> str:
     """A parameter's class: its name with layer indices folded, ``state.params.block_*.mlp.fc.kernel``."""
-    return _LAYER_INDEX.sub(lambda m: "_*" if m.group(0).startswith("_") else "[*]" if m.group(0).startswith("[")
-                            else "*", name)
+    return fold_layer_indices(name)
 
 
 def cpu_note(mesh: LogicalMesh, hardware: str) -> str | None:
