@@ -92,3 +92,20 @@ def test_the_warning_does_not_advise_leaving_out_a_budget_left_out(tiny, caplog:
     with caplog.at_level(logging.WARNING, logger="autoshard"):
         assert _warn_if_far_from_bound(far, budget_given=True)
     assert "leave the budget out" in caplog.text
+
+
+def test_a_start_that_overflows_is_repaired_however_late(tiny) -> None:
+    """A start given to the solve (a pipeline stage's layers' plans joined) that overflows the memory limit is
+    repaired by a solve of its own even when the seed round's time is spent: it is the plan's floor. With no
+    seed time left, the repair was skipped and the stage solved from nothing (llama-70b's first stage on 1x8:
+    105.5 ms a microbatch, 65.3 ms where the repair ran)."""
+    from autoshard.planner.seeds import seeds
+
+    target = Target.of("2x4", "h100", "auto")
+    free = plan_graph(tiny, target.cost, time_budget_s=1.0)
+    problems = ProblemCache(tiny)
+    built = problems.get(target.cost, 0.8 * free.peak_memory)
+    found = seeds(tiny, target.cost, built, built.problem, {}, [free], budget_s=0.0)
+    repaired = [s for s in found if s.name.endswith("repaired")]
+    assert repaired and repaired[0].given
+    assert repaired[0].objective == pytest.approx(built.problem.cost_of(repaired[0].choice))

@@ -34,6 +34,7 @@ class Shares:
     first_round: float = 0.6  # of the seed budget, one short solve per seed
     second_round: int = 2  # best first-round seeds solved again with their layouts unpinned
     min_seed_seconds: float = 0.05  # a seed given less is skipped
+    min_start_seconds: float = 1.0  # a given start's solve (a repair, a hand layout completed) gets at least this
     min_grid_seed_seconds: float = 0.25  # the grid's seeds are left out when each would get less (``seeds``)
     layer_pricing: float = 0.4  # pipeline: of the budget, for the per-layer prices
     stage_plans: float = 0.6  # pipeline: for the chosen stages planned whole
