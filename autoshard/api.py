@@ -252,7 +252,19 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     deferred = False  # ``pending`` runs here after the pipeline search, only if time is left or no pipeline fits
     if not options.pipeline:
         both = speculate or (options.planned and options.pipeline is None)  # microbatches given: both planned
-        if both and len(graph.ops) >= BESIDE_MIN_OPS and not isinstance(step_fn, Graph) and can_fork():
+        if speculate and left is not None and deadline.spent(DEFER_BELOW * time_budget_s):
+            # tracing took most of the user's budget: it cannot cover both a recomputing (so cramped)
+            # intra-operator plan and the pipeline that is planned anyway; the pipeline goes first, and the
+            # intra-operator plan gets what it leaves, or is planned only if no pipeline fits (GPT-1.3B on 2x4,
+            # budget 5 s: its build alone took 6 s, and no recompute made it fit). Not forked even where a core
+            # is free: the call would wait for the child's build (13 s there, beside the pipeline's 23 s on
+            # two cores), where deferred it is not made once a pipeline is found
+            deferred = True
+            pending = Beside(lambda: intra_plan()[0], fork=False, what="intra-operator plan")
+            log.info("%.1f s of the %.3g s time budget left after tracing: planning the pipeline first, the "
+                     "intra-operator plan (which recomputes) after it if time is left", max(deadline.left() or 0.0, 0.0),
+                     time_budget_s)
+        elif both and len(graph.ops) >= BESIDE_MIN_OPS and not isinstance(step_fn, Graph) and can_fork():
             # both plans are certain (asked for, or the step cannot fit as traced, so the intra-operator plan
             # recomputes and is cramped) and independent until the faster is chosen: the intra-operator plan
             # is made in a forked process while this one plans the pipelines (GPT-39B on 8x8: ~45 s of each),
@@ -265,16 +277,6 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
             pending = Beside(lambda: intra_plan()[0], fork=True, what="intra-operator plan", patience=patience)
             log.info("planning the intra-operator plan in process %s, beside the pipeline search",
                      pending.pid)
-        elif speculate and left is not None and deadline.spent(DEFER_BELOW * time_budget_s):
-            # tracing took most of the user's budget: it cannot cover both a recomputing (so cramped)
-            # intra-operator plan and the pipeline that is planned anyway; the pipeline goes first, and the
-            # intra-operator plan gets what it leaves, or is planned only if no pipeline fits (GPT-1.3B on 2x4,
-            # budget 5 s: its build alone took 6 s, and no recompute made it fit)
-            deferred = True
-            pending = Beside(lambda: intra_plan()[0], fork=False, what="intra-operator plan")
-            log.info("%.1f s of the %.3g s time budget left after tracing: planning the pipeline first, the "
-                     "intra-operator plan (which recomputes) after it if time is left", max(deadline.left() or 0.0, 0.0),
-                     time_budget_s)
         else:
             settle(intra_plan)
     if not options.planned and intra is not None and not (auto and _cramped(intra, recompute, budget)):

@@ -135,12 +135,19 @@ def _summary(the_plan: Plan | PipelinePlan) -> str:
     return format_plan(the_plan) if isinstance(the_plan, Plan) else format_pipeline_plan(the_plan)
 
 
-def test_a_step_that_cannot_fit_as_traced_is_pipelined_first_when_the_budget_is_spent() -> None:
+@pytest.mark.parametrize("core_free", [False, True], ids=["busy", "core-free"])
+def test_a_step_that_cannot_fit_as_traced_is_pipelined_first_when_the_budget_is_spent(
+        core_free: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The MLP at 2048 rows under half the memory it needs as traced (every value split its furthest), with
     the budget spent by tracing: the planner plans the pipeline (which must be planned anyway) before the
     intra-operator plan, and once it has one it skips the rest: no intra-operator plan, no further
     microbatch counts, the layers priced on each submesh shape as it is only. The plan fits, checks
-    against its microbatch trace, and its summary lists each cut."""
+    against its microbatch trace, and its summary lists each cut. With a core free (a step large enough to
+    plan its intra-operator plan in a forked child) alike: a child would be waited for (GPT-1.3B on 2x4,
+    budget 5 s: its intra-operator problem took 13 s to build beside the pipeline's search)."""
+    if core_free:
+        monkeypatch.setattr("autoshard.api.BESIDE_MIN_OPS", 0)
+        monkeypatch.setattr("autoshard.api.can_fork", lambda: True)
     state, batch = _state(2048)
     cost = _cost()
     graph = trace(_step, state, batch)
