@@ -151,7 +151,14 @@ from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from autoshard.trace.remat import REMAT_MODES, summary
 from cost_models import CostModel
-from solvers.inter_op import InterOpInfeasibleError, InterOpProblem, alpa_submeshes, solve_inter_op
+from solvers.inter_op import (
+    InterOpInfeasibleError,
+    InterOpProblem,
+    PartitionInfeasibleError,
+    alpa_submeshes,
+    linear_partition,
+    solve_inter_op,
+)
 from solvers.pipeline.program import place
 from solvers.pipeline.schedules import (
     SCHEDULE_NAMES,
@@ -803,28 +810,17 @@ def _chunk_budgets(prices: Any, chosen: Sequence[tuple[int, int, int]], keys: Se
 def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: tuple[int, int],
                  shape: tuple[int, int], m: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], float]:
     """The interleaved layout on ``num_stages`` submeshes of ``shape``: the layers cut into ``V = chunks ·
-    num_stages`` contiguous virtual stages minimising the slowest one's time ``t[i, j]`` (a linear-partition
-    DP), virtual stage ``u`` on submesh ``u mod S`` (chunks dealt round-robin); submeshes tile the cluster
-    row-major. Returns ``(first layer, last layer, m)`` per virtual stage, their origins, the bottleneck."""
+    num_stages`` contiguous virtual stages minimising the slowest one's time ``t[i, j]``
+    (``solvers.inter_op.linear_partition``), virtual stage ``u`` on submesh ``u mod S`` (chunks dealt
+    round-robin); submeshes tile the cluster row-major. Returns ``(first layer, last layer, m)`` per virtual stage, their origins, the bottleneck."""
     layers, V = stage_time.shape[0], chunks * num_stages
-    best = np.full((V + 1, layers + 1), np.inf)  # best[k, j]: layers 0..j-1 in k groups, slowest group
-    cut = np.zeros((V + 1, layers + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    for k in range(1, V + 1):
-        for j in range(k, layers + 1):
-            for i in range(k - 1, j):
-                val = max(best[k - 1, i], stage_time[i, j - 1])
-                if val < best[k, j]:
-                    best[k, j], cut[k, j] = val, i
-    if not np.isfinite(best[V, layers]):
+    try:
+        groups, slowest = linear_partition(stage_time, V)
+    except PartitionInfeasibleError:
         raise PipelineDoesNotFit(f"no cut of {layers} layers into {V} virtual stages fits on {shape}: some layer "
-                                 "has no plan within the memory budget there")
-    bounds, j = [], layers
-    for k in range(V, 0, -1):
-        bounds.append((int(cut[k, j]), j - 1, m))
-        j = int(cut[k, j])
+                                 "has no plan within the memory budget there") from None
     origins = [(h, d) for h in range(0, cluster[0], shape[0]) for d in range(0, cluster[1], shape[1])]
-    return bounds[::-1], [origins[u % num_stages] for u in range(V)], float(best[V, layers])
+    return [(a, b, m) for a, b in groups], [origins[u % num_stages] for u in range(V)], slowest
 
 
 def _submeshes(cluster: tuple[int, int], stage_shape: tuple[int, int] | None,

@@ -18,6 +18,8 @@ Modules:
 * ``stage_dp``: ``solve_inter_op``, Alpa's DP with the t_max search (recurrence in its docstring);
 * ``solution``: ``InterOpSolution`` (``verify(problem)``), ``Stage``, ``InterOpStats``;
 * ``placement``: ``place_submeshes``, tiling the cluster with the chosen submesh shapes;
+* ``linear_partition``: ``linear_partition``, the min-max cut of layers into contiguous groups (the
+  interleaved schedule's virtual stages);
 * ``clustering``: ``cluster_layers``, grouping a sequence of ops into ``L`` balanced layers with cheap cuts
   (Alpa §5.2 operator clustering);
 * ``io_json``: the versioned JSON format of ``InterOpProblem``;
@@ -26,6 +28,7 @@ Modules:
 
 from solvers.inter_op.brute_force import brute_force_clustering, brute_force_inter_op
 from solvers.inter_op.clustering import Clustering, ClusteringProblem, cluster_layers
+from solvers.inter_op.linear_partition import PartitionInfeasibleError, linear_partition
 from solvers.inter_op.placement import place_submeshes
 from solvers.inter_op.problem import (
     InterOpInfeasibleError,
@@ -44,6 +47,7 @@ __all__ = [
     "InterOpProblem",
     "InterOpSolution",
     "InterOpStats",
+    "PartitionInfeasibleError",
     "Stage",
     "alpa_submeshes",
     "brute_force_clustering",
@@ -51,6 +55,7 @@ __all__ = [
     "cluster_layers",
     "inflight_1f1b",
     "inflight_gpipe",
+    "linear_partition",
     "pipeline_cost",
     "place_submeshes",
     "solve_inter_op",
