@@ -812,7 +812,8 @@ def _interleaved(stage_time: np.ndarray, num_stages: int, chunks: int, cluster: 
     """The interleaved layout on ``num_stages`` submeshes of ``shape``: the layers cut into ``V = chunks ·
     num_stages`` contiguous virtual stages minimising the slowest one's time ``t[i, j]``
     (``solvers.inter_op.linear_partition``), virtual stage ``u`` on submesh ``u mod S`` (chunks dealt
-    round-robin); submeshes tile the cluster row-major. Returns ``(first layer, last layer, m)`` per virtual stage, their origins, the bottleneck."""
+    round-robin); submeshes tile the cluster row-major. Returns ``(first layer, last layer, m)`` per virtual
+    stage, their origins, the bottleneck."""
     layers, V = stage_time.shape[0], chunks * num_stages
     try:
         groups, slowest = linear_partition(stage_time, V)

@@ -77,8 +77,9 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
       mapping input name -> layout) like the grid's. A Plan or Assignment that overflows the memory
       budget is the initial point of a tied solve instead (which repairs it). Each of these solves gets
       at least ``SHARES.min_start_seconds`` however little is left of the round: a start the caller made
-      (a pipeline stage's layers' plans joined) is the plan's floor, and dropping it for time left a stage
-      solved from nothing (llama-70b's first stage: 105.5 ms a microbatch against 65.3 ms repaired);
+      (a pipeline stage's layers' plans joined) is the plan's floor; with the round spent it was skipped, and
+      a stage whose repair is skipped or cut short is solved from the replicated seed (llama-70b's first
+      stage once planned 105.5 ms a microbatch, 65.3 ms where its repair had 0.4 s);
     * ``tied``: the tied problem on its own, last: unpinned, it is the slowest to solve, and on GPT-39B over
       8x8 its short solve gave a 381 s plan where the layouts' gave 10-11 s; first, it overran its share
       and left the layouts nothing when building had eaten most of the budget (a loaded machine).
@@ -162,7 +163,7 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
         # what is left of the round, shared by the jobs left: a job that overran costs them all
         seconds = (deadline - time.perf_counter()) / (len(jobs) - n)
         if given:  # a start is tried however late (a stage's layers' plans, repaired: llama-70b's stage 0 on 1x8
-            # planned 105.5 ms a microbatch in one run, 65.3 ms in another where the repair got its 0.4 s)
+            # planned 105.5 ms a microbatch in one run, 65.3 ms in another, where the repair had 0.4 s)
             seconds = max(seconds, SHARES.min_start_seconds)
         if pinned is None or seconds <= SHARES.min_seed_seconds:
             continue

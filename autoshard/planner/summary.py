@@ -14,7 +14,7 @@ from cost_models import LogicalMesh
 
 # A layer's index inside a name, in every form models give one: a numbered name (``block_3``, flax's
 # ``Block_3``), a list's index (``layers[3]``, ``layers['3']`` as a dict of lists' keys, ``layers.3``,
-# ``layers/3`` in a name scope, ``h/3``). Group 1 is the number.
+# ``layers/3`` in a name scope, ``h/3``). The number is the one group of the three that matched.
 _LAYER_INDEX = re.compile(r"_(\d+)(?=[./\[]|$)|\[['\"]?(\d+)['\"]?\](?=[./\[]|$)|(?<=[./])(\d+)(?=[./\[]|$)")
 
 
