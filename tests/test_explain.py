@@ -186,7 +186,7 @@ def test_layer_indices_fold_in_the_names_models_give_them(wide, style: str) -> N
     a scope's ``layers/3``): the style models' real names, traced, give the example's classes and layers."""
     import style_models as sm
 
-    from autoshard.planner.summary import fold_layer_indices, tensor_class
+    from autoshard.planner.summary import fold_layer_indices
     from autoshard.trace.graph import Role
 
     def params(name: str) -> list[str]:
@@ -194,7 +194,7 @@ def test_layer_indices_fold_in_the_names_models_give_them(wide, style: str) -> N
         return [t.name for t in autoshard.trace(s.train_step, *s.make("tiny", abstract=True)).input_tensors(Role.PARAM)]
 
     example, mine = params("example"), params(style)
-    assert len({tensor_class(n) for n in mine}) == len({tensor_class(n) for n in example}) < len(example)
+    assert len({fold_layer_indices(n) for n in mine}) == len({fold_layer_indices(n) for n in example}) < len(example)
     _, _, plan = wide
     spec = ShardingSpec.parse("R")
 
@@ -206,3 +206,26 @@ def test_layer_indices_fold_in_the_names_models_give_them(wide, style: str) -> N
     assert len(got) == len(want) == 1 and len(got[0]) == len(want[0]) == sm.STYLES[style].PRESETS["tiny"].layers
     assert fold_layer_indices("Llama.loss/Llama/layers/31/self_attn") == "Llama.loss/Llama/layers/*/self_attn"
     assert fold_layer_indices("state.params.ln_f.scale") == "state.params.ln_f.scale"
+
+
+def test_blocks_with_no_number_in_their_names_fold_by_the_names_that_tell_them_apart() -> None:
+    """``self.first = Block(); self.second = Block()``: the structure finds the two blocks, and the plan records
+    each input's class with the name that tells its block apart folded (``blocks.*.attn.qkv.kernel``), so the
+    summary, explain and compare list the example's classes; the class survives the plan's JSON."""
+    import style_models as sm
+
+    from autoshard.planner.explain import class_layouts
+    from autoshard.planner.summary import fold_layer_indices, input_class
+    from autoshard.trace.graph import Role
+
+    def traced(name: str):
+        s = sm.STYLES[name]
+        return autoshard.trace(s.train_step, *s.make("tiny", abstract=True))
+
+    example = {fold_layer_indices(t.name) for t in traced("example").input_tensors(Role.PARAM)}
+    plan = autoshard.plan(traced("unnumbered"), mesh=(2, 4), hardware="h100", time_budget_s=3)
+    params = [t for t in plan.inputs if t.role == "param"]
+    assert len({input_class(t) for t in params}) == len(example)
+    assert any(input_class(t) == "state.params.blocks.*.attn.qkv.kernel" for t in params)
+    assert len([c for c in class_layouts(plan) if c.role == "param"]) == len(example)
+    assert Plan.from_dict(plan.to_dict()).inputs == plan.inputs

@@ -25,7 +25,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autoshard.planner.explain import memory_breakdown
@@ -35,7 +35,7 @@ from autoshard.planner.planning import ProblemCache, plan_graph
 from autoshard.planner.readback import memory_at_peak
 from autoshard.planner.recompute import plan_recomputing
 from autoshard.planner.shares import SHARES
-from autoshard.planner.summary import human_time, tensor_class
+from autoshard.planner.summary import fold_layer_indices, human_time, input_class
 from autoshard.trace import remat
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
@@ -60,6 +60,7 @@ class PlanDiff:
     time: tuple[tuple[str, float, float], ...]  # categories whose time changed: (category, a, b)
     peak_memory: tuple[float, float]
     memory: tuple[tuple[str, float, float], ...]  # memory rows that changed
+    classes: Mapping[str, str] = dataclasses.field(default_factory=dict)  # input name -> its class (``input_class``)
 
     @property
     def empty(self) -> bool:
@@ -89,7 +90,7 @@ class PlanDiff:
         if self.layouts:
             folded: dict[tuple[str, str, str], int] = defaultdict(int)
             for name, x, y in self.layouts:
-                folded[(tensor_class(name), x, y)] += 1
+                folded[(self.classes.get(name) or fold_layer_indices(name), x, y)] += 1
             lines += ["", f"input layouts that changed ({len(self.layouts)} tensors, layer indices folded)"]
             for (name, x, y), n in list(folded.items())[:max_rows]:
                 lines.append(f"  {name:<56} {x} -> {y}" + (f"  x{n}" if n > 1 else ""))
@@ -132,6 +133,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     ma, mb = memory_breakdown(a), memory_breakdown(b)
     memory = tuple((k, ma[k], mb[k]) for k in ma if _differs(ma[k], mb[k]))
     return PlanDiff(mesh=mesh, layouts=layouts, intermediates_changed=changed, intermediates_compared=compared,
+                    classes={t.name: input_class(t) for t in (*a.inputs, *b.inputs)},
                     step_time=(a.predicted_step_time, b.predicted_step_time), time=time,
                     peak_memory=(a.peak_memory, b.peak_memory), memory=memory)
 

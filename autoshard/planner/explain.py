@@ -35,7 +35,7 @@ from autoshard.planner.build import MEMORY_TIE_BREAK, BuiltProblem, TensorKey
 from autoshard.planner.plan import Plan, PlanError, TensorLayout, decode_choice
 from autoshard.planner.planning import ProblemCache
 from autoshard.planner.readback import breakdown, peak_memory_of, step_time_of, step_time_of_breakdown
-from autoshard.planner.summary import fold_layer_indices, human_time, layer_index, tensor_class
+from autoshard.planner.summary import fold_layer_indices, human_time, input_class, layer_index
 from autoshard.target import cost_model_for
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
@@ -112,7 +112,7 @@ class LayerLayouts:
 def class_layouts(plan: Plan) -> list[ClassLayout]:
     classes: dict[tuple[str, str, tuple[int, ...]], Counter[str]] = {}
     for t in plan.inputs:
-        classes.setdefault((t.role, tensor_class(t.name), t.shape), Counter())[str(t.spec)] += 1
+        classes.setdefault((t.role, input_class(t), t.shape), Counter())[str(t.spec)] += 1
     rows = sorted(classes.items(), key=lambda kv: (kv[0][0] != "param", kv[0][0], kv[0][1]))
     return [ClassLayout(role=r, name=n, shape=s, specs=dict(c)) for (r, n, s), c in rows]
 

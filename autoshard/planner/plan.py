@@ -94,13 +94,16 @@ class SolverReport:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TensorLayout:
-    """The layout of one input or output leaf of the step."""
+    """The layout of one input or output leaf of the step. ``group``: its class where the name alone does not
+    give it (a leaf of a block whose name carries no number, ``blocks.first.attn.kernel`` ->
+    ``blocks.*.attn.kernel``: ``summary.input_class``); empty otherwise."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     role: str
     spec: ShardingSpec
+    group: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,7 +213,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         def layout(t: TensorLayout) -> dict[str, Any]:
             return {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "role": t.role,
-                    "spec": str(t.spec)}
+                    "spec": str(t.spec), **({"group": t.group} if t.group else {})}
 
         return {
             "version": PLAN_VERSION,
@@ -237,7 +240,7 @@ class Plan:
 
         def layout(x: Mapping[str, Any]) -> TensorLayout:
             return TensorLayout(name=x["name"], shape=tuple(x["shape"]), dtype=x["dtype"], role=x["role"],
-                                spec=ShardingSpec.parse(x["spec"]))
+                                spec=ShardingSpec.parse(x["spec"]), group=x.get("group", ""))
 
         return cls(
             mesh=LogicalMesh.from_dict(d["mesh"]),

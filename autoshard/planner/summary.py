@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from autoshard.planner.plan import Plan
+from autoshard.planner.plan import Plan, TensorLayout
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
@@ -32,6 +32,22 @@ def fold_layer_indices(name: str) -> str:
     return _LAYER_INDEX.sub(_starred, name)
 
 
+def fold_block_labels(name: str, labels: frozenset[str]) -> str:
+    """``name`` with every component (between ``.``, ``/``, or in ``['...']``) that is one of ``labels`` (the
+    names blocks carry that tell them apart: ``first``, ``second``; ``trace.structure.block_labels``) folded
+    to ``*``, then its layer indices (``fold_layer_indices``)."""
+    if labels:
+        name = re.sub(r"(?<=[./\[])(['\"]?)([A-Za-z_]\w*)\1(?=[./\]]|$)",
+                      lambda m: f"{m.group(1)}*{m.group(1)}" if m.group(2) in labels else m.group(0), name)
+    return fold_layer_indices(name)
+
+
+def input_class(t: TensorLayout) -> str:
+    """An input's class as the summaries list it: the class the plan recorded (``TensorLayout.group``, from
+    the blocks the step's structure found), else its name with layer indices folded."""
+    return t.group or fold_layer_indices(t.name)
+
+
 def layer_index(part: str) -> int | None:
     """The layer index a name's component ends with (``block_3``, ``[3]``, ``['3']``, ``3``), else None."""
     m = re.fullmatch(r"(?:.*_(\d+)|.*\[['\"]?(\d+)['\"]?\]|(\d+))", part)
@@ -51,11 +67,6 @@ def mfu_line(mfu: float, flops: ModelFlops | None) -> str:
     assert flops is not None
     return (f"predicted MFU {100 * mfu:.1f}% (model flops {flops.flops / 1e15:.4g} PFLOP a step, 3x the forward "
             f"matmuls, at a {flops.peak / 1e12:.4g} TFLOP/s peak per device)")
-
-
-def tensor_class(name: str) -> str:
-    """A parameter's class: its name with layer indices folded, ``state.params.block_*.mlp.fc.kernel``."""
-    return fold_layer_indices(name)
 
 
 def cpu_note(mesh: LogicalMesh, hardware: str) -> str | None:
@@ -100,7 +111,7 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
 
     classes: dict[tuple[str, str, tuple[int, ...]], dict[str, object]] = {}
     for t in plan.inputs:
-        key = (t.role, tensor_class(t.name), t.shape)
+        key = (t.role, input_class(t), t.shape)
         c = classes.setdefault(key, {"count": 0, "specs": defaultdict(int), "shape": t.shape, "bytes": 0})
         c["count"] += 1  # type: ignore[operator]
         c["specs"][str(t.spec)] += 1  # type: ignore[index]

@@ -124,6 +124,20 @@ def structure(graph: Graph) -> Structure:
     return memo["s"]
 
 
+def block_labels(graph: Graph) -> frozenset[str]:
+    """The names that tell a run's blocks apart where they carry no number (``self.first = Block()``,
+    ``self.second = Block()``: ``first``, ``second``): the last component of each block's tag, for the runs
+    whose tags differ only there and in no digit. Summaries fold them (``planner.summary``); a numbered
+    name (``block_3``, ``layers/3``) folds by its number alone."""
+    out: set[str] = set()
+    for run in structure(graph).runs:
+        heads = {t.rpartition("/")[0] for t in run.tags}
+        lasts = [t.rpartition("/")[2] for t in run.tags]
+        if len(heads) == 1 and len(set(lasts)) == len(lasts) and not any(c.isdigit() for x in lasts for c in x):
+            out.update(lasts)
+    return frozenset(out)
+
+
 def tag_blocks(graph: Graph) -> Graph:
     """``graph`` with every op's ``layer`` set to its block tag (``structure``); ``graph`` itself when
     nothing changes."""
