@@ -51,7 +51,7 @@ from autoshard.planner.recompute import (
     recomputed,
 )
 from autoshard.planner.shares import SHARES
-from autoshard.planner.summary import human_time
+from autoshard.planner.summary import human_time, with_input_classes
 from autoshard.planner.utilization import model_flops
 from autoshard.target import (
     RUNTIMES,
@@ -70,6 +70,7 @@ from autoshard.target import (
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
 from autoshard.trace.roles import with_batch_argnums
+from autoshard.trace.structure import block_labels
 
 log = logging.getLogger("autoshard")
 
@@ -189,6 +190,8 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
                                        time_budget_s=time_budget_s, roles=roles, recompute=recompute)
     _warn_if_overrun(the_plan, time_budget_s, deadline.elapsed(), t_trace)
     the_plan = dataclasses.replace(the_plan, model_flops=flops)
+    if isinstance(the_plan, Plan):  # classes for its summary, from the step's blocks (``summary.input_class``)
+        the_plan = with_input_classes(the_plan, block_labels(graph))
     if (note := deadline.note()) is not None:  # the summary says what the spent budget cut short
         the_plan = dataclasses.replace(the_plan, solver=dataclasses.replace(the_plan.solver, cut_short=note))
     plan_cache.store(key, the_plan)

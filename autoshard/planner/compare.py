@@ -133,7 +133,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     ma, mb = memory_breakdown(a), memory_breakdown(b)
     memory = tuple((k, ma[k], mb[k]) for k in ma if _differs(ma[k], mb[k]))
     return PlanDiff(mesh=mesh, layouts=layouts, intermediates_changed=changed, intermediates_compared=compared,
-                    classes={t.name: input_class(t) for t in (*a.inputs, *b.inputs)},
+                    classes={t.name: input_class(t) for t in sorted((*a.inputs, *b.inputs), key=lambda t: bool(t.group))},
                     step_time=(a.predicted_step_time, b.predicted_step_time), time=time,
                     peak_memory=(a.peak_memory, b.peak_memory), memory=memory)
 

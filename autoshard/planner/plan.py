@@ -96,7 +96,7 @@ class SolverReport:
 class TensorLayout:
     """The layout of one input or output leaf of the step. ``group``: its class where the name alone does not
     give it (a leaf of a block whose name carries no number, ``blocks.first.attn.kernel`` ->
-    ``blocks.*.attn.kernel``: ``summary.input_class``); empty otherwise."""
+    ``blocks.*.attn.kernel``: ``summary.input_class``, recorded by ``autoshard.plan``); empty otherwise."""
 
     name: str
     shape: tuple[int, ...]

@@ -17,9 +17,8 @@ import numpy as np
 
 from autoshard.planner.build import BuiltProblem
 from autoshard.planner.plan import TensorLayout
-from autoshard.planner.summary import fold_block_labels, fold_layer_indices
+from autoshard.planner.summary import fold_layer_indices
 from autoshard.trace.graph import Graph, Scope
-from autoshard.trace.structure import block_labels
 from cost_models import CostModel, ShardingSpec
 
 TOP_OPS = 30  # op groups recorded per plan, costliest first
@@ -38,14 +37,11 @@ def layouts(graph: Graph, built: BuiltProblem, choice: np.ndarray, pins: Mapping
             specs[scope][tid] = spec
     top = specs.get((), {})
 
-    labels = block_labels(graph)
-
     def layout(tid: int, name: str) -> TensorLayout:
         t = graph.tensors[tid]
         spec = top.get(tid, pins.get(tid, ShardingSpec.replicated(len(t.shape))))
-        group = fold_block_labels(name, labels)
         return TensorLayout(name=name, shape=t.shape, dtype=t.dtype, role=t.role.value,
-                            spec=ShardingSpec(dims=spec.dims), group=group if group != fold_layer_indices(name) else "")
+                            spec=ShardingSpec(dims=spec.dims))
 
     inputs = tuple(layout(tid, graph.tensors[tid].name) for tid in graph.inputs)
     outputs = []

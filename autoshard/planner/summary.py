@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -40,6 +41,19 @@ def fold_block_labels(name: str, labels: frozenset[str]) -> str:
         name = re.sub(r"(?<=[./\[])(['\"]?)([A-Za-z_]\w*)\1(?=[./\]]|$)",
                       lambda m: f"{m.group(1)}*{m.group(1)}" if m.group(2) in labels else m.group(0), name)
     return fold_layer_indices(name)
+
+
+def with_input_classes(plan: Plan, labels: frozenset[str]) -> Plan:
+    """``plan`` with each input's and output's class recorded (``TensorLayout.group``) where ``labels`` (the
+    step's ``trace.structure.block_labels``) fold what its name's indices do not."""
+    if not labels:
+        return plan
+
+    def classed(t: TensorLayout) -> TensorLayout:
+        group = fold_block_labels(t.name, labels)
+        return dataclasses.replace(t, group=group) if group != fold_layer_indices(t.name) else t
+
+    return dataclasses.replace(plan, inputs=tuple(map(classed, plan.inputs)), outputs=tuple(map(classed, plan.outputs)))
 
 
 def input_class(t: TensorLayout) -> str:
