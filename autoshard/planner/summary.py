@@ -64,7 +64,8 @@ def input_class(t: TensorLayout) -> str:
 
 def layer_index(part: str) -> int | None:
     """The layer index a name's component ends with (``block_3``, ``[3]``, ``['3']``, ``3``), else None."""
-    m = re.fullmatch(r"(?:.*_(\d+)|.*\[['\"]?(\d+)['\"]?\]|(\d+))", part)
+    # ``_LAYER_INDEX``'s match that ends the component (a bare number is read after a separator)
+    m = next((m for m in _LAYER_INDEX.finditer("." + part) if m.end() == len(part) + 1), None)
     return None if m is None else int(next(g for g in m.groups() if g is not None))
 
 
