@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cost_models.errors import CostModelError
@@ -58,11 +58,13 @@ class LogicalMesh:
     axis_names: tuple[str, ...]
     shape: tuple[int, ...]
     links: tuple[Link, ...]
+    _size: dict[str, int] = field(init=False, repr=False, compare=False)  # axis -> size, asked per collective
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axis_names", tuple(str(a) for a in self.axis_names))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "_size", dict(zip(self.axis_names, self.shape, strict=False)))
         n = len(self.axis_names)
         if len(self.shape) != n or len(self.links) != n:
             raise CostModelError(
@@ -95,7 +97,8 @@ class LogicalMesh:
         return names
 
     def axis_size(self, axis: str) -> int:
-        return self.shape[self.axis_names.index(self.normalize_axes(axis)[0])]
+        size = self._size.get(axis)
+        return size if size is not None else self.shape[self.axis_names.index(self.normalize_axes(axis)[0])]
 
     def size(self, axes: Axes | None = None) -> int:
         """Number of devices spanned by ``axes`` (all axes when ``None``; 1 for an empty tuple)."""

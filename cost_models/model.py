@@ -181,12 +181,17 @@ class CostModel:
         The measured curve of this kind, group size and links when the profile has one, else the analytic
         alpha-beta formula; an all-reduce at most its reduce-scatter plus its all-gather on the same buffer
         (``collectives.bounded``: the ring all-reduce is those two halves)."""
+        table = self._memo.setdefault("cost_models.collective_time", {})  # every reshard step asks it
+        key = (kind, nbytes, axes if isinstance(axes, str | tuple) else tuple(axes))
+        hit = table.get(key)
+        if hit is not None:
+            return hit
         check_kind(kind)
         names = self.mesh.normalize_axes(axes)
         p = self.mesh.size(names)
-        if p <= 1 or nbytes <= 0:
-            return 0.0
-        return bounded(kind, lambda k: self._own_collective_time(k, nbytes, names, p))
+        t = 0.0 if p <= 1 or nbytes <= 0 else bounded(kind, lambda k: self._own_collective_time(k, nbytes, names, p))
+        table[key] = t
+        return t
 
     def _own_collective_time(self, kind: str, nbytes: float, names: tuple[str, ...], p: int) -> float:
         """``collective_time`` before ``collectives.bounded``."""
@@ -229,7 +234,7 @@ class CostModel:
         if hit is not None:
             return hit
         steps = tuple(
-            replace(s, time=self.step_time(s.kind, s.nbytes, s.axes, combine))
+            CollectiveStep(kind=s.kind, axes=s.axes, nbytes=s.nbytes, time=self.step_time(s.kind, s.nbytes, s.axes, combine))
             for s in plan_reshard(shape, dtype_bytes(dtype), src, dst, self.mesh)
         )
         cost = ReshardCost(time=math.fsum(s.time for s in steps), steps=steps, src=src, dst=dst)

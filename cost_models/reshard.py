@@ -70,9 +70,9 @@ def plan_reshard(
     partial = set(src.partial)
     steps: list[CollectiveStep] = []
 
-    def now() -> int:
-        spec = ShardingSpec(dims=tuple(tuple(d) for d in dims), partial=frozenset(partial))
-        return per_device_bytes(shape, elem_bytes, spec, mesh)
+    def now() -> int:  # ``per_device_bytes`` of the layout so far (a pending sum takes a whole block)
+        blocks = (-(-int(n) // math.prod(mesh.axis_size(a) for a in d)) for n, d in zip(shape, dims, strict=True))
+        return math.ceil(math.prod(blocks) * elem_bytes)
 
     def in_dims(a: str) -> bool:
         return any(a in d for d in dims)

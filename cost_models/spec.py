@@ -37,18 +37,30 @@ class ShardingSpec:
 
     dims: tuple[tuple[str, ...], ...]
     partial: frozenset[str] = field(default_factory=frozenset)
+    # derived once: a problem builder hashes and queries the same few hundred specs millions of times
+    _hash: int = field(init=False, repr=False, compare=False)
+    _sharded: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _used: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         dims = tuple((d,) if isinstance(d, str) else tuple(str(a) for a in d) for d in self.dims)
         object.__setattr__(self, "dims", dims)
-        object.__setattr__(self, "partial", frozenset(str(a) for a in self.partial))
-        used = [a for d in dims for a in d] + sorted(self.partial)
-        dup = sorted({a for a in used if used.count(a) > 1})
-        if dup:
+        partial = frozenset(str(a) for a in self.partial)
+        object.__setattr__(self, "partial", partial)
+        sharded = tuple(a for d in dims for a in d)
+        used = [*sharded, *sorted(partial)]
+        if len(set(used)) != len(used):
+            dup = sorted({a for a in used if used.count(a) > 1})
             raise CostModelError(
                 f"sharding spec {self._fmt()} uses mesh axis {', '.join(map(repr, dup))} more than once; "
                 "a mesh axis may split one dimension or mark a partial sum, not both or twice"
             )
+        object.__setattr__(self, "_hash", hash((dims, partial)))
+        object.__setattr__(self, "_sharded", sharded)
+        object.__setattr__(self, "_used", frozenset(used))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     # ----------------------------------------------------------------------------------------- builders
     @classmethod
@@ -89,15 +101,15 @@ class ShardingSpec:
     @property
     def sharded_axes(self) -> tuple[str, ...]:
         """Mesh axes that split some dimension, in dimension order then major-to-minor."""
-        return tuple(a for d in self.dims for a in d)
+        return self._sharded
 
     @property
     def axes_used(self) -> frozenset[str]:
         """Every mesh axis the spec mentions: splitting axes and partial axes."""
-        return frozenset(self.sharded_axes) | self.partial
+        return self._used
 
     def is_replicated(self) -> bool:
-        return not self.sharded_axes and not self.partial
+        return not self._used
 
     def dim_of(self, axis: str) -> int | None:
         """The dimension ``axis`` splits, or ``None``."""

@@ -7,6 +7,7 @@ very wide MLP on a small batch.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -19,6 +20,7 @@ from autoshard._examples import load_example
 from autoshard.planner.build import build_problem
 from autoshard.strategies import FALLBACK, RULES, RuleContext, strategies_for
 from autoshard.strategies.layout import reshape_groups
+from autoshard.strategies.registry import enumerate_specs
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace import unruled
 from autoshard.trace.costs import FLOP_RULES
@@ -273,3 +275,31 @@ def test_memory_costs_and_intervals_are_consistent() -> None:
     # A parameter's optimizer update reads it: the tie from new to old parameter exists.
     assert any(e.kind == "state" for e in built.edges)
     assert ShardingSpec.parse("S(data)·R").dims == (("data",), ())
+
+
+def test_reshard_matrices_are_the_pairwise_prices() -> None:
+    """The problem builder's edge matrices (priced once per pair of layouts, kept in a table by layout
+    number that grows as layouts are first seen) equal pricing every pair on its own: repeated layouts,
+    layouts of another rank and missing ones (None: no layout works, +inf), over more layouts than the
+    table starts with, asked in two calls that share some."""
+    from autoshard.planner.build import _Build
+
+    ex = load_example(ROOT / "examples" / "mlp.py", "tiny", abstract=True)
+    graph = autoshard.trace(ex.train_step, *ex.args)
+    cost = _cost()
+    b = _Build(graph, cost)
+    shape, other = (8, 16, 32), (8, 16)
+    specs = enumerate_specs(shape, RuleContext(graph, cost.mesh))
+    partial = [ShardingSpec(dims=s.dims, partial=frozenset({"model"})) for s in specs if "model" not in s.axes_used]
+    assert len(specs) + len(partial) > 16
+    wrong_rank = ShardingSpec.replicated(len(other))
+    src = [*specs, *partial, specs[3], wrong_rank]
+    first = [specs[0], None, *partial, specs[-1], specs[-1], wrong_rank]
+    second = [*reversed(specs), specs[1]]
+    for dst, combine in ((first, 1), (second, 1), (second, 4)):
+        got = b.reshard_matrix(shape, "float32", src, dst, combine)
+        want = np.array([[math.inf if bb is None or len(aa.dims) != 3 or len(bb.dims) != 3 else
+                          0.0 if aa == bb else cost.reshard_time(shape, "float32", aa, bb, combine=combine)
+                          for bb in dst] for aa in src])
+        np.testing.assert_array_equal(got, want)
+        assert np.isfinite(got[:len(specs) + len(partial), 2:len(partial) + 2]).all()

@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,46 @@ MEMORY_TIE_BREAK = 0.01
 GENERATED = frozenset({"iota", "full", "empty", "empty2", "broadcast"})  # values made from nothing
 
 
+class Layouts(Sequence[list[tuple[TensorKey, "ShardingSpec | None"]]]):
+    """Per strategy, the (tensor, layout) pairs of a node, as a list of lists reads them; the tensors, the
+    same for every strategy, kept once (``keys``) beside each strategy's layouts (``rows[s][j]`` is
+    ``keys[j]``'s). An op's rows are shared by every op priced alike (``_Build.group_rows``): never edited."""
+
+    __slots__ = ("_index", "keys", "rows")
+
+    def __init__(self, keys: Sequence[TensorKey], rows: Sequence[Sequence[ShardingSpec | None]]) -> None:
+        self.keys = tuple(keys)
+        self.rows = rows
+        self._index: dict[TensorKey, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, s: Any) -> Any:
+        if isinstance(s, slice):
+            return [list(zip(self.keys, row, strict=True)) for row in self.rows[s]]
+        return list(zip(self.keys, self.rows[s], strict=True))
+
+    def __iter__(self) -> Iterator[list[tuple[TensorKey, ShardingSpec | None]]]:
+        keys = self.keys
+        return (list(zip(keys, row, strict=True)) for row in self.rows)
+
+    def position(self, key: TensorKey) -> int:
+        """Where ``key`` is in every strategy's pairs (KeyError: not there)."""
+        if self._index is None:
+            self._index = {}
+            for j, k in enumerate(self.keys):
+                self._index.setdefault(k, j)
+        return self._index[key]
+
+    def column(self, j: int) -> list[ShardingSpec | None]:
+        """The layout of ``keys[j]`` under each strategy."""
+        return [row[j] for row in self.rows]
+
+
+Pairs = list[list[tuple[TensorKey, "ShardingSpec | None"]]] | Layouts
+
+
 @dataclasses.dataclass(slots=True)
 class NodeInfo:
     """One solver node: what it stands for and, per strategy, the layout of every tensor it produces and
@@ -95,8 +135,8 @@ class NodeInfo:
     name: str
     kind: str  # "input", "op", "port"
     ops: list[tuple[Scope, int]]
-    produces: list[list[tuple[TensorKey, ShardingSpec]]]  # per strategy
-    reads: list[list[tuple[TensorKey, ShardingSpec]]]  # per strategy; same keys in the same order
+    produces: Pairs  # per strategy; same keys in the same order
+    reads: Pairs  # per strategy; same keys in the same order (a port's are filled in by its caller)
     cost: np.ndarray
     compute: np.ndarray
     comm: np.ndarray
@@ -111,17 +151,57 @@ class NodeInfo:
 
     def produced(self, key: TensorKey, s: int) -> ShardingSpec:
         """The layout this node gives tensor ``key`` under strategy ``s``."""
+        if isinstance(self.produces, Layouts):
+            return self.produces.rows[s][self.produces.position(key)]  # type: ignore[return-value]
         for k, spec in self.produces[s]:
             if k == key:
-                return spec
+                return spec  # type: ignore[return-value]
         raise KeyError(key)
 
     def needed(self, key: TensorKey, s: int) -> ShardingSpec | None:
         """The layout this node needs tensor ``key`` in under strategy ``s`` (None: no layout works)."""
+        if isinstance(self.reads, Layouts):
+            return self.reads.rows[s][self.reads.position(key)]
         for k, spec in self.reads[s]:
             if k == key:
                 return spec
         raise KeyError(key)
+
+    def produced_keys(self) -> Sequence[TensorKey]:
+        """The tensors this node produces (under every strategy)."""
+        if isinstance(self.produces, Layouts):
+            return self.produces.keys
+        return [k for k, _ in self.produces[0]] if self.produces else []
+
+    def read_keys(self) -> Sequence[TensorKey]:
+        """The tensors this node reads (under every strategy), in order."""
+        if isinstance(self.reads, Layouts):
+            return self.reads.keys
+        return [k for k, _ in self.reads[0]] if self.reads else []
+
+    def produced_specs(self, s: int) -> Sequence[ShardingSpec]:
+        """The layouts this node gives its tensors under strategy ``s``, in ``produced_keys`` order."""
+        if isinstance(self.produces, Layouts):
+            return self.produces.rows[s]  # type: ignore[return-value]
+        return [spec for _, spec in self.produces[s]]  # type: ignore[misc]
+
+    def needed_specs(self, s: int) -> Sequence[ShardingSpec | None]:
+        """The layouts this node needs its reads in under strategy ``s``, in ``read_keys`` order."""
+        if isinstance(self.reads, Layouts):
+            return self.reads.rows[s]
+        return [spec for _, spec in self.reads[s]]
+
+    def produced_all(self, key: TensorKey) -> list[ShardingSpec]:
+        """The layout this node gives tensor ``key`` under each strategy."""
+        if isinstance(self.produces, Layouts):
+            return self.produces.column(self.produces.position(key))  # type: ignore[return-value]
+        return [self.produced(key, s) for s in range(self.k)]
+
+    def needed_all(self, j: int) -> list[ShardingSpec | None]:
+        """The layout this node needs its ``j``-th read tensor in under each strategy."""
+        if isinstance(self.reads, Layouts):
+            return self.reads.column(j)
+        return [row[j][1] for row in self.reads]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,10 +249,15 @@ class _Build:
         self._strategy_cache: dict[Any, list[Strategy]] = cost.memo("autoshard.build.strategies")
         self._spec_cache: dict[tuple[int, ...], list[ShardingSpec]] = cost.memo("autoshard.build.specs")
         self._matrix_cache: dict[Any, np.ndarray] = cost.memo("autoshard.build.matrices")
-        self._pair_cache: dict[Any, dict[tuple[ShardingSpec, ShardingSpec], float]] = cost.memo(
-            "autoshard.build.pairs")
+        # per (shape, dtype, combine): the layouts seen, numbered, and a table of reshard seconds between
+        # them by number, NaN where not priced yet (``reshard_matrix``)
+        self._pair_cache: dict[Any, _PairTable] = cost.memo("autoshard.build.pairs")
         self._follow_cache: dict[Any, Strategy] = cost.memo("autoshard.build.follow")
-        self._op_keys: dict[int, tuple[Any, ...]] = {}  # id(op) -> op_key, for this build's graphs
+        self._group_rows: dict[Any, Any] = cost.memo("autoshard.build.group_rows")  # ``group_rows``
+        self._group_memory: dict[Any, np.ndarray] = cost.memo("autoshard.build.group_memory")
+        # an op's key (``_op_key``) interned as a small number, so the caches hash an int, not its tuple
+        self._key_ids: dict[tuple[Any, ...], int] = cost.memo("autoshard.build.key_ids")
+        self._op_keys: dict[int, int] = {}  # id(op) -> op_key, for this build's graphs
         self._shards: dict[ShardingSpec, int] = cost.memo("autoshard.build.shards")
         self.ties: list[tuple[TensorKey, TensorKey, float, str]] = []
         self.bufs: dict[Scope, Buffers] = {}  # which tensors hold a buffer, and when (trace.buffers)
@@ -181,6 +266,7 @@ class _Build:
         grads, self.combine = combined_reductions(graph)
         self.gradients = frozenset(((), t) for t in grads)
         self._created: dict[int, list[tuple[frozenset[str], float]]] = {}
+        self._saves: dict[int, bool] = {}  # node -> whether any of its strategies saves latency (``created_sums``)
 
     def combine_of(self, key: TensorKey) -> int:
         return self.combine if key in self.gradients else 1
@@ -198,11 +284,11 @@ class _Build:
             shards = self._shards[spec] = max(1, spec.num_shards(self.mesh))
         return nbytes / shards
 
-    def op_key(self, op: Op, ctx: RuleContext) -> tuple[Any, ...]:
-        """What an op's priced strategies depend on (ops with equal keys share them)."""
+    def op_key(self, op: Op, ctx: RuleContext) -> int:
+        """What an op's priced strategies depend on (ops with equal keys share them), as a number."""
         hit = self._op_keys.get(id(op))
         if hit is None:
-            hit = self._op_keys[id(op)] = self._op_key(op, ctx)
+            hit = self._op_keys[id(op)] = self._key_ids.setdefault(self._op_key(op, ctx), len(self._key_ids))
         return hit
 
     def _op_key(self, op: Op, ctx: RuleContext) -> tuple[Any, ...]:
@@ -230,7 +316,7 @@ class _Build:
     def add_node(self, node: NodeInfo) -> int:
         idx = len(self.nodes)
         self.nodes.append(node)
-        for key, _ in node.produces[0]:
+        for key in node.produced_keys():
             self.producer[key] = idx
         return idx
 
@@ -298,74 +384,89 @@ class _Build:
 
     def group_node(self, graph: Graph, scope: Scope, group: list[int], weight: float, ctx: RuleContext,
                    when: Any) -> None:
+        """The node of an op and the followers it lays out (``find_followers``): per strategy of the leader,
+        what the group produces and reads, its time, and its peak (over a fixed order of the held results'
+        allocations and frees). All but the peak are functions of the ops' keys (``op_key``) and wiring,
+        computed once per such group shape (``group_rows``); the peak once per shape and liveness."""
         leader = graph.ops[group[0]]
-        strategies = self.op_strategies(leader, ctx)
         members = [graph.ops[i] for i in sorted(group)]
         buf = self.bufs[scope]
-        produces, reads, compute, comm, memory = [], [], [], [], []
-        if len(members) == 1 and len(set(leader.outputs)) == len(leader.outputs):
-            # the common case, without followers: what each strategy produces and reads, and its peak
-            # (``peak_bytes``: over a fixed order of the held results' allocations and frees)
-            out_keys = [(scope, t) for t in leader.outputs]
-            in_keys = [(scope, t) for t in leader.inputs]
-            held = [j for j, t in enumerate(leader.outputs) if buf.held[t]]
-            order = self.event_order(graph, [leader.outputs[j] for j in held], when, buf)
-            for st in strategies:
-                prod = list(zip(out_keys, st.out_specs, strict=True))
-                produces.append(prod)
-                reads.append(list(zip(in_keys, st.in_specs, strict=True)))
-                compute.append(st.compute_time)
-                comm.append(st.comm_time)
-                sizes = [self.bytes_on_device(graph.tensors[leader.outputs[j]].nbytes, st.out_specs[j])
-                         for j in held]
-                memory.append(sizes[0] if len(sizes) == 1 else _peak_in_order(order, sizes))
-            self.finish_group(graph, scope, group, leader, members, buf, when, weight, strategies,
-                              produces, reads, compute, comm, memory)
-            return
-        for st in strategies:
-            spec_of = {t: s for t, s in zip(leader.outputs, st.out_specs, strict=True)}
-            prod = [((scope, t), s) for t, s in spec_of.items()]
-            rd = [((scope, t), s) for t, s in zip(leader.inputs, st.in_specs, strict=True)]
-            c_time, m_time = st.compute_time, st.comm_time
-            for f in members[1:]:
-                src = next(t for t in f.inputs if graph.tensors[t].shape)
-                in_spec = spec_of[src]
-                fst = self.follow(f, in_spec, ctx, self.combine_of((scope, src)))
-                c_time += fst.compute_time
-                m_time += fst.comm_time
-                for t, s in zip(f.inputs, fst.in_specs, strict=True):
-                    if t != src:
-                        rd.append(((scope, t), s))
-                spec_of[f.outputs[0]] = fst.out_specs[0]
-                prod.append(((scope, f.outputs[0]), fst.out_specs[0]))
-            produces.append(prod)
-            reads.append(rd)
-            compute.append(c_time)
-            comm.append(m_time)
-            memory.append(self.peak_bytes(graph, [p for p in prod if buf.held[p[0][1]]], when, buf))
-        self.finish_group(graph, scope, group, leader, members, buf, when, weight, strategies,
-                          produces, reads, compute, comm, memory)
-
-    def finish_group(self, graph: Graph, scope: Scope, group: list[int], leader: Op, members: list[Op],
-                     buf: Buffers, when: Any, weight: float, strategies: Sequence[Strategy],
-                     produces: list[Any], reads: list[Any], compute: list[float], comm: list[float],
-                     memory: list[float]) -> None:
-        spans = [buf.live[key[1]] for key, _ in produces[0] if buf.held[key[1]]]
+        made = list(dict.fromkeys(leader.outputs))
+        pos = {t: j for j, t in enumerate(made)}
+        followers = []  # (op, position of the operand that carries the layout, combine, other operands)
+        for f in members[1:]:
+            src = next(t for t in f.inputs if graph.tensors[t].shape)
+            others = tuple(j for j, t in enumerate(f.inputs) if t != src)
+            followers.append((f, pos[src], self.combine_of((scope, src)), others))
+            pos[f.outputs[0]] = len(made)
+            made.append(f.outputs[0])
+        combine = min(self.combine_of((scope, t)) for t in leader.outputs) if leader.outputs else 1
+        key = (self.op_key(leader, ctx), tuple(pos[t] for t in leader.outputs),
+               tuple((self.op_key(f, ctx), *rest) for f, *rest in followers), combine)
+        rows = self._group_rows.get(key)
+        if rows is None:
+            rows = self._group_rows[key] = self.group_rows(leader, followers, len(made), combine, ctx)
+        strategies, out_rows, in_rows, compute, comm = rows
+        held = tuple(j for j, t in enumerate(made) if buf.held[t])
+        order = tuple(self.event_order(graph, [made[j] for j in held], when, buf))
+        mkey = (key, held, order)
+        memory = self._group_memory.get(mkey)
+        if memory is None:
+            nbytes = [graph.tensors[made[j]].nbytes for j in held]
+            memory = np.empty(len(out_rows))
+            for s, row in enumerate(out_rows):
+                sizes = [self.bytes_on_device(n, row[j]) for n, j in zip(nbytes, held, strict=True)]
+                memory[s] = sizes[0] if len(sizes) == 1 else _peak_in_order(order, sizes)
+            self._group_memory[mkey] = memory
+        in_keys = [(scope, t) for t in leader.inputs]
+        for f, _, _, others in followers:
+            in_keys += [(scope, f.inputs[j]) for j in others]
+        produces = Layouts([(scope, t) for t in made], out_rows)
+        spans = [buf.live[t] for t in made if buf.held[t]]
         if spans:
             interval = when(min(s for s, _ in spans), max(e for _, e in spans))
         else:  # everything the group computes is fused into its readers, or it has no results (a callback)
             interval = when(leader.id, leader.id + 1)
         name = leader.where() + (f" (+{len(members) - 1} followers)" if len(members) > 1 else "")
-        k = min(self.combine_of((scope, t)) for t in leader.outputs) if leader.outputs else 1
-        if k > 1:  # the leader's all-reduces reduce gradients: one of k issued as one
-            comm = [c - sum(x.time - self.cost.step_time(x.kind, x.nbytes, x.axes, k) for x in st.comm)
-                    for c, st in zip(comm, strategies, strict=True)]
-        compute_a, comm_a = np.array(compute) * weight, np.array(comm) * weight
+        compute_a, comm_a = compute * weight, comm * weight
         self.add_node(NodeInfo(
-            name=name, kind="op", ops=[(scope, i) for i in sorted(group)], produces=produces, reads=reads,
-            cost=compute_a + comm_a, compute=compute_a, comm=comm_a, memory=np.array(memory),
-            interval=interval, weight=weight, strategies=list(strategies),
+            name=name, kind="op", ops=[(scope, i) for i in sorted(group)], produces=produces,
+            reads=Layouts(in_keys, in_rows), cost=compute_a + comm_a, compute=compute_a, comm=comm_a,
+            memory=memory.copy(), interval=interval, weight=weight, strategies=list(strategies),
         ))
+
+    def group_rows(self, leader: Op, followers: list[tuple[Op, int, int, tuple[int, ...]]], n_made: int,
+                   combine: int, ctx: RuleContext) -> tuple[list[Strategy], list[tuple[ShardingSpec, ...]],
+                                                            list[tuple[ShardingSpec | None, ...]], np.ndarray,
+                                                            np.ndarray]:
+        """Per strategy of ``leader``: the layouts of what the group makes (the leader's distinct results,
+        then each follower's, by position), of what it reads (the leader's operands, then each follower's
+        other operands), its compute and its communication seconds (the leader's all-reduces of gradients
+        one of ``combine`` issued as one)."""
+        strategies = self.op_strategies(leader, ctx)
+        distinct = list(dict.fromkeys(leader.outputs))
+        at = [distinct.index(t) for t in leader.outputs]
+        first = len(distinct)  # where the followers' results start
+        out_rows, in_rows, compute, comm = [], [], [], []
+        for st in strategies:
+            specs: list[Any] = [None] * n_made
+            for j, spec in zip(at, st.out_specs, strict=True):
+                specs[j] = spec
+            rd = list(st.in_specs)
+            c_time, m_time = st.compute_time, st.comm_time
+            for n, (f, src, f_combine, others) in enumerate(followers):
+                fst = self.follow(f, specs[src], ctx, f_combine)
+                c_time += fst.compute_time
+                m_time += fst.comm_time
+                rd += [fst.in_specs[j] for j in others]
+                specs[first + n] = fst.out_specs[0]
+            if combine > 1:  # the leader's all-reduces reduce gradients: one of k issued as one
+                m_time -= sum(x.time - self.cost.step_time(x.kind, x.nbytes, x.axes, combine) for x in st.comm)
+            out_rows.append(tuple(specs))
+            in_rows.append(tuple(rd))
+            compute.append(c_time)
+            comm.append(m_time)
+        return strategies, out_rows, in_rows, np.array(compute, dtype=float), np.array(comm, dtype=float)
 
     def follow(self, op: Op, in_spec: ShardingSpec, ctx: RuleContext, combine: int = 1) -> Strategy:
         """The follower's strategy when its operand arrives as ``in_spec``: same layout out; a pending sum
@@ -402,23 +503,6 @@ class _Build:
             events += [(s, 1, j), (e, -1, j)]
         events.sort(key=lambda x: (x[0], x[1]))
         return [(j, sign) for _, sign, j in events]
-
-    def peak_bytes(self, graph: Graph, prod: Sequence[tuple[TensorKey, ShardingSpec]], when: Any,
-                   buf: Buffers) -> float:
-        """Peak bytes per device of the tensors ``prod`` over their buffers' live ranges."""
-        events: list[tuple[int, float]] = []
-        for (_, tid), spec in prod:
-            t = graph.tensors[tid]
-            s, e = when(*buf.live[tid])
-            b = self.bytes_on_device(t.nbytes, spec)
-            events.append((s, b))
-            events.append((e, -b))
-        events.sort(key=lambda x: (x[0], x[1]))
-        cur = peak = 0.0
-        for _, b in events:
-            cur += b
-            peak = max(peak, cur)
-        return peak
 
     # ---- control flow ------------------------------------------------------------------------------
 
@@ -532,8 +616,7 @@ class _Build:
         self.build_scope(g, (), 1.0, 0)
         edge_u, edge_v, mats = [], [], []
         for v, node in enumerate(self.nodes):
-            keys = [key for key, _ in node.reads[0]] if node.reads else []
-            for j, key in enumerate(keys):
+            for j, key in enumerate(node.read_keys()):
                 u = self.producer.get(key)
                 if u is None or u == v:
                     continue  # constants, literals, or read inside the same group
@@ -593,22 +676,21 @@ class _Build:
         node, out = self.nodes[v], []
         k = self.combine
         # every strategy produces the same tensors (in its own layouts): are they all gradients?
-        sums = k > 1 and node.kind == "op" and bool(node.produces[0]) and all(
-            key in self.gradients for key, _ in node.produces[0])
+        made = node.produced_keys()
+        sums = k > 1 and node.kind == "op" and bool(made) and all(key in self.gradients for key in made)
         if not sums:
             out = self._created[v] = [(frozenset(), 0.0)] * node.k
             return out
         for s in range(node.k):
             axes: set[str] = set()
-            if node.produces[s]:
-                for _, spec in node.produces[s]:
-                    axes |= spec.partial
-                st = node.strategies[s]
-                for c in st.comm if st is not None else ():
-                    if c.kind == "all_reduce":
-                        axes |= set(c.axes)
-                for _, spec in node.reads[s]:
-                    axes -= spec.partial if spec is not None else set()
+            for spec in node.produced_specs(s):
+                axes |= spec.partial
+            st = node.strategies[s]
+            for c in st.comm if st is not None else ():
+                if c.kind == "all_reduce":
+                    axes |= set(c.axes)
+            for spec in node.needed_specs(s):
+                axes -= spec.partial if spec is not None else set()
             saved = (1 - 1 / k) * self.cost.latency("all_reduce", tuple(sorted(axes))) if axes and k > 1 else 0.0
             out.append((frozenset(axes), saved))
         self._created[v] = out
@@ -620,12 +702,15 @@ class _Build:
         whole where it lies and issues no all-reduce, so the sum would be a reduction of its own, not one of
         the data-parallel step's. (Charged on each such operand: an op that slices two pays it twice.)"""
         created = self.created_sums(v)
-        if not any(saved for _, saved in created):
+        if v not in self._saves:
+            self._saves[v] = any(saved for _, saved in created)
+        if not self._saves[v]:
             return None
-        src = [self.nodes[u].produced(key, s) for s in range(self.nodes[u].k)]
+        src = self.nodes[u].produced_all(key)
+        needs = self.nodes[v].needed_all(j)
         extra = np.zeros((len(src), len(created)))
         for b, (axes, saved) in enumerate(created):
-            need = self.nodes[v].reads[b][j][1]
+            need = needs[b]
             if not saved or need is None:
                 continue
             sliced = axes & need.axes_used
@@ -677,8 +762,7 @@ class _Build:
             return
         g = self.graphs[src[0]]
         t = g.tensors[src[1]]
-        a = [self.nodes[u].produced(src, s) for s in range(self.nodes[u].k)]
-        b = [self.nodes[v].produced(dst, s) for s in range(self.nodes[v].k)]
+        a, b = self.nodes[u].produced_all(src), self.nodes[v].produced_all(dst)
         mats.append(self.reshard_matrix(t.shape, t.dtype, a, b) * weight)
         edge_u.append(u)
         edge_v.append(v)
@@ -687,9 +771,8 @@ class _Build:
     def matrix(self, key: TensorKey, u: int, v: int, j: int, combine: int = 1) -> np.ndarray:
         g = self.graphs[key[0]]
         t = g.tensors[key[1]]
-        src = [self.nodes[u].produced(key, s) for s in range(self.nodes[u].k)]
-        dst = [self.nodes[v].reads[s][j][1] for s in range(self.nodes[v].k)]
-        return self.reshard_matrix(t.shape, t.dtype, src, dst, combine)
+        return self.reshard_matrix(t.shape, t.dtype, self.nodes[u].produced_all(key), self.nodes[v].needed_all(j),
+                                   combine)
 
     def reshard_matrix(self, shape: tuple[int, ...], dtype: str, src: Sequence[ShardingSpec],
                        dst: Sequence[ShardingSpec | None], combine: int = 1) -> np.ndarray:
@@ -697,20 +780,55 @@ class _Build:
         hit = self._matrix_cache.get(key)
         if hit is not None:
             return hit
-        cache = self._pair_cache.setdefault((shape, dtype, combine), {})
-        m = np.empty((len(src), len(dst)))
-        for i, a in enumerate(src):
-            for j, b in enumerate(dst):
-                if b is None or len(b.dims) != len(shape) or len(a.dims) != len(shape):
-                    m[i, j] = math.inf
-                    continue
-                c = cache.get((a, b))
-                if c is None:
-                    c = self.cost.reshard_time(shape, dtype, a, b, combine=combine) if a != b else 0.0
-                    cache[(a, b)] = c
-                m[i, j] = c
+        pairs = self._pair_cache.get((shape, dtype, combine))
+        if pairs is None:
+            pairs = self._pair_cache[(shape, dtype, combine)] = _PairTable()
+        ndim = len(shape)
+        # a layout of another rank (or none at all: no layout works) is never reached
+        a_id = pairs.numbers([a if len(a.dims) == ndim else None for a in src])
+        b_id = pairs.numbers([b if b is not None and len(b.dims) == ndim else None for b in dst])
+        sub = pairs.table[np.ix_(np.maximum(a_id, 0), np.maximum(b_id, 0))]
+        sub[a_id < 0, :] = math.inf
+        sub[:, b_id < 0] = math.inf
+        todo = np.argwhere(np.isnan(sub))
+        if len(todo):
+            for x, y in {(int(a_id[i]), int(b_id[j])) for i, j in todo}:
+                pairs.table[x, y] = (self.cost.reshard_time(shape, dtype, pairs.specs[x], pairs.specs[y],
+                                                            combine=combine) if x != y else 0.0)
+            sub = pairs.table[np.ix_(np.maximum(a_id, 0), np.maximum(b_id, 0))]
+            sub[a_id < 0, :] = math.inf
+            sub[:, b_id < 0] = math.inf
+        m = sub
         self._matrix_cache[key] = m
         return m
+
+
+class _PairTable:
+    """The reshard seconds between layouts of one (shape, dtype, combine), priced once each: the layouts
+    numbered as first seen, a square table by number (NaN: not priced yet), grown by doubling."""
+
+    def __init__(self) -> None:
+        self.ids: dict[ShardingSpec, int] = {}
+        self.specs: list[ShardingSpec] = []
+        self.table = np.full((16, 16), np.nan)
+
+    def numbers(self, specs: Sequence[ShardingSpec | None]) -> np.ndarray:
+        """Each layout's number (-1 for None), numbering the new ones."""
+        out = np.empty(len(specs), dtype=np.int64)
+        for i, spec in enumerate(specs):
+            if spec is None:
+                out[i] = -1
+                continue
+            n = self.ids.get(spec)
+            if n is None:
+                n = self.ids[spec] = len(self.specs)
+                self.specs.append(spec)
+            out[i] = n
+        if len(self.specs) > self.table.shape[0]:
+            grown = np.full((2 * len(self.specs),) * 2, np.nan)
+            grown[:self.table.shape[0], :self.table.shape[1]] = self.table
+            self.table = grown
+        return out
 
 
 def combined_reductions(graph: Graph) -> tuple[set[int], int]:

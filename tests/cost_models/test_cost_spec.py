@@ -53,3 +53,21 @@ def test_queries() -> None:
     assert spec.replicated_axes(MESH) == ()
     assert ShardingSpec.replicated(2).replicated_axes(MESH) == ("data", "model")
     assert ShardingSpec.replicated(2).is_replicated()
+
+
+def test_specs_equal_by_value_hash_alike_and_keep_their_form() -> None:
+    """A spec derives its hash and axes once (the problem builder hashes the same specs millions of times):
+    equal specs built apart are equal and hash alike, the derived fields show nowhere, and a spec survives
+    pickling (to a forked solver) and ``dataclasses.replace``."""
+    import dataclasses
+    import pickle
+
+    a = ShardingSpec(dims=(("x",), ()), partial=frozenset({"y"}))
+    b = ShardingSpec.parse("S(x)·R +P(y)")
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != ShardingSpec(dims=(("x",), ())) and a.axes_used == {"x", "y"} and a.sharded_axes == ("x",)
+    assert repr(a) == "ShardingSpec(dims=(('x',), ()), partial=frozenset({'y'}))"
+    assert pickle.loads(pickle.dumps(a)) == a
+    c = dataclasses.replace(a, partial=frozenset())
+    assert c == ShardingSpec(dims=(("x",), ())) and hash(c) == hash(ShardingSpec(dims=(("x",), ())))
+    assert c.axes_used == {"x"} and not ShardingSpec.replicated(2).axes_used
