@@ -150,10 +150,12 @@ MEGATRON_SECONDS = 30.0  # compare --megatron: seconds per plan of the grid when
 
 def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None, per_plan: bool = False) -> None:
     """The logical mesh, hardware and budgets, as ``plan`` and ``compare`` take them."""
-    p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
+    # no default here for the mesh and the hardware: None is `plan`'s own (``options.PLAN_DEFAULTS``)
+    p.add_argument("--mesh", help="logical mesh shape, e.g. 8 (the default), 2x4, 8x8 (no devices needed)")
     p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
-    p.add_argument("--hardware", default="h100",
-                   help="hardware preset (h100, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or profile JSON")
+    p.add_argument("--hardware",
+                   help="hardware preset (h100, the default, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or "
+                        "profile JSON")
     p.add_argument("--memory-budget", default="auto",
                    help="bytes per device ('16e9', '80GiB', '512MB'), 'auto' (capacity less 10%%) or 'none'")
     p.add_argument("--time-budget", type=_seconds, default=time_budget,
@@ -172,12 +174,12 @@ def _plan_options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
     options. ``--mesh`` with ``--axes`` (named axes), ``--hardware``, ``--memory-budget``, ``--time-budget``
     and ``--runtime``, which ``plan`` and ``compare`` share, and ``plan``'s pipeline and recompute flags;
     ``fields``: what a command spells its own way (``compare``'s one ``--recompute`` mode)."""
-    from autoshard.options import PlanOptions
+    from autoshard.options import PLAN_DEFAULTS, PlanOptions
     from autoshard.target import parse_mesh
 
     mesh: Any = args.mesh
     if args.axes:
-        shape, names = parse_mesh(args.mesh, [a.strip() for a in args.axes.split(",")])
+        shape, names = parse_mesh(args.mesh or PLAN_DEFAULTS["mesh"], [a.strip() for a in args.axes.split(",")])
         mesh = dict(zip(names, shape, strict=True))
     spelled: dict[str, Any] = {"mesh": mesh, "hardware": args.hardware, "memory_budget": args.memory_budget,
                                "time_budget_s": args.time_budget, "runtime": args.runtime}
