@@ -220,7 +220,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 def _plan_run(args: argparse.Namespace) -> int:
     import time
 
-    from autoshard import plan
+    from autoshard import api
     from autoshard._examples import load_example
     from autoshard.pipeline import format_pipeline_plan
     from autoshard.planner.plan import Plan
@@ -229,7 +229,7 @@ def _plan_run(args: argparse.Namespace) -> int:
     options = _plan_options(args)
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
-    the_plan = plan(example.train_step, *example.args, options=options)
+    the_plan = api.plan(example.train_step, *example.args, options=options)
     elapsed = time.perf_counter() - t0
     print(f"{example.name} preset={example.preset} planned in {elapsed:.1f} s (trace, build, solve)")
     if isinstance(the_plan, Plan):

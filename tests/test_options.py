@@ -202,7 +202,7 @@ def test_the_cli_flags_map_onto_the_options_of_the_python_call(monkeypatch: pyte
         seen.append(PlanOptions.of(options, **kwargs))
         raise _Stop
 
-    monkeypatch.setattr(autoshard, "plan", plan)
+    monkeypatch.setattr(api, "plan", plan)
     flags = ["--mesh", "2x4", "--microbatches", "4", "--schedule", "zb-h1", "--pipeline", "yes", "--chunks", "3",
              "--layers", "5", "--max-stages", "2", "--stage-shape", "1x2", "--recompute", "full", "--runtime",
              "spmd", "--time-budget", "9", "--memory-budget", "60GiB", "--hardware", "a100", "-q"]
