@@ -22,6 +22,7 @@ import os
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
+from numbers import Integral
 from typing import Any, Literal
 
 from autoshard.planner.recompute import check_recompute
@@ -180,10 +181,10 @@ class PlanOptions:
                                 "the program that runs the mesh: see PlanOptions.doc('runtime'))")
         if self.stage_shape is not None:
             shape = tuple(self.stage_shape) if isinstance(self.stage_shape, Sequence) else ()
-            if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
+            if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, Integral) or s < 1 for s in shape):
                 raise PlanningError(f"stage_shape={self.stage_shape!r}: give (hosts, devices) of every stage's "
                                     "submesh, e.g. (1, 4), or None to let the planner pick")
-            _set(self, "stage_shape", shape)
+            _set(self, "stage_shape", tuple(int(s) for s in shape))
         if self.pipeline is not None and not isinstance(self.pipeline, bool):
             raise PlanningError(f"pipeline={self.pipeline!r}: give True (always the pipelined plan), False (never "
                                 "one) or None (the faster)")
