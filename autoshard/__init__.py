@@ -11,6 +11,7 @@ from autoshard._version import __version__
 from autoshard.api import explain, parallelize, plan
 from autoshard.cache import set_cache_dir
 from autoshard.kernels import ring_attention, splittable
+from autoshard.options import PlanOptions
 from autoshard.pipeline.partition import pipeline_stage
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.plan import Plan
@@ -24,6 +25,7 @@ __all__ = [
     "PipelineOptions",
     "PipelinePlan",
     "Plan",
+    "PlanOptions",
     "Role",
     "Target",
     "Tensor",

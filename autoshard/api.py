@@ -18,6 +18,8 @@ from autoshard import checkpoint, distributed, nnx_steps
 from autoshard.emit import emit
 from autoshard.emit.program import ArgumentMismatch, EmittedStep
 from autoshard.errors import AutoshardError
+from autoshard.options import PARALLELIZE_DEFAULTS, PLAN_DEFAULTS, PlanOptions
+from autoshard.options import signature as options_signature
 from autoshard.pipeline import (
     PipelinePlan,
     build_pipelined_step,
@@ -45,7 +47,6 @@ from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import (
     RECOMPUTE_CHOICES,
-    check_recompute,
     describe,
     plan_recomputing,
     recomputed,
@@ -54,10 +55,7 @@ from autoshard.planner.shares import SHARES
 from autoshard.planner.summary import human_time, with_input_classes
 from autoshard.planner.utilization import model_flops
 from autoshard.target import (
-    RUNTIMES,
     SPMD_ONLY,
-    BudgetLike,
-    HardwareLike,
     MeshLike,
     PipelineOptions,
     PlanningError,
@@ -65,11 +63,9 @@ from autoshard.target import (
     check_time_budget,
     parse_mesh,
     runs_spmd,
-    runtime_options,
 )
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
-from autoshard.trace.roles import with_batch_argnums
 from autoshard.trace.structure import block_labels
 
 log = logging.getLogger("autoshard")
@@ -81,77 +77,28 @@ CRAMPED = 0.9
 INTERLEAVE_BUBBLE = 0.1
 
 
-def plan(
-    step_fn: Callable[..., Any] | Graph,
-    *args: Any,
-    mesh: MeshLike = (8,),
-    hardware: HardwareLike = "h100",
-    memory_budget: BudgetLike = "auto",
-    time_budget_s: float | None = None,
-    roles: Mapping[str | int, str] | None = None,
-    microbatches: int | None = None,
-    schedule: str = "auto",
-    pipeline: bool | None = None,
-    num_layers: int | None = None,
-    max_stages: int | None = None,
-    stage_shape: tuple[int, int] | None = None,
-    num_chunks: int = 2,
-    recompute: str = "auto",
-    batch_argnums: int | tuple[int, ...] | None = None,
-    runtime: str = "auto",
-) -> Plan | PipelinePlan:
-    """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs).
+def plan(step_fn: Callable[..., Any] | Graph, *args: Any, options: PlanOptions | None = None,
+         **kwargs: Any) -> Plan | PipelinePlan:
+    """Plan ``step_fn(*args)`` on a logical mesh; no devices needed (args may be ShapeDtypeStructs, or
+    ``step_fn`` a traced ``Graph`` and no args).
 
-    ``mesh``, ``hardware`` and ``memory_budget`` make the ``Target`` (``autoshard.target``): a mesh shape
-    (``"8x8"``, ``(2, 4)``, ``{"data": 2, "model": 4}``), a hardware preset, profile file or CostModel,
-    and bytes per device (``"auto"``, the default: the hardware's capacity less 10%; ``None``: no limit;
-    ``"80GiB"``). ``time_budget_s``: wall-clock seconds for the whole call, tracing included (None: scaled
-    to the step, from a few seconds for a small model to a minute for a large one). Progress is logged
-    to the ``"autoshard"`` logger at INFO.
+    The options are ``autoshard.PlanOptions``' fields, whose documentation says what each does: give them
+    as ``options=PlanOptions(...)``, as keywords (``mesh="8x8", microbatches=8``), or both (the keywords
+    replace those fields of ``options``). Here ``mesh`` defaults to ``(8,)`` and ``hardware`` to ``"h100"``
+    (``options.PLAN_DEFAULTS``). The signature ``help`` and IDEs show lists the fields as keywords: it is
+    built from ``PlanOptions`` (``options.signature``), where each is written once.
 
-    Pipelines (``PipelineOptions``): with ``microbatches=B`` the step is also planned as a pipeline
-    (stages on submeshes, ``B`` microbatches, ``schedule`` "auto" (1F1B or ZB-H1, whichever prices faster on
-    the stages cut, and ZB-V for the SPMD program), "1f1b", "gpipe", "zb-h1", "zb-v" (two chunks a stage in a
-    V: the SPMD program only) or "interleaved-1f1b" with ``num_chunks`` chunks per stage, ``num_layers`` layers to
-    cut, at most ``max_stages`` stages, ``stage_shape=(hosts, devices)`` to fix every stage's submesh) and
-    the plan with the lower predicted step time is returned (a ``PipelinePlan`` or a ``Plan``);
-    ``pipeline=True`` always returns the pipeline, ``pipeline=False`` never plans one. With no
-    ``microbatches``, a step that does not fit unpipelined as traced (nothing fits, or only with recompute)
-    is also pipelined with a count the planner picks (``pipeline.microbatches``: powers of two dividing the
-    batch, each planned, the fastest kept), and the faster plan is returned; ``microbatches=B`` overrides it.
-    With ``time_budget_s``, that search runs on what the intra-operator plan left of the budget, and not at
-    all when under ``SHARES.min_solve`` of it is left.
-    Such a pipeline, when its stages are uniform and the schedule is "auto", is also priced interleaved on
-    stages twice as large over half as many microbatches (``pipeline.microbatches.interleaving``: Megatron's
-    layout for GPT-1T), and the faster kept.
-
-    ``runtime="spmd"`` plans only pipelines the SPMD program runs (``parallelize``'s ``runtime``): equal
-    submeshes, the same number of blocks a stage, priced as that program's lockstep ticks run; ``"mpmd"``
-    any stages, priced as the single-process runtime runs them (its host issuing every stage's programs
-    included: ``pipeline.host``); ``"auto"`` (the default) SPMD when the mesh spans more than one host of
-    the hardware (``target.uniform_stages``: a cluster runs one process per host, and the MPMD runtime
-    drives every stage from one), else MPMD, and the SPMD program too where the MPMD plan's host work is at
-    least ``HOST_SHARE`` of its step, the faster kept (``_spmd_if_faster``).
-
-    Input roles (parameter, optimizer state, carried state, batch) are read off what the step does with
-    each leaf (``trace.roles``); ``roles`` overrides them by path prefix or argument position, and
-    ``batch_argnums`` marks whole arguments as the batch.
-
-    ``recompute`` (``planner.recompute``): ``"auto"`` (the default) rematerialises the step's repeated blocks
-    only when no layout fits without it (selective first, then full); ``"none"``, ``"selective"`` or
-    ``"full"`` fix it. The plan says which (``Plan.recompute``) and ``parallelize`` emits it so; the model is
-    not edited. Pipelines recompute alike (``pipeline.recompute``: the microbatch trace rewritten, each
-    block's replay in its stage's backward program); ``"auto"`` only when no cut into stages fits without,
-    and then per stage where the MPMD runtime runs it: the first stages (the most microbatches in flight)
-    recompute, the last ones may not (``pipeline.stages``' recompute per stage).
+    The step is traced (progress to the ``"autoshard"`` logger at INFO), planned on the mesh as one
+    intra-operator plan, and, with ``microbatches`` or when it does not fit unpipelined as traced, as a
+    pipeline too; the faster plan is returned (a ``Plan`` or a ``PipelinePlan``).
     """
-    check_recompute(recompute)
-    target = Target.of(mesh, hardware, memory_budget)
-    options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule, num_layers=num_layers,
-                              max_stages=max_stages, stage_shape=stage_shape, num_chunks=num_chunks,
-                              **runtime_options(runtime, target, schedule=schedule))
-    return plan_for(step_fn, args, target, options, time_budget_s=time_budget_s,
-                    roles=with_batch_argnums(roles, batch_argnums), recompute=recompute)[0]
+    opts = PlanOptions.of(options, **kwargs)
+    target = opts.target(PLAN_DEFAULTS)
+    return plan_for(step_fn, args, target, opts.pipeline_options(target), time_budget_s=opts.time_budget_s,
+                    roles=opts.input_roles(), recompute=opts.recompute)[0]
+
+
+plan.__signature__ = options_signature(plan, PLAN_DEFAULTS)  # type: ignore[attr-defined]
 
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
@@ -750,60 +697,33 @@ class _Compiled:
 class parallelize:  # lower case: used as a decorator, like jax.jit
     """Decorate a train step: the first call traces, plans and compiles it for the mesh; later calls with
     the same argument shapes reuse the compiled program. ``.plan`` is the latest plan, ``.explain()``
-    prints it. The arguments are ``autoshard.plan``'s; ``hardware="auto"`` (the default here) prices the
-    devices present, and ``mesh`` defaults to all of them on one axis; a ``jax.sharding.Mesh`` (e.g. from
-    ``jax.make_mesh``, or over a subset of the devices) runs on its own devices with its axis names.
-    ``plan=`` (a Plan, a PipelinePlan or the path of a saved one) runs that plan instead of planning; it
-    must have been made for this step and this mesh's shape. ``runtime`` says how a pipelined plan runs:
-    ``"spmd"`` as one program over a stage axis (``pipeline.spmd_program``: uniform stages; what runs across
-    processes), ``"mpmd"`` as one program per stage and action dispatched from this process
-    (``pipeline.runtime``: any stages, one process), ``"auto"`` (the default) SPMD when several processes
-    run or the mesh spans hosts, else MPMD, or SPMD where that prices faster once the MPMD runtime's host
-    work is counted (``plan``'s docstring); decided by ``target.runtime_options`` when planning, as
-    ``autoshard.plan`` decides it, and the plan runs on the runtime it was priced for (``target.runs_spmd``). A flax nnx step that updates the objects it is
-    given (``optimizer.update(model, grads)``) runs as ``nnx.jit`` runs it (``autoshard.nnx_steps``).
+    prints it.
+
+    The options are ``autoshard.plan``'s, ``autoshard.PlanOptions``' fields (``options=``, keywords, or both:
+    the keywords replace those fields), and the signature lists them (``options.signature``). Here the
+    defaults are the devices present (``options.PARALLELIZE_DEFAULTS``): ``mesh`` all of them on one axis,
+    ``hardware="auto"`` their preset; a ``jax.sharding.Mesh`` (e.g. from ``jax.make_mesh``, or over a subset
+    of the devices) runs on its own devices with its axis names. ``runtime`` also says how a pipelined plan
+    runs (``PlanOptions.runtime``): it is planned for that runtime and runs on the one it was priced for
+    (``target.runs_spmd``). ``plan=`` (a Plan, a PipelinePlan or the path of a saved one) runs that plan
+    instead of planning; it must have been made for this step and this mesh's shape. A flax nnx step that
+    updates the objects it is given (``optimizer.update(model, grads)``) runs as ``nnx.jit`` runs it
+    (``autoshard.nnx_steps``).
 
         @autoshard.parallelize(mesh=(2, 4))
         def train_step(state, batch): ...
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any] | None = None,
-        *,
-        mesh: MeshLike | None = None,
-        hardware: HardwareLike = "auto",
-        memory_budget: BudgetLike = "auto",
-        time_budget_s: float | None = None,
-        roles: Mapping[str | int, str] | None = None,
-        microbatches: int | None = None,
-        schedule: str = "auto",
-        pipeline: bool | None = None,
-        num_layers: int | None = None,
-        max_stages: int | None = None,
-        stage_shape: tuple[int, int] | None = None,
-        num_chunks: int = 2,
-        plan: Plan | PipelinePlan | str | Path | None = None,
-        recompute: str = "auto",
-        batch_argnums: int | tuple[int, ...] | None = None,
-        runtime: str = "auto",
-    ) -> None:
-        if runtime not in RUNTIMES:
-            raise PlanningError(f"runtime={runtime!r} is not one of {', '.join(RUNTIMES)}")
-        self.runtime = runtime
+    def __init__(self, fn: Callable[..., Any] | None = None, *, options: PlanOptions | None = None,
+                 plan: Plan | PipelinePlan | str | Path | None = None, **kwargs: Any) -> None:
+        # checked now; resolved at the first call: "auto" hardware and the default mesh look at the devices,
+        # which must wait until the user has set up JAX (jax.distributed.initialize, platform flags)
+        self.options = PlanOptions.of(options, **kwargs)
         self.fn = fn
         self.given_plan = load_plan(plan) if isinstance(plan, str | Path) else plan
-        # resolved at the first call: "auto" hardware and the default mesh look at the devices, which must
-        # wait until the user has set up JAX (jax.distributed.initialize, platform flags)
-        self._target_args = (mesh, hardware, memory_budget)
         self._devices: jax.sharding.Mesh | None = None
         self._target: Target | None = None
-        self.options = PipelineOptions(microbatches=microbatches, pipeline=pipeline, schedule=schedule,
-                                       num_layers=num_layers, max_stages=max_stages, stage_shape=stage_shape,
-                                       num_chunks=num_chunks)
-        self.time_budget_s = time_budget_s
-        self.recompute = check_recompute(recompute)
-        self.roles = with_batch_argnums(roles, batch_argnums)
+        self.roles = self.options.input_roles()
         self._cache: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
         self._functional: list[nnx_steps.Functional] = []  # the pure forms of an nnx step, one per graph
@@ -870,42 +790,42 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
     def device_mesh(self) -> jax.sharding.Mesh:
         """The devices the step runs on, as a mesh with the plan's axis names."""
         if self._devices is None:
-            self._devices = _device_mesh(self._target_args[0])
+            self._devices = _device_mesh(self.options.mesh)
         return self._devices
 
     @property
     def target(self) -> Target:
         """The mesh, hardware and memory budget this step is planned for."""
         if self._target is None:
-            _, hardware, budget = self._target_args
             mesh = self.device_mesh
-            self._target = Target.of(dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)), hardware, budget)
+            on_devices = dataclasses.replace(self.options, mesh=dict(zip(mesh.axis_names, mesh.devices.shape,
+                                                                         strict=True)))
+            self._target = on_devices.target(PARALLELIZE_DEFAULTS)
         return self._target
 
     def _compile(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Compiled:
         device_mesh = self.device_mesh
         multi = distributed.multiprocess()
         processes = jax.process_count() if multi else 1
-        options = dataclasses.replace(self.options, **runtime_options(self.runtime, self.target, processes,
-                                                                        schedule=self.options.schedule))
+        options = self.options.pipeline_options(self.target, processes)
+        budget, recompute = self.options.time_budget_s, self.options.recompute
         if multi:  # planned on process 0, agreed by all: autoshard.distributed
             given = None if self.given_plan is None else _on_mesh(self.given_plan, device_mesh)
             return _Compiled(*distributed.compile_everywhere(
                 fn, args, self.roles, options, device_mesh,
-                lambda shapes, traced: plan_for(fn, shapes, self.target, options, time_budget_s=self.time_budget_s,
-                                                roles=self.roles, recompute=self.recompute, traced=traced)[0],
+                lambda shapes, traced: plan_for(fn, shapes, self.target, options, time_budget_s=budget,
+                                                roles=self.roles, recompute=recompute, traced=traced)[0],
                 given), fn=fn)
         if self.given_plan is not None:
             the_plan, graph, micro = self._given(fn, args, device_mesh)
         else:
-            the_plan, graph, micro = plan_for(fn, args, self.target, options,
-                                              time_budget_s=self.time_budget_s, roles=self.roles,
-                                              recompute=self.recompute)
+            the_plan, graph, micro = plan_for(fn, args, self.target, options, time_budget_s=budget,
+                                              roles=self.roles, recompute=recompute)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh), fn)
         assert micro is not None
         devices = list(device_mesh.devices.flat)
-        if runs_spmd(self.runtime, the_plan.spmd, processes):  # a plan runs on the runtime it was priced for
+        if runs_spmd(self.options.runtime, the_plan.spmd, processes):  # a plan runs on the runtime it was priced for
             tail = tail_graph(fn, args, graph, the_plan, roles=self.roles)
             return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices, tail), fn)
         return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)
@@ -960,3 +880,6 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         if shardings is None:
             shardings = checkpoint.even_shardings(like, self.device_mesh)
         return checkpoint.restore(directory, like, step=step, shardings=shardings)
+
+
+parallelize.__signature__ = options_signature(parallelize, PARALLELIZE_DEFAULTS)  # type: ignore[attr-defined]

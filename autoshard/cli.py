@@ -12,11 +12,12 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autoshard._examples import Example
     from autoshard.megatron import GridPoint
+    from autoshard.options import PlanOptions
     from autoshard.pipeline import PipelinePlan
     from autoshard.planner.plan import Plan
     from autoshard.target import Target
@@ -149,10 +150,12 @@ MEGATRON_SECONDS = 30.0  # compare --megatron: seconds per plan of the grid when
 
 def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None, per_plan: bool = False) -> None:
     """The logical mesh, hardware and budgets, as ``plan`` and ``compare`` take them."""
-    p.add_argument("--mesh", default="8", help="logical mesh shape, e.g. 8, 2x4, 8x8 (no devices needed)")
+    # no default here for the mesh and the hardware: None is `plan`'s own (``options.PLAN_DEFAULTS``)
+    p.add_argument("--mesh", help="logical mesh shape, e.g. 8 (the default), 2x4, 8x8 (no devices needed)")
     p.add_argument("--axes", help="comma-separated mesh axis names (default x, y, z)")
-    p.add_argument("--hardware", default="h100",
-                   help="hardware preset (h100, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or profile JSON")
+    p.add_argument("--hardware",
+                   help="hardware preset (h100, the default, h200, a100, v100, tpu-v4, tpu-v5e, tpu-v5p, cpu) or "
+                        "profile JSON")
     p.add_argument("--memory-budget", default="auto",
                    help="bytes per device ('16e9', '80GiB', '512MB'), 'auto' (capacity less 10%%) or 'none'")
     p.add_argument("--time-budget", type=_seconds, default=time_budget,
@@ -163,12 +166,29 @@ def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
-def _target(args: argparse.Namespace) -> Target:
-    """``--mesh``, ``--axes``, ``--hardware`` and ``--memory-budget`` resolved."""
-    from autoshard.target import Target
+_PIPELINE = {"auto": None, "yes": True, "no": False}  # --pipeline -> PlanOptions.pipeline
 
-    axes = [a.strip() for a in args.axes.split(",")] if args.axes else None
-    return Target.of(args.mesh, args.hardware, args.memory_budget, axis_names=axes)
+
+def _plan_options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
+    """The ``PlanOptions`` the command's flags spell: the one place argparse meets ``autoshard.plan``'s
+    options. ``--mesh`` with ``--axes`` (named axes), ``--hardware``, ``--memory-budget``, ``--time-budget``
+    and ``--runtime``, which ``plan`` and ``compare`` share, and ``plan``'s pipeline and recompute flags;
+    ``fields``: what a command spells its own way (``compare``'s one ``--recompute`` mode)."""
+    from autoshard.options import PLAN_DEFAULTS, PlanOptions
+    from autoshard.target import parse_mesh
+
+    mesh: Any = args.mesh
+    if args.axes:
+        shape, names = parse_mesh(args.mesh or PLAN_DEFAULTS["mesh"], [a.strip() for a in args.axes.split(",")])
+        mesh = dict(zip(names, shape, strict=True))
+    spelled: dict[str, Any] = {"mesh": mesh, "hardware": args.hardware, "memory_budget": args.memory_budget,
+                               "time_budget_s": args.time_budget, "runtime": args.runtime}
+    if args.command == "plan":
+        spelled |= {"microbatches": args.microbatches, "pipeline": _PIPELINE[args.pipeline],
+                    "schedule": args.schedule, "num_chunks": args.chunks, "num_layers": args.layers,
+                    "max_stages": args.max_stages, "stage_shape": _stage_shape(args.stage_shape),
+                    "recompute": args.recompute}
+    return PlanOptions(**spelled | fields)
 
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,22 +220,16 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 def _plan_run(args: argparse.Namespace) -> int:
     import time
 
+    from autoshard import api
     from autoshard._examples import load_example
-    from autoshard.api import plan_for
     from autoshard.pipeline import format_pipeline_plan
     from autoshard.planner.plan import Plan
     from autoshard.planner.summary import format_plan
-    from autoshard.target import PipelineOptions, runtime_options
 
-    target = _target(args)
-    options = PipelineOptions(microbatches=args.microbatches, pipeline={"auto": None, "yes": True, "no": False}[args.pipeline],
-                              schedule=args.schedule, num_layers=args.layers, max_stages=args.max_stages,
-                              num_chunks=args.chunks, stage_shape=_stage_shape(args.stage_shape),
-                              **runtime_options(args.runtime, target, schedule=args.schedule))
+    options = _plan_options(args)
     example = load_example(args.model, args.preset, args.overrides, abstract=not args.concrete)
     t0 = time.perf_counter()
-    the_plan = plan_for(example.train_step, example.args, target, options, time_budget_s=args.time_budget,
-                        recompute=args.recompute)[0]
+    the_plan = api.plan(example.train_step, *example.args, options=options)
     elapsed = time.perf_counter() - t0
     print(f"{example.name} preset={example.preset} planned in {elapsed:.1f} s (trace, build, solve)")
     if isinstance(the_plan, Plan):
@@ -330,25 +344,28 @@ def _compare_run(args: argparse.Namespace) -> int:
     from autoshard.planner.compare import compare, compare_budget
     from autoshard.trace import trace
 
-    target = _target(args)
-    example = load_example(args.model, args.preset, args.overrides, abstract=True)
-    if args.megatron:
-        return _megatron_run(args, target, example)
     modes = args.recompute or ["auto"]
-    if len(modes) > 1:
+    if len(modes) > 1 and not args.megatron:
         from autoshard.target import PlanningError
 
         raise PlanningError(f"--recompute {' '.join(modes)}: compare prices every layout at one recompute setting; "
                             "give one (auto, the default, recomputes only when the step does not fit without it), "
                             "or add --megatron to price each setting in the grid")
+    # the target and the runtime as `plan` reads them; the grid's settings (--megatron) stay its own
+    options = _plan_options(args, **({} if args.megatron else {"recompute": modes[0]}))
+    target = options.target()
+    example = load_example(args.model, args.preset, args.overrides, abstract=True)
+    if args.megatron:
+        return _megatron_run(args, options, target, example)
     graph = trace(example.train_step, *example.args)
     total, plans = compare_budget(graph, target.cost)
-    if args.time_budget is not None:
-        total = args.time_budget
+    if options.time_budget_s is not None:
+        total = options.time_budget_s
     print(f"time budget {total:.0f} s for {plans} plans ({total / plans:.1f} s each"
-          f"{'' if args.time_budget is not None else ', scaled to the step; --time-budget sets it'})", flush=True)
+          f"{'' if options.time_budget_s is not None else ', scaled to the step; --time-budget sets it'})",
+          flush=True)
     result = compare(graph, target.cost, hardware=target.hardware, memory_budget=target.memory_budget,
-                     total_budget_s=total, recompute=modes[0],
+                     total_budget_s=total, recompute=options.recompute,
                      log=lambda m: print(f"  priced {m}", file=sys.stderr, flush=True))
     print(result.text())
     if args.json:
@@ -356,7 +373,7 @@ def _compare_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _megatron_run(args: argparse.Namespace, target: Target, example: Example) -> int:
+def _megatron_run(args: argparse.Namespace, options: PlanOptions, target: Target, example: Example) -> int:
     import json
     from pathlib import Path
 
@@ -368,13 +385,13 @@ def _megatron_run(args: argparse.Namespace, target: Target, example: Example) ->
             print(f"  priced {point.name}: {what} ({point.seconds:.0f} s)", file=sys.stderr, flush=True)
 
     auto, t_auto, sp_auto = (None, 0.0, None) if args.no_auto else automatic_plan(example.train_step, example.args,
-                                                                                  target, args.runtime)
+                                                                                  target, options.runtime)
     shapes = [_stage_shape(s) for s in args.stage_shapes] if args.stage_shapes else None
     points = megatron_grid(example.train_step, example.args, target, stage_shapes=shapes,
                            microbatches=args.microbatches, recompute=args.recompute or ["none", "selective"],
                            schedules=args.schedules,
-                           num_chunks=args.chunks, runtime=args.runtime, log=say,
-                           time_budget_s=MEGATRON_SECONDS if args.time_budget is None else args.time_budget)
+                           num_chunks=args.chunks, runtime=options.runtime, log=say,
+                           time_budget_s=MEGATRON_SECONDS if options.time_budget_s is None else options.time_budget_s)
     print(grid_table(points, auto, t_auto, sp_auto))
     if args.json:
         rows = [{"stage_shape": p.stage_shape, "microbatches": p.microbatches, "schedule": p.schedule,

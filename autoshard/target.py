@@ -2,9 +2,10 @@
 ``PipelineOptions`` (microbatches, schedule, stages).
 
 Every entry point (``autoshard.plan``, ``@autoshard.parallelize``, the CLI's ``plan`` and ``compare``) builds
-these once, from whatever the user wrote (``"8x8"``, ``(2, 4)``, ``{"data": 2, "model": 4}``; a preset
-name, a profile file, ``"auto"`` or a ``CostModel``; bytes, ``"auto"`` or ``None``), and the passes below
-take them as they are. Nothing here depends on a pass: every module below ``autoshard.api`` may use it.
+these once from its ``PlanOptions`` (``autoshard.options``), which holds what the user wrote (``"8x8"``,
+``(2, 4)``, ``{"data": 2, "model": 4}``; a preset name, a profile file, ``"auto"`` or a ``CostModel``; bytes,
+``"auto"`` or ``None``), and the passes below take them as they are. Nothing here depends on a pass: every
+module below ``autoshard.api`` may use it.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class Target:
         return math.prod(self.shape) > self.cost.cluster.devices_per_host
 
 
-RUNTIMES = ("auto", "spmd", "mpmd")  # how a pipelined plan runs (``parallelize``'s docstring)
+RUNTIMES = ("auto", "spmd", "mpmd")  # how a pipelined plan runs (``PlanOptions.runtime``: autoshard.options)
 
 
 def uniform_stages(runtime: str, target: Target, processes: int = 1) -> bool:

@@ -93,6 +93,7 @@ PASSES = (
     "autoshard.nnx_steps",
     "autoshard.cache",
     "autoshard.checkpoint",
+    "autoshard.options",
     "autoshard.api",
     "autoshard.megatron",
     "autoshard.cli",
