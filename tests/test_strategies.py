@@ -303,3 +303,33 @@ def test_reshard_matrices_are_the_pairwise_prices() -> None:
                           for bb in dst] for aa in src])
         np.testing.assert_array_equal(got, want)
         assert np.isfinite(got[:len(specs) + len(partial), 2:len(partial) + 2]).all()
+
+
+def test_a_split_and_a_concatenate_fuse_as_the_slices_they_are() -> None:
+    """``jnp.split`` lowers to slices and XLA fuses a concatenate into a loop kernel: a rotary embedding's
+    rotation written with ``jnp.split`` and ``jnp.concatenate`` costs one pass over its input, as slices
+    do (llama-7b's RoPE moved 164 ms of bytes each way a step when their results counted as materialised;
+    its bf16 flash plan went from 44.9% to 50.0% MFU)."""
+    from autoshard.planner.build import seconds_by_op
+    from autoshard.strategies.registry import fused_tensors
+
+    x = jax.ShapeDtypeStruct((8, 512, 1024), jnp.float32)
+
+    def rotate(x):
+        a, b = jnp.split(x, 2, axis=-1)
+        return jnp.sum(jnp.concatenate([-b, a], axis=-1) * 0.5 + x)
+
+    def plain(x):  # the same pass over x, without the rotation
+        return jnp.sum(x * 0.5 + x)
+
+    cost = _cost((1,), ("x",))
+    seconds = {}
+    for fn in (rotate, plain):
+        graph = autoshard.trace(fn, x)
+        if fn is rotate:
+            made = [t for op in graph.ops if op.primitive in ("split", "concatenate") for t in op.outputs]
+            assert len(made) == 3 and set(made) <= fused_tensors(graph)
+        built = build_problem(graph, cost, None)
+        seconds[fn.__name__] = sum(seconds_by_op(built, np.zeros(len(built.nodes), dtype=np.int64)).values())
+    # materialised, the halves and the rotation were written and read again: 3.5x the plain pass
+    assert seconds["rotate"] <= 1.05 * seconds["plain"], seconds
