@@ -181,7 +181,7 @@ class CostModel:
         The measured curve of this kind, group size and links when the profile has one, else the analytic
         alpha-beta formula; an all-reduce at most its reduce-scatter plus its all-gather on the same buffer
         (``collectives.bounded``: the ring all-reduce is those two halves)."""
-        table = self._memo.setdefault("cost_models.collective_time", {})  # every reshard step asks it
+        table = self.memo("cost_models.collective_time")  # every reshard step asks it
         key = (kind, nbytes, axes if isinstance(axes, str | tuple) else tuple(axes))
         hit = table.get(key)
         if hit is not None:

@@ -56,7 +56,15 @@ def _fmt_bytes(n: float) -> str:
 
 def per_device_bytes(shape: Sequence[int], elem_bytes: float, spec: ShardingSpec, mesh: LogicalMesh) -> int:
     """``prod(spec.shard_shape(shape, mesh)) · elem_bytes``, rounded up to whole bytes."""
-    return math.ceil(math.prod(spec.shard_shape(shape, mesh)) * elem_bytes)
+    spec.validate(shape, mesh)
+    return _block_bytes(shape, elem_bytes, spec.dims, mesh)
+
+
+def _block_bytes(shape: Sequence[int], elem_bytes: float, dims: Sequence[Sequence[str]], mesh: LogicalMesh) -> int:
+    """``per_device_bytes`` of a layout given by its split axes per dimension, unchecked (a pending sum takes a
+    whole block, so partial axes do not count)."""
+    blocks = (-(-int(n) // math.prod(mesh.axis_size(a) for a in d)) for n, d in zip(shape, dims, strict=True))
+    return math.ceil(math.prod(blocks) * elem_bytes)
 
 
 def plan_reshard(
@@ -70,9 +78,8 @@ def plan_reshard(
     partial = set(src.partial)
     steps: list[CollectiveStep] = []
 
-    def now() -> int:  # ``per_device_bytes`` of the layout so far (a pending sum takes a whole block)
-        blocks = (-(-int(n) // math.prod(mesh.axis_size(a) for a in d)) for n, d in zip(shape, dims, strict=True))
-        return math.ceil(math.prod(blocks) * elem_bytes)
+    def now() -> int:  # the layout so far, already checked as ``src`` and ``dst`` are
+        return _block_bytes(shape, elem_bytes, dims, mesh)
 
     def in_dims(a: str) -> bool:
         return any(a in d for d in dims)

@@ -265,8 +265,7 @@ class _Build:
         self._boundary: int | None = -1  # time of the first backward op (None: none; -1: not yet found)
         grads, self.combine = combined_reductions(graph)
         self.gradients = frozenset(((), t) for t in grads)
-        self._created: dict[int, list[tuple[frozenset[str], float]]] = {}
-        self._saves: dict[int, bool] = {}  # node -> whether any of its strategies saves latency (``created_sums``)
+        self._created: dict[int, list[tuple[frozenset[str], float]] | None] = {}
 
     def combine_of(self, key: TensorKey) -> int:
         return self.combine if key in self.gradients else 1
@@ -666,21 +665,21 @@ class _Build:
         return BuiltProblem(problem, tuple(self.nodes), tuple(self.edges), dict(self.graphs),
                             self.activation_weight, self.gradients, self.combine, stashed)
 
-    def created_sums(self, v: int) -> list[tuple[frozenset[str], float]]:
+    def created_sums(self, v: int) -> list[tuple[frozenset[str], float]] | None:
         """Per strategy of node ``v``: the mesh axes over which it makes a pending sum of gradients that is
         reduced as one of ``combine`` (a partial result it does not read as partial, or its own all-reduce),
-        and the latency that sharing saves, ``(1 - 1/k)·α`` of an all-reduce over those axes."""
-        hit = self._created.get(v)
-        if hit is not None:
-            return hit
+        and the latency that sharing saves, ``(1 - 1/k)·α`` of an all-reduce over those axes; None where no
+        strategy saves any."""
+        if v in self._created:
+            return self._created[v]
         node, out = self.nodes[v], []
         k = self.combine
         # every strategy produces the same tensors (in its own layouts): are they all gradients?
         made = node.produced_keys()
         sums = k > 1 and node.kind == "op" and bool(made) and all(key in self.gradients for key in made)
         if not sums:
-            out = self._created[v] = [(frozenset(), 0.0)] * node.k
-            return out
+            self._created[v] = None
+            return None
         for s in range(node.k):
             axes: set[str] = set()
             for spec in node.produced_specs(s):
@@ -693,8 +692,8 @@ class _Build:
                 axes -= spec.partial if spec is not None else set()
             saved = (1 - 1 / k) * self.cost.latency("all_reduce", tuple(sorted(axes))) if axes and k > 1 else 0.0
             out.append((frozenset(axes), saved))
-        self._created[v] = out
-        return out
+        self._created[v] = out if any(saved for _, saved in out) else None
+        return self._created[v]
 
     def sliced_into_sum(self, key: TensorKey, u: int, v: int, j: int) -> np.ndarray | None:
         """The latency taken back (``created_sums``) where node ``v`` makes its pending sum of gradients from
@@ -702,9 +701,7 @@ class _Build:
         whole where it lies and issues no all-reduce, so the sum would be a reduction of its own, not one of
         the data-parallel step's. (Charged on each such operand: an op that slices two pays it twice.)"""
         created = self.created_sums(v)
-        if v not in self._saves:
-            self._saves[v] = any(saved for _, saved in created)
-        if not self._saves[v]:
+        if created is None:
             return None
         src = self.nodes[u].produced_all(key)
         needs = self.nodes[v].needed_all(j)
@@ -787,17 +784,14 @@ class _Build:
         # a layout of another rank (or none at all: no layout works) is never reached
         a_id = pairs.numbers([a if len(a.dims) == ndim else None for a in src])
         b_id = pairs.numbers([b if b is not None and len(b.dims) == ndim else None for b in dst])
-        sub = pairs.table[np.ix_(np.maximum(a_id, 0), np.maximum(b_id, 0))]
+        rows, cols = np.ix_(np.maximum(a_id, 0), np.maximum(b_id, 0))
+        todo = np.isnan(pairs.table[rows, cols]) & (a_id >= 0)[:, None] & (b_id >= 0)[None, :]
+        for x, y in {(int(a_id[i]), int(b_id[j])) for i, j in np.argwhere(todo)}:
+            pairs.table[x, y] = (self.cost.reshard_time(shape, dtype, pairs.specs[x], pairs.specs[y],
+                                                        combine=combine) if x != y else 0.0)
+        sub = pairs.table[rows, cols]
         sub[a_id < 0, :] = math.inf
         sub[:, b_id < 0] = math.inf
-        todo = np.argwhere(np.isnan(sub))
-        if len(todo):
-            for x, y in {(int(a_id[i]), int(b_id[j])) for i, j in todo}:
-                pairs.table[x, y] = (self.cost.reshard_time(shape, dtype, pairs.specs[x], pairs.specs[y],
-                                                            combine=combine) if x != y else 0.0)
-            sub = pairs.table[np.ix_(np.maximum(a_id, 0), np.maximum(b_id, 0))]
-            sub[a_id < 0, :] = math.inf
-            sub[:, b_id < 0] = math.inf
         m = sub
         self._matrix_cache[key] = m
         return m
