@@ -47,6 +47,7 @@ from autoshard.planner.explain import explain_plan
 from autoshard.planner.plan import DoesNotFit, Plan, PlanError
 from autoshard.planner.recompute import (
     RECOMPUTE_CHOICES,
+    as_planned,
     describe,
     plan_recomputing,
     recomputed,
@@ -67,6 +68,7 @@ from autoshard.target import (
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
 from autoshard.trace.structure import block_labels
+from autoshard.trace.unroll import unroll_layer_stacks
 
 log = logging.getLogger("autoshard")
 
@@ -95,7 +97,7 @@ def plan(step_fn: Callable[..., Any] | Graph, *args: Any, options: PlanOptions |
     opts = PlanOptions.of(options, **kwargs)
     target = opts.target(PLAN_DEFAULTS)
     return plan_for(step_fn, args, target, opts.pipeline_options(target), time_budget_s=opts.time_budget_s,
-                    roles=opts.input_roles(), recompute=opts.recompute)[0]
+                    roles=opts.input_roles(), recompute=opts.recompute, unroll_scans=opts.unroll_scans)[0]
 
 
 plan.__signature__ = options_signature(plan, PLAN_DEFAULTS)  # type: ignore[attr-defined]
@@ -103,7 +105,7 @@ plan.__signature__ = options_signature(plan, PLAN_DEFAULTS)  # type: ignore[attr
 
 def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target: Target, options: PipelineOptions,
              *, time_budget_s: float | None, roles: Mapping[str, str] | None = None, recompute: str = "auto",
-             traced: Graph | None = None, deadline: Deadline | None = None,
+             traced: Graph | None = None, deadline: Deadline | None = None, unroll_scans: bool = True,
              ) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:
     """``plan`` on a resolved target, also returning the traces it made: (plan, the graph it plans (the
     step's, rewritten when the plan recomputes), the microbatch-sized graph or None), so that
@@ -111,7 +113,9 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     ``args`` (``distributed.compile_everywhere`` traces it on every process first). ``deadline``: the one
     clock every phase reads (``planner.deadline``; default: ``time_budget_s`` from now on the wall clock;
     tests pass one on a fake clock). What a spent budget cut short is said in the log and in the plan's
-    ``solver.cut_short``."""
+    ``solver.cut_short``. ``unroll_scans`` (``PlanOptions.unroll_scans``): a traced step's layer stacks
+    written as one scan are unrolled (``trace.unroll``) before anything is planned, and an intra-operator
+    plan says so (``Plan.unrolled``); a ``Graph`` given is planned as it is."""
     check_time_budget(time_budget_s)
     if deadline is None:
         deadline = Deadline(time_budget_s)
@@ -127,6 +131,10 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     t_trace = None if isinstance(step_fn, Graph) else deadline.elapsed()
     if t_trace is not None and traced is None:
         log.info("traced the step: %d ops in %.1f s", len(graph.ops), t_trace)
+    written = graph
+    if unroll_scans and not isinstance(step_fn, Graph):
+        graph = unroll_layer_stacks(graph, why="planned and emitted unrolled (unroll_scans=False keeps the scan)")
+    unrolled = graph is not written
     # a plan cached by an earlier launch (``autoshard.cache``): checked against this trace, else planned
     key = plan_cache.key(graph, target, options, time_budget_s=time_budget_s, recompute=recompute,
                          name=getattr(step_fn, "__qualname__", type(step_fn).__name__))
@@ -137,6 +145,8 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
                                        time_budget_s=time_budget_s, roles=roles, recompute=recompute)
     _warn_if_overrun(the_plan, time_budget_s, deadline.elapsed(), t_trace)
     the_plan = dataclasses.replace(the_plan, model_flops=flops)
+    if isinstance(the_plan, Plan) and unrolled:
+        the_plan = dataclasses.replace(the_plan, unrolled=True)
     if isinstance(the_plan, Plan):  # classes for its summary, from the step's blocks (``summary.input_class``)
         the_plan = with_input_classes(the_plan, block_labels(graph))
     if (note := deadline.note()) is not None:  # the summary says what the spent budget cut short
@@ -630,11 +640,12 @@ def _on_mesh(plan: Plan | PipelinePlan, mesh: jax.sharding.Mesh) -> Plan | Pipel
 def trace_for_plan(the_plan: Plan | PipelinePlan, fn: Callable[..., Any], args: tuple[Any, ...], *,
                    roles: Mapping[str | int, str] | None = None) -> tuple[Graph, Graph | None]:
     """The traces a saved plan runs (or is explained) on, checked against it (``verify``): for a ``Plan``
-    the step's trace with the plan's recompute applied, and None; for a ``PipelinePlan`` the step's trace
-    and the trace at microbatch size (``num_microbatches``) with the plan's recompute applied."""
+    the step's trace rewritten as the plan was planned (``as_planned``: unrolled, recomputing), and None;
+    for a ``PipelinePlan`` the step's trace and the trace at microbatch size (``num_microbatches``) with the
+    plan's recompute applied."""
     graph = trace(fn, *args, roles=roles)
     if isinstance(the_plan, Plan):
-        graph = recomputed(graph, the_plan.recompute)
+        graph = as_planned(graph, the_plan)
         the_plan.verify(graph)
         return graph, None
     micro = trace_microbatch(fn, args, graph, the_plan.num_microbatches, roles=roles)
@@ -814,13 +825,15 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
             return _Compiled(*distributed.compile_everywhere(
                 fn, args, self.roles, options, device_mesh,
                 lambda shapes, traced: plan_for(fn, shapes, self.target, options, time_budget_s=budget,
-                                                roles=self.roles, recompute=recompute, traced=traced)[0],
+                                                roles=self.roles, recompute=recompute, traced=traced,
+                                                unroll_scans=self.options.unroll_scans)[0],
                 given), fn=fn)
         if self.given_plan is not None:
             the_plan, graph, micro = self._given(fn, args, device_mesh)
         else:
             the_plan, graph, micro = plan_for(fn, args, self.target, options, time_budget_s=budget,
-                                              roles=self.roles, recompute=recompute)
+                                              roles=self.roles, recompute=recompute,
+                                              unroll_scans=self.options.unroll_scans)
         if isinstance(the_plan, Plan):  # tracing ran nothing: concrete args were fine
             return _Compiled(graph, the_plan, emit(graph, the_plan.specs, device_mesh), fn)
         assert micro is not None

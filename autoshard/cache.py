@@ -45,7 +45,7 @@ from autoshard.errors import AutoshardError
 from autoshard.pipeline.partition import trace_microbatch
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.plan import Plan, PlanError
-from autoshard.planner.recompute import recomputed
+from autoshard.planner.recompute import as_planned, recomputed
 from autoshard.target import PipelineOptions, Target
 from autoshard.trace import Graph
 
@@ -195,7 +195,7 @@ def verified(the_plan: Plan | PipelinePlan, step_fn: Callable[..., Any] | Graph,
     a pipeline against the step traced at its microbatch size (then ``graph`` itself is returned as the full
     trace). Raises ``PlanError`` when it does not fit."""
     if isinstance(the_plan, Plan):
-        planned = recomputed(graph, the_plan.recompute)
+        planned = as_planned(graph, the_plan)
         the_plan.verify(planned)
         return the_plan, planned, None
     if isinstance(step_fn, Graph):

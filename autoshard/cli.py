@@ -163,6 +163,9 @@ def _add_mesh_arguments(p: argparse.ArgumentParser, *, time_budget: float | None
                          "step, the time `plan` gives one plan times the plans, printed first); with --megatron, "
                          f"seconds per plan (default {MEGATRON_SECONDS:.0f})" if per_plan else
                          "wall-clock seconds for tracing, building and solving (default: scaled to the model)"))
+    p.add_argument("--keep-scans", action="store_true",
+                   help="plan a layer stack written as one scan (nn.scan) as the scan: a shorter compile, priced "
+                        "as a scan (default: unrolled into its layers, planned and run so, which XLA runs faster)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -182,7 +185,8 @@ def _plan_options(args: argparse.Namespace, **fields: Any) -> PlanOptions:
         shape, names = parse_mesh(args.mesh or PLAN_DEFAULTS["mesh"], [a.strip() for a in args.axes.split(",")])
         mesh = dict(zip(names, shape, strict=True))
     spelled: dict[str, Any] = {"mesh": mesh, "hardware": args.hardware, "memory_budget": args.memory_budget,
-                               "time_budget_s": args.time_budget, "runtime": args.runtime}
+                               "time_budget_s": args.time_budget, "runtime": args.runtime,
+                               "unroll_scans": not args.keep_scans}
     if args.command == "plan":
         spelled |= {"microbatches": args.microbatches, "pipeline": _PIPELINE[args.pipeline],
                     "schedule": args.schedule, "num_chunks": args.chunks, "num_layers": args.layers,
@@ -343,6 +347,7 @@ def _compare_run(args: argparse.Namespace) -> int:
     from autoshard._examples import load_example
     from autoshard.planner.compare import compare, compare_budget
     from autoshard.trace import trace
+    from autoshard.trace.unroll import unroll_layer_stacks
 
     modes = args.recompute or ["auto"]
     if len(modes) > 1 and not args.megatron:
@@ -358,6 +363,8 @@ def _compare_run(args: argparse.Namespace) -> int:
     if args.megatron:
         return _megatron_run(args, options, target, example)
     graph = trace(example.train_step, *example.args)
+    if options.unroll_scans:  # priced as `plan` plans it
+        graph = unroll_layer_stacks(graph, why="as `plan` plans them (--keep-scans keeps the scan)")
     total, plans = compare_budget(graph, target.cost)
     if options.time_budget_s is not None:
         total = options.time_budget_s

@@ -42,7 +42,7 @@ from autoshard.pipeline.partition import trace_microbatch
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.plan import Plan
-from autoshard.planner.recompute import recomputed
+from autoshard.planner.recompute import as_planned, recomputed
 from autoshard.target import PipelineOptions
 from autoshard.trace import Graph, Role, trace
 from autoshard.trace.tracer import input_roles
@@ -189,7 +189,7 @@ def agreed_plan(graph: Graph, make: Callable[[], Plan | PipelinePlan]) -> Plan |
         plan = PipelinePlan.from_dict(data)  # verified against the microbatch trace by the caller
     else:
         plan = Plan.from_dict(data)
-        plan.verify(recomputed(graph, plan.recompute))
+        plan.verify(as_planned(graph, plan))
     check_agreement("plan", json.dumps(plan.to_dict(), sort_keys=True))
     return plan
 
@@ -280,7 +280,7 @@ def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Map
     graph = trace(fn, *shapes, roles=roles)
     plan = given if given is not None else agreed_plan(graph, lambda: make(shapes, graph))
     if isinstance(plan, Plan):
-        graph = recomputed(graph, plan.recompute)  # the plan's rewrite, applied alike on every process
+        graph = as_planned(graph, plan)  # the plan's rewrites, applied alike on every process
         if given is not None:
             plan.verify(graph)
         return graph, plan, GlobalStep(emit(graph, plan.specs, mesh))

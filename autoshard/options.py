@@ -107,6 +107,16 @@ class PlanOptions:
         stages fits without, and then per stage where the MPMD runtime runs it: the first stages (the most
         microbatches in flight) recompute, the last ones may not (``pipeline.stages``' recompute per
         stage)."""))
+    unroll_scans: bool = field(default=True, metadata=_doc("""
+        Unroll a layer stack written as one scan (``nn.scan``, ``jax.lax.scan`` over stacked weights:
+        ``trace.unroll``) into its layers before planning, and emit the step so, as if its layers had been
+        written as a loop of modules (the default: True). XLA then fuses across each layer's forward and
+        backward pass, where a scan must write every value it keeps for the backward pass into a stacked
+        buffer: on one H200, GPT-350M and GPT-1.3B written with ``nn.scan`` ran 1.68x and 1.50x slower and
+        held 1.49x and 1.46x the memory of the same models unrolled (``benchmarks/gpu_issue46_results.md``).
+        False keeps the scan (a shorter compile for a deep stack), priced as a scan. The plan says which
+        (``Plan.unrolled``); a pipeline unrolls the stack whatever this says (its stages hold whole
+        layers)."""))
     runtime: Runtime = field(default="auto", metadata=_doc("""
         How a pipelined plan runs, and so how it is planned and priced: ``"spmd"`` as one program over a stage
         axis (``pipeline.spmd_program``: equal submeshes, the same number of blocks a stage, priced as its
@@ -185,6 +195,9 @@ class PlanOptions:
                 raise PlanningError(f"stage_shape={self.stage_shape!r}: give (hosts, devices) of every stage's "
                                     "submesh, e.g. (1, 4), or None to let the planner pick")
             _set(self, "stage_shape", tuple(int(s) for s in shape))
+        if not isinstance(self.unroll_scans, bool):
+            raise PlanningError(f"unroll_scans={self.unroll_scans!r}: give True (a layer stack written as one scan "
+                                "is planned and emitted unrolled) or False (kept a scan)")
         if self.pipeline is not None and not isinstance(self.pipeline, bool):
             raise PlanningError(f"pipeline={self.pipeline!r}: give True (always the pipelined plan), False (never "
                                 "one) or None (the faster)")

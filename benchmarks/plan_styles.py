@@ -27,7 +27,7 @@ os.environ.setdefault("AUTOSHARD_CACHE_DIR", "off")  # every style planned here 
 
 
 def plan_style(name: str, preset: str, mesh: str, hardware: str, time_budget: float | None,
-               overrides: dict[str, Any]) -> dict[str, Any]:
+               overrides: dict[str, Any], unroll_scans: bool = True) -> dict[str, Any]:
     import style_models
 
     import autoshard
@@ -36,8 +36,9 @@ def plan_style(name: str, preset: str, mesh: str, hardware: str, time_budget: fl
     state, batch = style.make(preset, abstract=True, **overrides)
     t0 = time.perf_counter()
     plan = autoshard.plan(style.train_step, state, batch, mesh=mesh, hardware=hardware,
-                          time_budget_s=time_budget)
-    return {"style": name, "step_s": plan.predicted_step_time, "wall_s": time.perf_counter() - t0,
+                          time_budget_s=time_budget, unroll_scans=unroll_scans)
+    label = name if unroll_scans or name != "scan" else "scan (kept a scan)"
+    return {"style": label, "step_s": plan.predicted_step_time, "wall_s": time.perf_counter() - t0,
             "recompute": dict(sorted(collections.Counter(plan.recompute.values()).items())),
             "mfu": plan.mfu if isinstance(plan.mfu, float) else plan.mfu() if callable(plan.mfu) else None, "kind": type(plan).__name__}
 
@@ -50,6 +51,9 @@ def main() -> None:
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE override of the preset")
     parser.add_argument("--styles", default=None, help="comma-separated subset (default: all six)")
+    parser.add_argument("--keep-scans", action="store_true",
+                        help="also plan the nn.scan style kept a scan (unroll_scans=False), as it was priced before "
+                             "the planner unrolled it")
     args = parser.parse_args()
     import style_models
 
@@ -59,6 +63,8 @@ def main() -> None:
         overrides[k] = int(v) if v.isdigit() else v
     names = args.styles.split(",") if args.styles else list(style_models.STYLES)
     rows = [plan_style(n, args.preset, args.mesh, args.hardware, args.time_budget, overrides) for n in names]
+    if args.keep_scans and "scan" in names:
+        rows.append(plan_style("scan", args.preset, args.mesh, args.hardware, args.time_budget, overrides, False))
     ref = next((r for r in rows if r["style"] == "example"), rows[0])
     print(f"| style ({args.preset}, {args.mesh} {args.hardware}) | plan | step (ms) | vs example | recompute "
           "| MFU | planning (s) |")

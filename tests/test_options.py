@@ -138,6 +138,7 @@ def test_an_unknown_keyword_names_the_closest_option(mlp, wrong: str, closest: s
     ("max_stages", -2, r"max_stages=-2: give a whole number"),
     ("stage_shape", (1, 2, 3), r"stage_shape=\(1, 2, 3\): give \(hosts, devices\)"),
     ("stage_shape", "1x4", r"stage_shape='1x4': give \(hosts, devices\)"),
+    ("unroll_scans", "no", r"unroll_scans='no': give True"),
 ])
 def test_a_bad_value_names_the_option_when_it_is_given(mlp, field: str, value, message: str) -> None:
     # refused when the options are made: parallelize too, before any call
@@ -209,12 +210,14 @@ def test_the_cli_flags_map_onto_the_options_of_the_python_call(monkeypatch: pyte
     assert main(["plan", MLP, *flags]) == 2
     assert main(["plan", MLP, "--microbatches", "4", "--schedule", "zb-h1", "-q"]) == 2
     assert main(["plan", MLP, "--mesh", "8", "--axes", "model", "-q"]) == 2
+    assert main(["plan", MLP, "--keep-scans", "-q"]) == 2
     assert seen == [
         PlanOptions(mesh="2x4", microbatches=4, schedule="zb-h1", pipeline=True, num_chunks=3, num_layers=5,
                     max_stages=2, stage_shape=(1, 2), recompute="full", runtime="spmd", time_budget_s=9,
                     memory_budget="60GiB", hardware="a100"),
         PlanOptions(microbatches=4, schedule="zb-h1"),  # the defaults are plan's own
         PlanOptions(mesh={"model": 8}),
+        PlanOptions(unroll_scans=False),
     ]
 
 
@@ -257,7 +260,7 @@ def test_the_signatures_list_every_option_with_the_entry_points_defaults() -> No
 
 def test_every_option_is_documented_and_its_choices_are_the_ones_checked() -> None:
     assert FIELDS == ("mesh", "hardware", "memory_budget", "time_budget_s", "roles", "batch_argnums", "recompute",
-                      "runtime", "microbatches", "pipeline", "schedule", "num_chunks", "num_layers", "max_stages",
+                      "unroll_scans", "runtime", "microbatches", "pipeline", "schedule", "num_chunks", "num_layers", "max_stages",
                       "stage_shape")
     for name in FIELDS:
         assert len(PlanOptions.doc(name)) > 40 and f"``{name}``:" in PlanOptions.__doc__

@@ -1,4 +1,5 @@
-"""A layer stack written as one scan, unrolled into numbered blocks for the pipeline (``autoshard.trace.unroll``)."""
+"""A layer stack written as one scan, unrolled into numbered blocks (``autoshard.trace.unroll``): for the
+pipeline, and for the intra-operator plan, which runs it so (``PlanOptions.unroll_scans``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import autoshard
 from autoshard.emit import global_rel_error
+from autoshard.planner.plan import Plan, PlanError
 from autoshard.trace import trace
 from autoshard.trace.unroll import layer_stacks, unroll_layer_stacks
 
@@ -46,10 +50,19 @@ def test_residuals_go_from_a_block_to_its_backward_and_only_the_gradients_are_st
     fn, args, batch = make("state:scan")
     flat = unroll_layer_stacks(trace(fn, *args, batch))
     block = {op.id: op.layer for op in flat.ops if op.layer}
+
+    def origin(tid: int) -> int | None:
+        """The op that made ``tid``, through the leading axis each slice is given to be stacked."""
+        p = flat.tensors[tid].producer
+        while p is not None and flat.ops[p].primitive in ("broadcast_in_dim", "expand_dims", "reshape") \
+                and not flat.ops[p].layer:
+            p = flat.tensors[flat.ops[p].inputs[0]].producer
+        return p
+
     for op in flat.ops:
         if op.primitive not in ("stack", "concatenate"):
             continue
-        sources = {block.get(flat.tensors[t].producer) for t in op.inputs}
+        sources = {block.get(origin(t)) for t in op.inputs}
         if len(sources - {None}) > 1:  # only the optimizer stacks values of several blocks: the gradients
             assert op.phase == "other", op.where()
     # each block's weights are its row of the stack, cut once outside the blocks
@@ -72,3 +85,36 @@ def test_a_scan_over_time_with_its_weights_as_constants_is_left_alone() -> None:
     params = {"w": np.eye(4, dtype=np.float32)}
     graph = trace(step, params, np.ones((6, 4), np.float32))
     assert layer_stacks(graph) == [] and unroll_layer_stacks(graph) is graph
+
+
+def test_a_scanned_step_is_planned_and_run_unrolled_and_its_saved_plan_too(tmp_path) -> None:
+    """By default the intra-operator plan unrolls the stack, says so, prices it below the scan it replaces
+    (XLA fuses across the layers unrolled; a scan writes what it keeps for the backward pass into stacked
+    buffers), runs it as ``jax.jit`` runs the step, and a saved plan runs again on the step as written."""
+    fn, args, batch = make("optax:scan")
+    step = autoshard.parallelize(fn, mesh=(2, 4), time_budget_s=4)
+    ref = jax.jit(fn)
+    got = want = (*args, batch)
+    for _ in range(3):
+        want = (*ref(*want[:-1], batch)[:-1], batch)
+        out = step(*got[:-1], batch)
+        assert global_rel_error(want[:-1], out[:-1]) <= 1e-5
+        got = (*out[:-1], batch)
+    plan = step.plan
+    assert plan.unrolled and not [op for op in step.graph.ops if op.primitive == "scan"]
+    assert "layer stack: the scan is unrolled" in step.explain()
+    on_h100 = {"mesh": (2, 4), "hardware": "h100", "time_budget_s": 4}
+    kept = autoshard.plan(fn, *args, batch, unroll_scans=False, **on_h100)
+    assert not kept.unrolled and any(len(scope) for scope in kept.specs)  # layouts inside the scan's body
+    assert autoshard.plan(fn, *args, batch, **on_h100).predicted_step_time < 0.9 * kept.predicted_step_time
+
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.unrolled
+    with pytest.raises(PlanError, match="unroll_scans=False"):
+        loaded.verify(trace(fn, *args, batch))  # the scan as written: not what the plan's tensors are
+    again = autoshard.parallelize(fn, mesh=(2, 4), plan=path)
+    fresh = jax.tree.map(np.asarray, (*args, batch))
+    out, ref_out = again(*fresh), ref(*fresh)
+    assert global_rel_error(ref_out[:-1], out[:-1]) <= 1e-5

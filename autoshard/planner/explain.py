@@ -35,7 +35,7 @@ from autoshard.planner.build import MEMORY_TIE_BREAK, BuiltProblem, TensorKey
 from autoshard.planner.plan import Plan, PlanError, TensorLayout, decode_choice
 from autoshard.planner.planning import ProblemCache
 from autoshard.planner.readback import breakdown, peak_memory_of, step_time_of, step_time_of_breakdown
-from autoshard.planner.summary import fold_layer_indices, human_time, input_class, layer_index
+from autoshard.planner.summary import fold_layer_indices, human_time, input_class, layer_index, rewrite_lines
 from autoshard.target import cost_model_for
 from autoshard.trace.graph import Graph
 from autoshard.trace.summary import human_bytes
@@ -187,6 +187,7 @@ class Explanation:
     layers: tuple[LayerLayouts, ...]
     top_ops: tuple[Mapping[str, Any], ...]
     solver: str
+    rewrites: tuple[str, ...] = ()  # the planned step beside the step as written (``summary.rewrite_lines``)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -195,7 +196,8 @@ class Explanation:
         budget = f" of a {human_bytes(self.memory_budget)} budget" if self.memory_budget else " (no budget)"
         lines = [f"mesh {self.mesh}   hardware {self.hardware or '?'}",
                  f"predicted step time {human_time(self.step_time)}   peak memory per device "
-                 f"{human_bytes(self.peak_memory)}{budget}", "", "time by category (adds up to the step time)"]
+                 f"{human_bytes(self.peak_memory)}{budget}", *self.rewrites, "",
+                 "time by category (adds up to the step time)"]
         total = self.step_time or 1.0
         for k, v in self.time:
             lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%")
@@ -255,7 +257,7 @@ def explain_plan(plan: Plan, *, top: int = 10) -> Explanation:
         resharding=float(plan.time_breakdown.get("resharding", 0.0)), peak_memory=plan.peak_memory,
         memory_budget=plan.memory_budget, memory=tuple(memory_breakdown(plan).items()),
         classes=tuple(class_layouts(plan)), layers=tuple(layer_layouts(plan)),
-        top_ops=tuple(s.top_ops[:top]), solver=solver,
+        top_ops=tuple(s.top_ops[:top]), solver=solver, rewrites=tuple(rewrite_lines(plan)),
     )
 
 

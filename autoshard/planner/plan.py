@@ -24,6 +24,7 @@ from autoshard._version import __version__
 from autoshard.errors import AutoshardError
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
+from autoshard.trace.unroll import layer_stacks
 from cost_models import LogicalMesh, ShardingSpec
 
 PLAN_VERSION = 1
@@ -131,6 +132,9 @@ class Plan:
     recompute: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # 3x the step's forward matmul flops and their peak (``planner.utilization``); None: not recorded
     model_flops: ModelFlops | None = None
+    # the step's layer stacks written as one scan were unrolled before planning (``trace.unroll``,
+    # ``PlanOptions.unroll_scans``): the plan's tensors are the unrolled step's (``recompute.as_planned``)
+    unrolled: bool = False
     # bytes per device of the activations kept from the forward into the backward pass, counted once (the
     # peak counts them as many times as the plan's activation weight); None: not recorded (not saved)
     held_memory: float | None = None
@@ -157,6 +161,10 @@ class Plan:
         check_axes(self.specs, self.mesh)
         if graph is None:
             return
+        if self.unrolled and layer_stacks(graph):
+            raise PlanError("the plan was made for the step with its layer stack (a scan) unrolled into layers, "
+                            "and this graph keeps the scan: rewrite the trace as the plan was planned "
+                            "(autoshard.planner.recompute.as_planned), or plan again with unroll_scans=False")
         names = [graph.tensors[i].name for i in graph.inputs]
         if names != [t.name for t in self.inputs]:
             raise PlanError("the plan's inputs are not this graph's inputs: plan another step, or retrace")
@@ -230,6 +238,7 @@ class Plan:
             "versions": dict(self.versions),
             "collective_counts": dict(self.collective_counts),
             "recompute": dict(self.recompute),
+            **({"unrolled": True} if self.unrolled else {}),
             **({} if self.model_flops is None else {"model_flops": self.model_flops.to_dict()}),
         }
 
@@ -256,6 +265,7 @@ class Plan:
             versions=dict(d["versions"]),
             collective_counts={k: int(v) for k, v in d.get("collective_counts", {}).items()},
             recompute=dict(d.get("recompute", {})),
+            unrolled=bool(d.get("unrolled", False)),
             model_flops=ModelFlops.from_dict(d["model_flops"]) if "model_flops" in d else None,
         )
 

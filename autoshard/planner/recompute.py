@@ -58,6 +58,7 @@ from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph, Tensor
 from autoshard.trace.recompute import MODES, estimate, peak_holders
 from autoshard.trace.remat import blocks, rematerialize, uniform
+from autoshard.trace.unroll import unroll_layer_stacks
 from cost_models import CostModel, LogicalMesh
 
 log = logging.getLogger("autoshard")
@@ -76,6 +77,16 @@ def recomputed(graph: Graph, modes: dict[str, str] | Any, level: int = logging.I
     """``graph`` with a plan's recompute applied (``Plan.recompute``), or ``graph`` itself when none
     (``level``: of the rewrite's log line)."""
     return rematerialize(graph, modes, level=level) if modes else graph
+
+
+def as_planned(graph: Graph, plan: Plan) -> Graph:
+    """``graph`` (the step as traced) rewritten as ``plan`` was planned: its layer stacks written as one scan
+    unrolled when the plan unrolled them (``Plan.unrolled``: ``trace.unroll``), then the plan's recompute
+    applied (``recomputed``). What an intra-operator plan runs on, wherever it is read back (a saved plan, the
+    plan cache, every process of a multi-process job)."""
+    if plan.unrolled:
+        graph = unroll_layer_stacks(graph, why="as the plan was planned")
+    return recomputed(graph, plan.recompute)
 
 
 def plan_recomputing(graph: Graph, cost: CostModel, *, recompute: str = "auto", time_budget_s: float | None = None,

@@ -97,6 +97,18 @@ def cpu_note(mesh: LogicalMesh, hardware: str) -> str | None:
             "with them, and plan for the accelerator you will run on (--hardware h100, hardware=\"h100\")")
 
 
+def rewrite_lines(plan: Plan) -> list[str]:
+    """How the step the plan runs differs from the step as written: its recompute, its unrolled layer stack."""
+    lines = []
+    if plan.recompute:
+        lines.append(f"recompute: {remat.summary(plan.recompute)} (their forward ops run again "
+                     "in the backward pass; counted in compute)")
+    if plan.unrolled:
+        lines.append("layer stack: the scan is unrolled into its layers, planned and run so (unroll_scans=False "
+                     "keeps it)")
+    return lines
+
+
 def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     lines = [
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
@@ -107,9 +119,7 @@ def format_plan(plan: Plan, *, max_classes: int = 40) -> str:
     ]
     if plan.mfu is not None:
         lines.append(mfu_line(plan.mfu, plan.model_flops))
-    if plan.recompute:
-        lines.append(f"recompute: {remat.summary(plan.recompute)} (their forward ops run again "
-                     "in the backward pass; counted in compute)")
+    lines += rewrite_lines(plan)
     lines += [
         "",
         "time by category",

@@ -278,6 +278,12 @@ def _indexed_bytes(op: Op, cand: Candidate, ctx: RuleContext) -> float:
     return moved(op.inputs[1], cand.in_specs[1]) + moved(op.inputs[2], cand.in_specs[2]) + 2 * upd
 
 
+SLICES: frozenset[str] = frozenset({"slice", "dynamic_slice"})
+"""Ops that read only the part of their operand they select: XLA's slice kernel (or the fusion it joins)
+loads the result's elements, not the whole operand. A layer stack unrolled (``trace.unroll``) slices each
+layer's weights out of the stacked ``[L, ...]`` parameter; priced as a read of the whole stack, GPT-1.3B's
+24 layers read every weight 24 times."""
+
 BITCASTS: frozenset[str] = frozenset({"reshape", "squeeze", "expand_dims"})
 """Primitives that XLA compiles to a bitcast: a row-major array reshaped keeps its bytes in place, so the
 result is the operand's buffer read another way (no kernel, no traffic). Their collectives, when a split
@@ -468,10 +474,14 @@ def price(op: Op, cand: Candidate, ctx: RuleContext, cost: CostModel) -> Strateg
         nbytes = _indexed_bytes(op, cand, ctx)
     elif op.primitive not in BITCASTS:
         reads = ctx.copies.get(op.id, 1)  # a fused op's operands are read by every kernel that computes it
-        for tid, spec in zip(op.inputs, cand.in_specs, strict=True):
+        for i, (tid, spec) in enumerate(zip(op.inputs, cand.in_specs, strict=True)):
             t = graph.tensors[tid]
             if t.nbytes and tid not in ctx.fused:
-                nbytes += reads * t.nbytes / max(1, spec.num_shards(ctx.mesh))
+                share = t.nbytes / max(1, spec.num_shards(ctx.mesh))
+                if i == 0 and op.primitive in SLICES:  # the selected elements only
+                    out = graph.tensors[op.outputs[0]]
+                    share = min(share, out.nbytes / max(1, cand.out_specs[0].num_shards(ctx.mesh)))
+                nbytes += reads * share
         for tid, spec in zip(op.outputs, cand.out_specs, strict=True):
             t = graph.tensors[tid]
             if t.nbytes and tid not in ctx.fused:

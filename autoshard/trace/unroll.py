@@ -1,12 +1,17 @@
 """A layer stack written as one ``scan`` (``nn.scan``, ``jax.lax.scan`` over stacked weights), unrolled into
-numbered blocks: what a pipeline needs to cut the layers into stages.
+numbered blocks: what a pipeline needs to cut the layers into stages, and what the intra-operator planner
+plans and emits by default (``PlanOptions.unroll_scans``).
 
-A traced step keeps a scan over layers as one op (``tracer``): right for the intra-operator planner, which
-prices the body once and multiplies, but a pipeline places whole layers on stages, and one op cannot be
-split. This pass rewrites the traced step so that each iteration of such a scan is a block of its own, as
-if the layers had been written unrolled (``block_0``, ``block_1``, ...), and the rest of the pipeline
-machinery (``pipeline.partition``, ``pipeline.uniform``, the stage DP, both runtimes) reads it like any
-unrolled model.
+A traced step keeps a scan over layers as one op (``tracer``). A pipeline places whole layers on stages, and
+one op cannot be split. And a scan runs slower than its layers written out: every value its body keeps for
+the backward pass is written into a stacked buffer (a body's output), where XLA fuses the unrolled step's
+elementwise values into their readers across the forward and backward pass (on one H200, GPT-350M and
+GPT-1.3B scanned ran 1.68x and 1.50x slower, and held 1.49x and 1.46x the memory:
+``benchmarks/gpu_issue46_results.md``). This pass rewrites the traced step so that each iteration of such a
+scan is a block of its own, as if the layers had been written unrolled (``block_0``, ``block_1``, ...), and
+the rest of the machinery (the intra-operator planner and ``emit``; ``pipeline.partition``,
+``pipeline.uniform``, the stage DP, both runtimes) reads it like any unrolled model. Unrolled, the step
+compiles longer (one copy of the body per layer): ``unroll_scans=False`` keeps the scan.
 
 Which scans: a top-level ``scan`` of at least 2 iterations that slices a parameter per iteration (its
 ``xs`` hold a parameter input: the stacked weights) or reads the per-iteration values of a scan already
@@ -23,8 +28,10 @@ How, for a scan of ``L`` iterations with constants ``c``, carry ``h`` and scanne
   reads them);
 - the stacked outputs ``ys`` are kept as their ``L`` slices: a later unrolled scan that scans them (the
   backward pass reading the forward's residuals) reads slice ``j`` directly, so no residual is ever
-  stacked and sliced across blocks; any other reader gets them stacked (``jnp.stack``) where it runs, in
-  its phase and scope (the weight gradients stacked for the optimizer, after the blocks).
+  stacked and sliced across blocks; any other reader gets them stacked where it runs, in its phase and
+  scope (the weight gradients stacked for the optimizer, after the blocks): a ``concatenate`` of the slices
+  each given a leading axis, bare primitives that fuse into an elementwise reader such as the optimizer's
+  update (``jnp.stack`` is a call of its own, priced as a kernel that writes the whole stack).
 
 The numbers are the step's: every value is computed by the same primitives on the same operands.
 """
@@ -36,7 +43,6 @@ from collections import Counter
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from autoshard.trace import jaxpr_compat as jc
@@ -108,9 +114,9 @@ def _hoisted(graph: Graph, stacks: set[int]) -> set[int]:
     return found
 
 
-def unroll_layer_stacks(graph: Graph) -> Graph:
+def unroll_layer_stacks(graph: Graph, why: str = "for the pipeline") -> Graph:
     """``graph`` with its layer-stack scans (``layer_stacks``) unrolled into numbered blocks (see the module
-    docstring); ``graph`` itself when it has none."""
+    docstring); ``graph`` itself when it has none. ``why``: the end of the log line that says so."""
     stacks = set(layer_stacks(graph))
     if not stacks:
         return graph
@@ -130,7 +136,7 @@ def unroll_layer_stacks(graph: Graph) -> Graph:
             if tid in slices:  # stacked for a reader that is not an unrolled scan, in its phase and scope
                 with jc.phase_scope(reader.phase if reader is not None else "other",
                                     reader.scope if reader is not None else ""):
-                    env[tid] = jnp.stack(slices[tid])
+                    env[tid] = jax.lax.concatenate([jax.lax.expand_dims(x, (0,)) for x in slices[tid]], 0)
                 return env[tid]
             return consts[tid]
 
@@ -189,6 +195,6 @@ def unroll_layer_stacks(graph: Graph) -> Graph:
     roles = [graph.tensors[t].role for t in graph.inputs]
     out = graph_of_jaxpr(closed, names, roles, graph.output_names, graph.output_aliases, graph.in_tree,
                          graph.out_tree)
-    log.info("%d layer-stack scan(s) unrolled into %d numbered blocks for the pipeline", len(stacks),
-             len({o.layer for o in out.ops if o.layer}))
+    log.info("%d layer-stack scan(s) unrolled into %d numbered blocks %s", len(stacks),
+             len({o.layer for o in out.ops if o.layer}), why)
     return out
