@@ -185,11 +185,10 @@ def agreed_plan(graph: Graph, make: Callable[[], Plan | PipelinePlan]) -> Plan |
         raise DistributedError(f"process 0 could not plan the step: {got['error']}")
     data = got["plan"]
     plan: Plan | PipelinePlan
-    if isinstance(data, dict) and data.get("kind") == "pipeline":
-        plan = PipelinePlan.from_dict(data)  # verified against the microbatch trace by the caller
-    else:
-        plan = Plan.from_dict(data)
-        plan.verify(as_planned(graph, plan))
+    # verified by the caller against the trace it runs: a pipeline's at microbatch size, an intra-operator
+    # plan's rewritten as it was planned (``as_planned``)
+    plan = PipelinePlan.from_dict(data) if isinstance(data, dict) and data.get("kind") == "pipeline" else \
+        Plan.from_dict(data)
     check_agreement("plan", json.dumps(plan.to_dict(), sort_keys=True))
     return plan
 
@@ -281,8 +280,7 @@ def compile_everywhere(fn: Callable[..., Any], args: tuple[Any, ...], roles: Map
     plan = given if given is not None else agreed_plan(graph, lambda: make(shapes, graph))
     if isinstance(plan, Plan):
         graph = as_planned(graph, plan)  # the plan's rewrites, applied alike on every process
-        if given is not None:
-            plan.verify(graph)
+        plan.verify(graph)
         return graph, plan, GlobalStep(emit(graph, plan.specs, mesh))
     micro = trace_microbatch(fn, shapes, graph, plan.num_microbatches, roles=roles)
     micro = recomputed(micro, plan.recompute)
