@@ -260,8 +260,8 @@ def test_the_signatures_list_every_option_with_the_entry_points_defaults() -> No
 
 def test_every_option_is_documented_and_its_choices_are_the_ones_checked() -> None:
     assert FIELDS == ("mesh", "hardware", "memory_budget", "time_budget_s", "roles", "batch_argnums", "recompute",
-                      "unroll_scans", "runtime", "microbatches", "pipeline", "schedule", "num_chunks", "num_layers", "max_stages",
-                      "stage_shape")
+                      "unroll_scans", "runtime", "microbatches", "pipeline", "schedule", "num_chunks", "num_layers",
+                      "max_stages", "stage_shape")
     for name in FIELDS:
         assert len(PlanOptions.doc(name)) > 40 and f"``{name}``:" in PlanOptions.__doc__
     assert set(typing.get_args(Schedule)) == {"auto", *SCHEDULES}
