@@ -5,6 +5,7 @@ the same recompute choice and a predicted step time within 1% of the example's).
 
     python benchmarks/plan_styles.py                                   # tiny on 2x4 (seconds)
     nice -n 10 python benchmarks/plan_styles.py --preset 1.3b --mesh 8x8 --hardware h100
+    python benchmarks/plan_styles.py --keep-scans        # and the nn.scan style kept a scan (unroll_scans=False)
 
 Plans only (abstract shapes, nothing allocated); each style is planned in this one process, one after the
 other, with the same options and the plan cache off. Prints one row per style: predicted step time, its ratio to the example's,
