@@ -4,6 +4,7 @@ from the traced step, schedules as tick tables, the same numbers as ``jax.jit`` 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -208,12 +209,16 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
 
 
 @pytest.mark.parametrize("form,name", [
-    # llama: its three schedules run across two processes in CI (below), so here only with -m slow
+    # llama's three schedules and two styles run across two processes in CI (the same program,
+    # test_llama_and_models_in_two_styles_...), so here only with -m slow
     pytest.param("llama", "1f1b", marks=pytest.mark.slow), pytest.param("llama", "zb-h1", marks=pytest.mark.slow),
-    pytest.param("llama", "interleaved-1f1b", marks=pytest.mark.slow), ("style:unnumbered", "1f1b"),
+    pytest.param("llama", "interleaved-1f1b", marks=pytest.mark.slow),
+    pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
     pytest.param("style:numbered", "zb-h1", marks=pytest.mark.slow),
     pytest.param("style:numbered", "interleaved-1f1b", marks=pytest.mark.slow),
+    pytest.param("style:unnumbered", "1f1b", marks=pytest.mark.slow),
     pytest.param("style:unnumbered", "zb-h1", marks=pytest.mark.slow),
+    pytest.param("style:unnumbered", "interleaved-1f1b", marks=pytest.mark.slow),
     # ZB-V (two chunks a stage in a V): CI runs the tiny GPT's (test_zb_v_...), these with -m slow
     pytest.param("llama", "zb-v", marks=pytest.mark.slow), pytest.param("style:numbered", "zb-v", marks=pytest.mark.slow),
     pytest.param("style:flax_default", "1f1b", marks=pytest.mark.slow),
@@ -364,35 +369,65 @@ def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_de
                                        # models written as users write them (trace.structure finds their
                                        # blocks): Llama's layers/0.. reading a padding mask and RoPE tables
                                        # beside the stream, GPT-2's h/0, ordinal names
+                                       # (CI: llama's three schedules and two styles in one launch, below)
                                        pytest.param("llama", "1f1b", marks=pytest.mark.slow),
-                                       ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
+                                       pytest.param("llama", "zb-h1", marks=pytest.mark.slow),
+                                       pytest.param("llama", "interleaved-1f1b", marks=pytest.mark.slow),
                                        pytest.param("llama", "zb-v", marks=pytest.mark.slow),
                                        pytest.param("style:numbered", "zb-h1", marks=pytest.mark.slow),
-                                       # (a style model's blocks across processes: -m slow; CI runs
-                                       # styles on one process and llama's two schedules here)
+                                       pytest.param("style:numbered", "interleaved-1f1b", marks=pytest.mark.slow),
                                        pytest.param("style:unnumbered", "interleaved-1f1b", marks=pytest.mark.slow),
                                        pytest.param("style:numbered", "1f1b", marks=pytest.mark.slow),
                                        pytest.param("style:unnumbered", "1f1b", marks=pytest.mark.slow),
+                                       pytest.param("style:unnumbered", "zb-h1", marks=pytest.mark.slow),
                                        # no layer before the blocks: the first block reads the batch
                                        pytest.param("mlp:batch", "1f1b", marks=pytest.mark.slow)])
 def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path, form: str, name: str) -> None:
     reports = multiproc.run("pipeline_worker.py", tmp_path, name, form, timeout=900)
-    assert [r["runtime"] for r in reports] == ["SpmdPipelineStep"] * 2  # one program, across processes
+    _across_processes_as_jit(tmp_path / "0", form, name, [r[0] for r in reports])
+
+
+def test_llama_and_models_in_two_styles_run_across_two_processes_as_jit(tmp_path: Path) -> None:
+    # issue #48's runs, in one launch of two processes (one start and import for five cases, CI's time):
+    # examples/llama.py (layers/0.., a padding mask and RoPE tables read by every block, its final RMSNorm
+    # written by hand) under its three schedules, and the example GPT written with numbered children (h/0) and
+    # with unnumbered blocks; each case's 3 steps equal jax.jit's on one process
+    cases = [("llama", "1f1b"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
+             ("style:numbered", "zb-h1"), ("style:unnumbered", "interleaved-1f1b")]
+    with multiproc.running("pipeline_worker.py", tmp_path, *[x for form, name in cases for x in (name, form)]) as procs:
+        for form in dict.fromkeys(form for form, _ in cases):  # jax.jit's steps, while the processes run
+            _jit_steps(form)
+        reports = multiproc.reports(procs, timeout=1500)
+    for k, (form, name) in enumerate(cases):
+        _across_processes_as_jit(tmp_path / str(k), form, name, [r[k] for r in reports])
+
+
+def _across_processes_as_jit(out: Path, form: str, name: str, reports: list[dict]) -> None:
+    """A case of ``pipeline_worker`` (its output ``out``, each process's report of it) ran as one program
+    across both processes, planned as ``name``, and its 3 steps equal ``jax.jit``'s on one process."""
+    assert [r["runtime"] for r in reports] == ["SpmdPipelineStep"] * 2, (form, name)  # one program, across processes
     assert reports[0]["losses"] == reports[1]["losses"]
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
     assert plan["kind"] == "pipeline" and plan["schedule"] == name
     if form.endswith(":heavy"):  # the tail spread over stages: its exchanges run on both processes
         assert plan["tail_split"] > 1
-    got = np.load(tmp_path / "result.npz")
+    got = np.load(out / "result.npz")
+    losses, leaves = _jit_steps(form)
+    assert global_rel_error(losses, got["losses"]) <= TOL
+    assert global_rel_error(leaves, [got[f"leaf_{i}"] for i in range(len(leaves))]) <= TOL
+
+
+@functools.cache
+def _jit_steps(form: str) -> tuple[np.ndarray, list[Any]]:
+    """``pipeline_forms.make(form)``'s step run 3 times under ``jax.jit`` on one process: its losses and the
+    leaves of its state after (made once per form: several schedules compare to it)."""
     fn, args, batch = make(form)
     ref = jax.jit(fn)
     want, losses = list(args), []
     for _ in range(3):
         *want, m = ref(*want, batch)
         losses.append(float(m["loss"]))
-    leaves = jax.tree.leaves(want)
-    assert global_rel_error(np.array(losses), got["losses"]) <= TOL
-    assert global_rel_error(leaves, [got[f"leaf_{i}"] for i in range(len(leaves))]) <= TOL
+    return np.array(losses), jax.tree.leaves(want)
 
 
 def _zb_v_step(stages: int, layers: int, M: int, devices: int) -> tuple[SpmdPipelineStep, Any, Any, Any]:
