@@ -82,7 +82,10 @@ from cost_models import CostModel, ShardingSpec
 from solvers import IntraOpProblem
 
 TensorKey = tuple[Scope, int]
-_FOLLOW = frozenset(ELEMENTWISE) | UNARY_FOLLOWERS
+# an optimization barrier is no follower: the replayed copy it passes on lives in the block's backward pass, far
+# from its leader (a forward op), and a group holds its results' peak over the whole of their span (a barrier
+# with no anchor, merged into the forward matmul whose output it ties, held that output twice over the step)
+_FOLLOW = (frozenset(ELEMENTWISE) | UNARY_FOLLOWERS) - {"optimization_barrier"}
 MEMORY_TIE_BREAK = 0.01
 GENERATED = frozenset({"iota", "full", "empty", "empty2", "broadcast"})  # values made from nothing
 

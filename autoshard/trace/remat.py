@@ -296,9 +296,7 @@ class _Rewrite:
         Each value the replay reads from outside it passes through a barrier of its own beside the anchor
         (``_anchor``), so that each keeps its own layout."""
         g = self.graph
-        anchor = next((t for t, a in zip(op.inputs, op.eqn.invars, strict=True)
-                       if not isinstance(a, Literal) and g.tensors[t].producer is not None
-                       and g.ops[g.tensors[t].producer].phase == "backward"), None)
+        anchor = _incoming(g, op)
         stay = sorted({t for o in replay for t, a in zip(g.ops[o].inputs, g.ops[o].eqn.invars, strict=True)
                        if t not in produced and not isinstance(a, Literal)})
         local: dict[int, int] = {}
@@ -337,6 +335,23 @@ class _Rewrite:
         self._catch_up(len(g.tensors))
         return _finish(g, self.ops, self.tensors, [self.new[t] for t in g.inputs],
                        [self._read(t) for t in g.outputs], self.constants)
+
+
+def _incoming(g: Graph, op: Op) -> int | None:
+    """The anchor's value for the replay before ``op``, its block's first backward op: the first value the
+    block's backward ops read (``op``'s first) that a backward op made before ``op``, i.e. the cotangent
+    arriving from the blocks after it. A block's backward may begin with ops that read no such value (an
+    unrolled ``nn.scan`` stack's rebuilds its causal mask from an iota first)."""
+    for o in g.ops[op.id:]:
+        if o.phase == "forward":
+            break  # past the backward pass (a second differentiation's forward): no value found in it
+        if o.layer != op.layer or o.phase != "backward":
+            continue
+        for t, a in zip(o.inputs, o.eqn.invars, strict=True):
+            p = g.tensors[t].producer
+            if not isinstance(a, Literal) and p is not None and p < op.id and g.ops[p].phase == "backward":
+                return t
+    return None
 
 
 def _finish(graph: Graph, ops: list[dict[str, Any]], tensors: list[dict[str, Any]], inputs: list[int],
