@@ -11,12 +11,19 @@ solves (under ``IN_PROCESS_COLUMNS`` columns) stay in-process: a child costs ten
 The child must not import the caller's ``__main__``: multiprocessing would run a user's script again in it
 (its training loop, or its own call to the planner, which then fails in the middle of bootstrapping), so
 the main module is hidden while the child starts (``_main_hidden``); ``fn`` lives in an importable module.
+
+A process forked from one that started the forkserver (the planner's intra-operator plan, made in a forked
+process beside the pipeline search) inherits multiprocessing's record of that server, which is not its child:
+multiprocessing's check that it still runs waits on it and raises ``ChildProcessError``. Such a process
+forgets the record and starts a server of its own (``_forget_inherited_forkserver``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +61,24 @@ def _main_hidden() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+def _forget_inherited_forkserver() -> None:
+    """Forget a forkserver this process did not start (inherited through ``os.fork``) or that has ended, so
+    that the next start launches one of its own; the server stays the parent's (its pipe is left open here:
+    closing it would stop the parent's server). Reads multiprocessing's private record of its server
+    (``_forkserver_pid``, ``_forkserver_address``, ``_forkserver_alive_fd``, CPython 3.11-3.13)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        ended = os.waitpid(pid, os.WNOHANG)[0] != 0  # reaped here: multiprocessing would find no child
+    except ChildProcessError:  # not this process's child: inherited from the process it was forked from
+        ended = True
+    if ended:
+        for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd"):
+            setattr(server, name, None)
+
+
 def run_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict, *, deadline: float, columns: int,
                 on_timeout: Any) -> Any:
     """``fn(*args, **kwargs)``, in a child process killed at ``deadline + GRACE_S`` (``time.perf_counter``)
@@ -62,6 +87,7 @@ def run_guarded(fn: Callable[..., Any], args: tuple, kwargs: dict, *, deadline: 
     if columns < IN_PROCESS_COLUMNS:
         return fn(*args, **kwargs)
     ctx = multiprocessing.get_context("forkserver")
+    _forget_inherited_forkserver()
     ctx.set_forkserver_preload(["numpy", "highspy", "solvers.intra_op.rowgen"])
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(send, fn, args, kwargs), daemon=True)

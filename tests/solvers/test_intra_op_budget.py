@@ -61,6 +61,39 @@ def test_a_solve_that_overruns_its_deadline_is_killed() -> None:
     assert run_guarded(max, (1, 2), {}, deadline=time.perf_counter() + 30.0, columns=10**9, on_timeout=None) == 2
 
 
+def test_a_guarded_solve_runs_in_a_process_forked_after_one_ran_in_its_parent() -> None:
+    # the planner forks a process for the intra-operator plan beside the pipeline search (planner.beside);
+    # where this process had already started multiprocessing's forkserver (a large solve of an earlier plan),
+    # the fork inherited a record of that server, which is not its child: its first guarded solve raised
+    # ChildProcessError (ECHILD) from multiprocessing (GPT-1.3B's styles planned one after another on 8x8)
+    import math
+    import os
+
+    from solvers.intra_op.watchdog import run_guarded
+
+    assert run_guarded(math.sqrt, (9.0,), {}, deadline=time.perf_counter() + 30, columns=10**6, on_timeout=None) == 3
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked process: a guarded solve, its outcome written back
+        code = 1
+        try:
+            out = run_guarded(math.sqrt, (16.0,), {}, deadline=time.perf_counter() + 30, columns=10**6,
+                              on_timeout=None)
+            os.write(write, repr(out).encode())
+            code = 0
+        except BaseException as e:
+            os.write(write, f"{type(e).__name__}: {e}".encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and said == "4.0", said
+    # and the parent's own server still serves it
+    assert run_guarded(math.sqrt, (25.0,), {}, deadline=time.perf_counter() + 30, columns=10**6, on_timeout=None) == 5
+
+
 def test_a_guarded_solve_from_a_script_without_a_main_guard_does_not_run_the_script_again(tmp_path) -> None:
     # multiprocessing would import the caller's __main__ in the child: a user's script, run a second time
     import subprocess
