@@ -209,7 +209,7 @@ def test_one_program_matches_jit(form: str, name: str, shape: tuple[int, int], r
 
 
 @pytest.mark.parametrize("form,name", [
-    # llama's three schedules and two styles run across two processes in CI (the same program,
+    # llama's and two styles' three schedules run across two processes in CI (the same program,
     # test_llama_and_models_in_two_styles_...), so here only with -m slow
     pytest.param("llama", "1f1b", marks=pytest.mark.slow), pytest.param("llama", "zb-h1", marks=pytest.mark.slow),
     pytest.param("llama", "interleaved-1f1b", marks=pytest.mark.slow),
@@ -369,7 +369,8 @@ def test_stages_data_parallel_over_a_few_rows_keep_every_collective_where_all_de
                                        # models written as users write them (trace.structure finds their
                                        # blocks): Llama's layers/0.. reading a padding mask and RoPE tables
                                        # beside the stream, GPT-2's h/0, ordinal names
-                                       # (CI: llama's three schedules and two styles in one launch, below)
+                                       # (CI: the llama and style cases under 1f1b, zb-h1 and interleaved-1f1b
+                                       # in one launch, below)
                                        pytest.param("llama", "1f1b", marks=pytest.mark.slow),
                                        pytest.param("llama", "zb-h1", marks=pytest.mark.slow),
                                        pytest.param("llama", "interleaved-1f1b", marks=pytest.mark.slow),
@@ -388,12 +389,12 @@ def test_a_pipeline_across_two_processes_matches_one_process_jit(tmp_path: Path,
 
 
 def test_llama_and_models_in_two_styles_run_across_two_processes_as_jit(tmp_path: Path) -> None:
-    # issue #48's runs, in one launch of two processes (one start and import for five cases, CI's time):
+    # issue #48's runs, in one launch of two processes (one start and import for nine cases, CI's time):
     # examples/llama.py (layers/0.., a padding mask and RoPE tables read by every block, its final RMSNorm
-    # written by hand) under its three schedules, and the example GPT written with numbered children (h/0) and
-    # with unnumbered blocks; each case's 3 steps equal jax.jit's on one process
-    cases = [("llama", "1f1b"), ("llama", "zb-h1"), ("llama", "interleaved-1f1b"),
-             ("style:numbered", "zb-h1"), ("style:unnumbered", "interleaved-1f1b")]
+    # written by hand) and the example GPT written with numbered children (h/0) and with unnumbered blocks,
+    # each under 1F1B, ZB-H1 and interleaved 1F1B; each case's 3 steps equal jax.jit's on one process
+    cases = [(form, name) for form in ("llama", "style:numbered", "style:unnumbered")
+             for name in ("1f1b", "zb-h1", "interleaved-1f1b")]
     with multiproc.running("pipeline_worker.py", tmp_path, *[x for form, name in cases for x in (name, form)]) as procs:
         for form in dict.fromkeys(form for form, _ in cases):  # jax.jit's steps, while the processes run
             _jit_steps(form)
