@@ -184,11 +184,10 @@ def agreed_plan(graph: Graph, make: Callable[[], Plan | PipelinePlan]) -> Plan |
     if "error" in got:
         raise DistributedError(f"process 0 could not plan the step: {got['error']}")
     data = got["plan"]
-    plan: Plan | PipelinePlan
     # verified by the caller against the trace it runs: a pipeline's at microbatch size, an intra-operator
     # plan's rewritten as it was planned (``as_planned``)
-    plan = PipelinePlan.from_dict(data) if isinstance(data, dict) and data.get("kind") == "pipeline" else \
-        Plan.from_dict(data)
+    plan: Plan | PipelinePlan = (PipelinePlan.from_dict(data) if isinstance(data, dict) and data.get("kind") == "pipeline"
+                                 else Plan.from_dict(data))
     check_agreement("plan", json.dumps(plan.to_dict(), sort_keys=True))
     return plan
 

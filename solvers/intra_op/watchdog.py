@@ -74,7 +74,7 @@ def _forget_inherited_forkserver() -> None:
         ended = os.waitpid(pid, os.WNOHANG)[0] != 0  # reaped here: multiprocessing would find no child
     except ChildProcessError:  # not this process's child: inherited from the process it was forked from
         ended = True
-    if ended:  # (3.14 also keeps the server's key: a new server makes its own)
+    if ended:  # (the server's key too, on a Python that keeps one: a new server makes its own)
         for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_authkey"):
             if hasattr(server, name):
                 setattr(server, name, None)
