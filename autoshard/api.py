@@ -68,6 +68,7 @@ from autoshard.target import (
 from autoshard.trace import Graph, trace
 from autoshard.trace.recompute import estimate
 from autoshard.trace.structure import block_labels
+from autoshard.trace.summary import human_bytes
 from autoshard.trace.unroll import unroll_layer_stacks
 
 log = logging.getLogger("autoshard")
@@ -260,9 +261,10 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
     traced: dict[int, Graph] = {}  # id of a plan -> the microbatch graph it is a plan of
 
     def plan_one(count: int, seconds: float | None, interleaved: tuple[int, int] | None = None,
-                 mode: str | None = None) -> PipelinePlan:
+                 mode: str | None = None, derived: str = "interleaved-1f1b") -> PipelinePlan:
         """A pipeline of ``count`` microbatches as the options say, or, with ``interleaved`` (a stage shape),
-        the interleaved one on that shape (``pipeline.microbatches.interleaving``). ``mode``: the recompute
+        the pipeline of ``INTERLEAVE_CHUNKS`` chunks a stage on that shape that the ``derived`` schedule runs
+        (interleaved 1F1B, or ZB-V; ``pipeline.microbatches.interleaving``). ``mode``: the recompute
         mode it is planned with alone (``derived_recompute``; ``invariant``, which no user can fix, starts
         ``"auto"`` there instead); None: ``recompute``, ``"auto"`` starting where ``first_recompute`` says."""
         t_in = deadline.elapsed()
@@ -270,10 +272,10 @@ def _choose(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], graph: G
         if seconds is not None:  # tracing at microbatch size is part of the pipeline's seconds (GPT-15B: 9 s)
             seconds = max(seconds - (deadline.elapsed() - t_in), SHARES.min_solve * seconds)
         log.info("planning a pipeline of %d microbatches%s", count,
-                 "" if interleaved is None else f", interleaved on stages of {interleaved[0]}x{interleaved[1]}")
+                 "" if interleaved is None else f", {derived} on stages of {interleaved[0]}x{interleaved[1]}")
         schedule, stage_shape, chunks = options.schedule, options.stage_shape, options.num_chunks
         if interleaved is not None:
-            schedule, stage_shape, chunks = "interleaved-1f1b", interleaved, INTERLEAVE_CHUNKS
+            schedule, stage_shape, chunks = derived, interleaved, INTERLEAVE_CHUNKS
 
         def stages(g: Graph, s: float | None, modes: StageModes | None = None,
                    uniform: bool = options.uniform) -> PipelinePlan:
@@ -437,7 +439,9 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     search took; without one, when ``piped`` idles at least ``INTERLEAVE_BUBBLE`` of its step (GPT-1T,
     128 stages of 3x8 over 1024 microbatches: 19.0% under the SPMD program's ZB-H1 ticks). Uniform stages
     (the SPMD program's) are interleaved as the program runs them (``stages._uniform``, chunks of equal
-    blocks, the tail spread where that pays).
+    blocks, the tail spread where that pays), and there the derived stages are priced two ways, interleaved
+    1F1B and ZB-V's two chunks in a V (whose ``F``, ``B`` and ``W`` each take about a forward, so its lockstep
+    ticks lose little), the faster planned.
 
     The derived pipeline is planned with its base's recompute alone (``derived_recompute``): a lesser mode
     cannot fit where the base needed its own, and a greater one costs more compute than interleaving can
@@ -461,22 +465,38 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     if found is None:
         return piped
     count, shape = found
-    if piped.spmd:  # the SPMD program's lockstep ticks: priced from the base's stage times first
+    name = "interleaved-1f1b"
+    if piped.spmd:  # the SPMD program's lockstep ticks: priced from the base's stage times first, both ways
+        # the derived stages are run (interleaved 1F1B and ZB-V's V), the faster kept
         ours, derived = interleaved_lockstep(piped, count, batch)
+        _, v_derived = interleaved_lockstep(piped, count, batch, schedule="zb-v")
+        # a V's stage holds two of the base's chunks, each with its weights and up to the base's first stage's
+        # microbatches in flight: screened by twice the base's fullest stage (GPT-1T on 64 stages of 6x8,
+        # selective recompute: 84.4 GiB where the base's 3x8 stages hold 51.8, over a 67 GiB budget)
+        roomy = piped.memory_budget is None or 2 * piped.peak_memory <= piped.memory_budget
+        if v_derived < derived and roomy:
+            name, derived = "zb-v", v_derived
+        elif v_derived < derived:
+            log.info("ZB-V on %dx%d stages over %d microbatches not planned: its stages hold two of the %s plan's "
+                     "chunks, and twice its fullest stage (%s) is over the memory budget", *shape, count,
+                     piped.schedule, human_bytes(2 * piped.peak_memory))
         if derived >= ours:
             log.info("no interleaved pipeline of %d microbatches on %dx%d stages: priced from the %s "
                      "plan's stage times, its lockstep ticks take %s to its %s (exchanges left out)", count,
                      *shape, piped.schedule, human_time(derived), human_time(ours))
             return piped
+        log.info("%s on %dx%d stages over %d microbatches: priced from the %s plan's stage times, its lockstep "
+                 "ticks take %s to its %s (exchanges left out); planning it", name, *shape, count, piped.schedule,
+                 human_time(derived), human_time(ours))
     try:
         # a base recomputing per stage (its first stages more) gives no one mode: ``recompute`` decides afresh
         mode = derived_recompute(piped.recompute) if len(set(piped.recompute.values())) < 2 else None
-        other = plan_one(count, left, shape, mode)
+        other = plan_one(count, left, shape, mode, name)
     except AutoshardError as e:
-        log.info("no interleaved pipeline of %d microbatches on %dx%d stages (%s)", count, *shape,
+        log.info("no %s pipeline of %d microbatches on %dx%d stages (%s)", name, count, *shape,
                  str(e).splitlines()[0])
         return piped
-    log.info("interleaved, %d microbatches on %dx%d stages: %s a step (%s: %s)", count, *shape,
+    log.info("%s, %d microbatches on %dx%d stages: %s a step (%s: %s)", name, count, *shape,
              human_time(other.predicted_step_time), piped.schedule, human_time(piped.predicted_step_time))
     return other if other.predicted_step_time < piped.predicted_step_time else piped
 

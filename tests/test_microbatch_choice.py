@@ -253,13 +253,13 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
 
     asked = []
 
-    def plan_one(count, seconds, shape, mode):
-        asked.append((count, shape, mode))
+    def plan_one(count, seconds, shape, mode, derived="interleaved-1f1b"):
+        asked.append((count, shape, mode, derived))
         return pipe(0.9)
 
     auto = PipelineOptions()
     faster = _try_interleaving(pipe(1.0), plan_one, 64, auto, None, 5.0)
-    assert faster.predicted_step_time == 0.9 and asked == [(4, (1, 4), "none")]
+    assert faster.predicted_step_time == 0.9 and asked == [(4, (1, 4), "none", "interleaved-1f1b")]
     slower = pipe(0.5)
     assert _try_interleaving(slower, plan_one, 64, auto, None, 5.0) is slower
     for options, left, bubble in ((PipelineOptions(schedule="1f1b"), None, 0.2),
@@ -268,8 +268,20 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
         chosen = pipe(1.0, bubble)
         assert _try_interleaving(chosen, plan_one, 64, options, left, 5.0) is chosen
     assert len(asked) == 2
+    # an SPMD plan's derived stages are priced as interleaved 1F1B and as ZB-V from its own stage times
+    # (ZB-H1 on 4 stages over 8 microbatches, unit stages: 10 of ticks; interleaved 1F1B on 2 stages of 2
+    # chunks over 4: 10.67, a forward waiting for a backward each tick; ZB-V: 8.67), the faster planned
+    spmd = SimpleNamespace(**vars(pipe(1.0)), tail_split=1, fused_ticks=False, tail_time=0.0, peak_memory=4e9,
+                           memory_budget=8e9)
+    spmd.spmd, spmd.schedule, spmd.stages = True, "zb-h1", [SimpleNamespace(submesh=(1, 2), micro_time=1.0)] * 4
+    assert _try_interleaving(spmd, plan_one, 64, auto, None, 5.0).predicted_step_time == 0.9
+    assert asked[-1] == (4, (1, 4), "none", "zb-v")
+    # a V's stage holds two of the base's chunks: not planned where twice the base's fullest stage overflows
+    # (interleaved 1F1B's ticks, 10.67 to the base's 10, are not planned either)
+    spmd.peak_memory = 4.1e9
+    assert _try_interleaving(spmd, plan_one, 64, auto, None, 5.0) is spmd and len(asked) == 3
 
-    def fails(count, seconds, shape, mode):
+    def fails(count, seconds, shape, mode, derived="interleaved-1f1b"):
         raise PipelineError("no cut fits")
 
     chosen = pipe(1.0)

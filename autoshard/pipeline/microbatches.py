@@ -83,11 +83,13 @@ def first_recompute(need: Callable[[str], float | None], hosts: int, count: int,
 _NO_LINK = types.SimpleNamespace(latency=0.0, bandwidth=math.inf)  # ``ticks.price``'s exchanges left out
 
 
-def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERLEAVE_CHUNKS) -> tuple[float, float]:
+def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERLEAVE_CHUNKS,
+                         schedule: str = "interleaved-1f1b") -> tuple[float, float]:
     """The tick loops, in seconds, of ``plan`` (an SPMD plan of ``S`` stages, ``plan.spmd``) and of the
     interleaved SPMD pipeline ``interleaving`` derives from it (``count`` microbatches of a ``batch``-row
-    batch on ``S / chunks`` stages of ``chunks`` chunks), both priced from ``plan``'s own stage times before
-    the derived one is traced or planned:
+    batch on ``S / chunks`` stages of ``chunks`` chunks, run by ``schedule``: interleaved 1F1B, or ZB-V's
+    two chunks in a V, virtual stage ``u`` holding the blocks of ``plan``'s stage ``u`` either way), both
+    priced from ``plan``'s own stage times before the derived one is traced or planned:
 
         T = ticks.price(t, ticks of the schedule).loop            (exchanges left out of both)
 
@@ -98,14 +100,17 @@ def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERL
     update is its base's (the same parameters a device) and each tick's exchange costs what the base's
     does (the stream's bytes a device are the same). Lockstep unit ticks make a forward wait for a backward
     on another stage, which interleaved 1F1B's steady state does on every tick (``ticks.price``: up to
-    ``4/3`` of the work), where ZB-H1's ``F``, ``B`` and ``W`` are each about a forward long."""
+    ``4/3`` of the work), where ZB-H1's and ZB-V's ``F``, ``B`` and ``W`` are each about a forward long (and
+    ZB-V idles about ``2S'`` of its ticks, ZB-H1 ``2S``: GPT-1T's 128 stages of 3x8 over 1024 microbatches
+    under ZB-H1 take 79.98 s of ticks, as interleaved 1F1B on 64 stages of 6x8 over 512 96.19 s, as ZB-V
+    76.76 s, which its memory then does not allow: ``api._try_interleaving``)."""
     S = len(plan.stages)
     times = [st.micro_time for st in plan.stages]
     G = plan.tail_split
     base = lockstep_tables(plan.schedule, S, plan.num_microbatches, fused=plan.fused_ticks, tail_split=G)
     S2, rows = S // chunks, batch // count
     G2 = max((g for g in range(2, S2 + 1) if rows % g == 0), default=1) if G > 1 else 1
-    derived = lockstep_tables("interleaved-1f1b", S2, count, chunks, tail_split=G2)
+    derived = lockstep_tables(schedule, S2, count, chunks, tail_split=G2)
     tail = plan.tail_time
     return _loop(times, base, tail if G > 1 else 0.0, G), _loop(times, derived, tail if G2 > 1 else 0.0, G2)
 

@@ -122,10 +122,10 @@ class PipelinePlan:
     # planned for the SPMD program (``pipeline.spmd_program``: uniform stages, priced as its lockstep ticks
     # run), which runs on any number of processes; else for the single-process MPMD runtime
     spmd: bool = False
-    # the SPMD program's tail (the layers after the blocks) spread over the last ``tail_split`` stages, a
-    # slice of each microbatch's rows each (``spmd_program.Spread``); ``tail_time``: its seconds (forward
-    # and backward of one microbatch, on the last stage's submesh), which the last stage's ``micro_time``
-    # includes and its ticks do not
+    # the SPMD program's tail (the layers after the blocks) spread over the last ``tail_split`` stages (in a
+    # V, ZB-V's, the first: ``Ticks.tail_stages``), a slice of each microbatch's rows each
+    # (``spmd_program.Spread``); ``tail_time``: its seconds (forward and backward of one microbatch, on the
+    # last virtual stage's submesh), which that stage's ``micro_time`` includes and its ticks do not
     tail_split: int = 1
     tail_time: float = 0.0
     # the MPMD runtime's host seconds a step, issuing its programs and moving values between stages

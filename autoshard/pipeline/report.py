@@ -7,6 +7,7 @@ from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.summary import cpu_note, human_time, mfu_line
 from autoshard.trace import remat
 from autoshard.trace.summary import human_bytes
+from solvers.pipeline.schedules import V_SCHEDULES
 
 
 def one_stage_note(plan: PipelinePlan) -> str | None:
@@ -37,18 +38,22 @@ def format_pipeline_plan(plan: PipelinePlan) -> str:
     chosen = f" (the faster for these stages; microbatches' passes {human_time(priced[plan.schedule])}, " \
         f"{', '.join(others)})" if priced and plan.schedule in priced and others else ""
     per_stage = any(st.recompute for st in plan.stages)
+    v_shape = plan.schedule in V_SCHEDULES  # the last virtual stage on stage 0, beside the head
     lines = [
         f"mesh {plan.mesh}   hardware {plan.hardware or '?'}",
         *([cpu] if (cpu := cpu_note(plan.mesh, plan.hardware)) else []),
-        f"pipeline: {S} stage{'s' if S != 1 else ''}, {plan.num_microbatches} microbatches, schedule "
+        f"pipeline: {S} stage{'s' if S != 1 else ''}"
+        + (f" ({plan.num_physical_stages} of {plan.num_chunks} chunks each)" if plan.num_chunks > 1 else "")
+        + f", {plan.num_microbatches} microbatches, schedule "
         f"{plan.schedule}{chosen}, {plan.num_layers} layers",
         *([note] if (note := one_stage_note(plan)) else []),
         "runs as one SPMD program over a stage axis (any number of processes; lockstep ticks priced)" if plan.spmd
         else "runs a program per stage from one process (the MPMD runtime; one host)"
         + (f": {human_time(plan.host_time)} of host work a step issuing them" if plan.host_time else ""),
-        *([f"the layers after the last block ({human_time(plan.tail_time)} a microbatch on the last stage) run on "
-           f"the last {plan.tail_split} stages, 1/{plan.tail_split} of each microbatch's rows each, in the tick "
-           "after its last forward"] if plan.tail_split > 1 else []),
+        *([f"the layers after the last block ({human_time(plan.tail_time)} a microbatch on "
+           + ("stage 0, beside the head" if v_shape else "the last stage")
+           + f") run on the {'first' if v_shape else 'last'} {plan.tail_split} stages, 1/{plan.tail_split} of each "
+           "microbatch's rows each, in the tick after its last forward"] if plan.tail_split > 1 else []),
         f"predicted step time {human_time(plan.predicted_step_time)}   bubble {100 * plan.bubble_fraction:.1f}%   "
         f"peak memory per device {human_bytes(plan.peak_memory)}"
         + (f" of a {human_bytes(plan.memory_budget)} budget" if plan.memory_budget else " (no budget)"),

@@ -81,7 +81,10 @@ backward on its slice, before its own actions, adding ``1/G`` of its sums (the l
 the step is a mean over rows) to the accumulators; at the end of that tick the slices' cotangents come back,
 joined in row order into the last stage's cotangent slot. The schedule leaves that tick between the last
 stage's forward and backward (``schedules``' tail gap). The slices' layouts are the plan's where the tail's
-ops pair up with the small trace's, else XLA's (JAX traces a dimension of one row differently).
+ops pair up with the small trace's, else XLA's (JAX traces a dimension of one row differently). In a V
+(ZB-V) the last virtual stage runs on stage 0, beside the head, and the slices go to stages ``0..G−1``
+(``Ticks.tail_stages``): without the spread every tick in which stage 0 runs its second chunk would carry
+the tail (GPT-1T on 64 stages: 3% of the step).
 
 Not yet: blocks that read per-microbatch values other than the residual stream (an attention mask built
 from the batch).
@@ -310,15 +313,13 @@ class SpmdPipelineStep:
         S = mesh.shape[STAGE_AXIS]
         chunks = num_chunks if schedule_name == "interleaved-1f1b" else 2 if schedule_name in V_SCHEDULES else 1
         self.num_chunks = chunks
-        if schedule_name in V_SCHEDULES and tail is not None:
-            raise cannot_run(f"{schedule_name} runs its last virtual stage on stage 0, beside the head: the layers "
-                             "after the blocks cannot be spread over other stages there; plan with tail_split=1")
         self.parts = split_step(micro)
         self.cut = uniform_stages(micro, S * chunks, self.parts)  # one template chunk per virtual stage
         self.num_microbatches = M = num_microbatches
         self.batch_pos = self.parts.batch_inputs
         # a spread tail: ``tail`` is the step traced at 1/G of the microbatch's rows (``trace_microbatch`` at
-        # ``M·G`` microbatches); its layers after the blocks run on the last G stages, a slice each
+        # ``M·G`` microbatches); its layers after the blocks run on G stages, a slice each (the last G, or in a
+        # V, whose last virtual stage is stage 0, the first G: ``Ticks.tail_stages``)
         self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh) \
             if tail is not None else None
         G = self.spread.split if self.spread is not None else 1
@@ -664,7 +665,7 @@ class SpmdPipelineStep:
                 for j, x in enumerate(f0.inputs):
                     if cut.f_kinds[j].startswith("act:"):
                         te[last.inputs[j]] = fe[x]
-                if sp is not None:  # the tail runs next tick on the last G stages: keep what it reads
+                if sp is not None:  # the tail runs next tick on the G tail stages: keep what it reads
                     return dict(c, tsend=[te[t1] for t1, _ in sp.send])
                 run(cut.tail_f, te, tail_interp)
                 run(cut.tail_b, te, tail_interp)
@@ -761,14 +762,16 @@ class SpmdPipelineStep:
 
         if sp is not None:
             G = sp.split
+            # the stage of the last virtual stage, whose stream is spread, and the first of the G that run slices
+            home, first = (0, 0) if self.v_shape else (S - 1, S - G)
             small_interp = Interpreter(abstract, sp.specs)
             inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
             over_g = lambda x: (x / jnp.asarray(G, x.dtype)).astype(x.dtype) if inexact(x) else x  # noqa: E731
 
             def tail_slice(c: dict, t: Any) -> dict:
-                """On the last G stages: the tail (forward and backward) of slice ``s − (S − G)`` of the
+                """On the G tail stages: the tail (forward and backward) of slice ``s − first`` of the
                 microbatch's rows; its sums count 1/G of the microbatch's (the step is a mean over rows)."""
-                m, gi = tables["tail_micro"][t], s - (S - G)
+                m, gi = tables["tail_micro"][t], s - first
                 se: dict[int, Any] = {t2: outer[t1] for t1, t2 in sp.outside} | small_pre
                 for t1, t2 in sp.batch:
                     x = jax.lax.dynamic_index_in_dim(batch[self._batch_t.index(t1)], m, 0, keepdims=False)
@@ -786,28 +789,30 @@ class SpmdPipelineStep:
                 return dict(c, once=once, tout=[over_g(se[t2]) for t2 in sp.cot])
 
             def send_tail(c: dict) -> dict:
-                """The stream's row slices from the last stage to the last G stages (slice g to S − G + g)."""
+                """The stream's row slices from the last virtual stage's stage to the G tail stages (slice g to
+                stage ``first + g``)."""
                 tin = []
                 for x in c["tsend"]:
                     r = x.shape[0] // G
                     got = jnp.zeros((r, *x.shape[1:]), x.dtype)
                     for gi in range(G):
                         piece = jax.lax.slice_in_dim(x, gi * r, (gi + 1) * r, axis=0)
-                        dst = S - G + gi
-                        got = got + (jnp.where(s == S - 1, piece, 0) if dst == S - 1
-                                     else jax.lax.ppermute(piece, STAGE_AXIS, [(S - 1, dst)]))
+                        dst = first + gi
+                        got = got + (jnp.where(s == home, piece, 0) if dst == home
+                                     else jax.lax.ppermute(piece, STAGE_AXIS, [(home, dst)]))
                     tin.append(got)
                 return dict(c, tin=tin)
 
             def return_tail(c: dict, t: Any) -> dict:
-                """The slices' cotangents back to the last stage, joined in row order, into its slot."""
+                """The slices' cotangents back to the last virtual stage's stage, joined in row order, into its
+                slot."""
                 k = tables["tail_cot"][t]
                 cot = list(c["cot"])
                 for ch, x in enumerate(c["tout"]):
-                    pieces = [x if S - G + gi == S - 1 else jax.lax.ppermute(x, STAGE_AXIS, [(S - G + gi, S - 1)])
+                    pieces = [x if first + gi == home else jax.lax.ppermute(x, STAGE_AXIS, [(first + gi, home)])
                               for gi in range(G)]
                     whole_cot = jnp.concatenate(pieces, axis=0)
-                    cot[ch] = jnp.where(s == S - 1, put(cot[ch], k, whole_cot), cot[ch])
+                    cot[ch] = jnp.where(s == home, put(cot[ch], k, whole_cot), cot[ch])
                 return dict(c, cot=cot)
 
         # in a V each stage hears from both sides: one message each way, a stream or a cotangent (``ticks``
@@ -838,7 +843,7 @@ class SpmdPipelineStep:
 
         def tick(c: dict, t: Any) -> tuple[dict, None]:
             if sp is not None:  # first the tail of the microbatch whose stream arrived last tick
-                c = jax.lax.cond((tables["tail_micro"][t] >= 0) & (s >= S - sp.split), tail_slice,
+                c = jax.lax.cond((tables["tail_micro"][t] >= 0) & (s >= first) & (s < first + G), tail_slice,
                                  lambda c, t: c, c, t)
             # a forward, then a backward (fused 1F1B runs both in one tick; other schedules one of them)
             fm, bm = tables["f_micro"][t, s], tables["b_micro"][t, s]

@@ -585,12 +585,13 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
     forward long, so the lockstep costs little over the asynchronous schedule, with 1F1B's microbatches in
     flight (held until ``W``), and ZB-V's cut (``2S`` virtual stages of ``K / 2S`` blocks, chunk 1 of stage
     ``s`` holding virtual stage ``2S − 1 − s``: ``place``) with its unit ticks, its chunks' own microbatches
-    in flight, its tail on stage 0 (never spread). The interleaved schedule has the one form, its unit ticks.
+    in flight, its tail on stage 0 beside the head. The interleaved schedule has the one form, its unit ticks.
 
     With ``spread_rows`` (the microbatch's rows, when the tail can be spread: ``tail_spreadable``) each form
     is priced a second way, the tail (the layers from ``tail_first`` on, after the last block,
-    ``τ_m = Σ_ell t_micro[ell, m]``, ``_tail_seconds``) spread over the last ``G`` stages (``_tail_split``:
-    the largest divisor of the rows up to ``S``): the last virtual stage's time less ``τ_m``, ``τ_m / G`` on
+    ``τ_m = Σ_ell t_micro[ell, m]``, ``_tail_seconds``) spread over ``G`` stages (``_tail_split``: the
+    largest divisor of the rows up to ``S``; the last ``G``, or in a V the first ``G``, ``Ticks.tail_stages``):
+    the last virtual stage's time less ``τ_m``, ``τ_m / G`` on
     each of the ``G`` stages in the tick after its forward, two exchanges of the stream's slices, a tick
     between the last forward and backward (``schedules``' tail gap, whose schedule holds one more
     microbatch: on the last stage for ZB-H1, on every stage for 1F1B and the interleaved schedule; the
@@ -622,8 +623,8 @@ def _uniform(graph: Graph, parts: Any, layer_of_op: Sequence[int], stage_time: n
                 tried.append(f"{S} stages of {shape[0]}x{shape[1]}: a stage has no plan")
                 continue
             link = cost.cluster.inter_link if shape[0] < cluster[0] else cost.cluster.intra_link
-            G = 1 if v_shape else _tail_split(spread_rows, S)  # a V's tail stays on stage 0, beside the head
-            tail = _tail_seconds(prices, tail_first, m) if spread_rows and not v_shape else 0.0
+            G = _tail_split(spread_rows, S)  # in a V over the first G stages (stage 0 holds the tail)
+            tail = _tail_seconds(prices, tail_first, m) if spread_rows else 0.0
             forms = _tick_forms("zb-v" if v_shape else pricing, S, num_microbatches, v,
                                 (1, G) if G > 1 and tail > 0 else (1,), zero_bubble and not v_shape)
             places = [place(u, S, v_shape) for u in range(V)]

@@ -7,7 +7,8 @@
   what ``B`` leaves ``W``) is an interval of ticks; an interval colouring (``_colour``: greedy by start, the
   slot that frees earliest) gives each one a buffer slot, and the count of colours is the buffer's size.
 - **The tail spread** (``tail_split > 1``): the layers after the last block run, a slice of the
-  microbatch's rows each, on the last ``G`` stages in the tick after the last virtual stage's forward
+  microbatch's rows each, on ``G`` stages (the last ``G``; in a V, whose last virtual stage is stage 0, the
+  first ``G``: ``Ticks.tail_stages``) in the tick after the last virtual stage's forward
   (``Ticks.tail_micro``), which the program's tail gap leaves free.
 - **Exchanges** (``exchanges``): every value a stage makes for another (the stream of ``F(u−1, m)``, the
   cotangent of ``B(u+1, m)``) as a send after the slot that makes it and a receive before the slot that
@@ -110,6 +111,13 @@ class Ticks:
     @property
     def num_ticks(self) -> int:
         return int(self.f_micro.shape[0])
+
+    def tail_stages(self) -> range:
+        """The stages a spread tail's slices run on, slice ``g`` on the ``g``-th: the ``G`` (``tail_split``)
+        stages ending with the last virtual stage's, ``S − G .. S − 1``, or in a V, where that is stage 0,
+        ``0 .. G − 1``."""
+        S, G = self.f_micro.shape[1], self.tail_split
+        return range(0, G) if self.v_shape else range(S - G, S)
 
     def res_slots_at(self, stage: int) -> int:
         """Residual slots stage ``stage`` uses: the microbatches it holds in flight at most."""
@@ -243,12 +251,10 @@ def ticks(sched: PipelineProgram, tail_split: int = 1) -> Ticks:
     In a V (``sched.v_shape``, ZB-V) chunk 0's stream comes from the stage below and chunk 1's from the stage
     above, the cotangents the other way, and the turn's (``F(S−1) → F(S)``, ``B(S) → B(S−1)``, both on stage
     ``S − 1``) stay on the stage: each has its own receive table (``Ticks.act_recv_down`` and the rest),
-    and a stage sends at most one value each way a tick, which ``_tables`` checks. A spread tail does not
-    combine with a V: the last virtual stage sits on stage 0, beside the head."""
+    and a stage sends at most one value each way a tick, which ``_tables`` checks. A spread tail runs in a V
+    too: the last virtual stage sits on stage 0, beside the head, and its tail's slices on stages ``0..G−1``
+    (``Ticks.tail_stages``)."""
     S, M, V = sched.num_stages, sched.num_microbatches, sched.num_virtual_stages
-    if sched.v_shape and tail_split > 1:
-        raise ValueError(f"program {sched.name!r} runs its chunks in a V, whose last virtual stage is stage 0: "
-                         f"a tail spread over {tail_split} stages does not lay out there; use tail_split=1")
     _check_gap(sched, tail_split)
     acts: dict[str, dict[tuple[int, int], tuple[int, int]]] = {"forward": {}, "backward": {}, "weight": {}}
     for t, slot in enumerate(sched.slots):

@@ -222,7 +222,7 @@ def fused_1f1b(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> Pip
 
 
 @functools.lru_cache(maxsize=16)
-def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
+def zb_v(num_stages: int, num_microbatches: int, tail_gap: int = 0) -> PipelineProgram:
     """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", §4): two chunks a stage in a V
     (``v_shape``: chunk 0 of stage ``s`` is virtual stage ``s``, chunk 1 is ``2S − 1 − s``), every backward
     split into ``B`` and ``W`` (a weight pass), at most ``2S`` chunk-microbatches in flight a stage (until
@@ -237,8 +237,10 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
     warm-up and cool-down, saves ``S − 1`` more slots (under 1% at ``B = 128``) but holds each deferred
     ``W``'s inputs (the block's inner gradients, which ``B`` leaves it, and the cotangent: buffers of their
     own in the SPMD program, ``lowering.ticks``) about ``1.4 S`` times at once, 23% of XLA's temp bytes over
-    1F1B's on the tiny GPT, where one at a time keeps ZB-V at 1F1B's activation memory. Priced by
-    ``simulate``; ``lowering.ticks`` lays it out for the SPMD program."""
+    1F1B's on the tiny GPT, where one at a time keeps ZB-V at 1F1B's activation memory. A tail gap ``g``
+    leaves ``g`` slots between the last virtual stage's forward and its backward (``B(2S − 1, m)``, on stage
+    0: the layers after the blocks run meanwhile on other stages, ``lowering``), which stage 0 fills with
+    whatever else it may run. Priced by ``simulate``; ``lowering.ticks`` lays it out for the SPMD program."""
     _check_sizes("zb-v", num_stages, num_microbatches)
     S, M = num_stages, num_microbatches
     V, cap = 2 * S, 2 * S
@@ -249,20 +251,27 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
     pending_w: list[list[Action]] = [[] for _ in range(S)]
     slots: list[tuple[Action, ...]] = []
     remaining = 3 * V * M
+    idle = 0  # slots in a row where no stage could start
     while remaining:
         now = len(slots)
 
-        def ran(key: _Key, now: int = now) -> bool:
-            return key in done and done[key] < now
+        def ran(key: _Key, now: int = now, gap: int = 0) -> bool:
+            return key in done and done[key] + gap < now
 
         started: list[tuple[Action, _Key]] = []
         for s in range(S):
             us = (s, V - 1 - s)  # the stage's virtual stages, chunk 0 and chunk 1
             pick: tuple[Action, _Key] | None = None
             backs = [(next_b[s][c], c) for c in (1, 0) if next_b[s][c] < M
-                     and ran((us[c], next_b[s][c], "forward"))
+                     and ran((us[c], next_b[s][c], "forward"), gap=tail_gap if us[c] == V - 1 else 0)
                      and (us[c] == V - 1 or ran((us[c] + 1, next_b[s][c], "backward")))]
-            if pending_w[s]:  # W's inputs wait in buffers of their own (``lowering``): one at a time
+            m = next_f[s][1]
+            turn = (tail_gap and s == 0 and pending_w[s] and m < M and live[s] < cap
+                    and ran((V - 2, m, "forward"), gap=0))
+            if turn:  # the tail's forward first: the pending W then fills its gap (as ZB-H1's last stage does)
+                pick = Action(s, m, "forward", 1), (V - 1, m, "forward")
+                next_f[s][1] += 1
+            elif pending_w[s]:  # W's inputs wait in buffers of their own (``lowering``): one at a time
                 a = pending_w[s].pop(0)
                 pick = a, (us[a.chunk], a.microbatch, "weight")
             elif backs:
@@ -278,7 +287,8 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
                         break
             if pick is not None:
                 started.append(pick)
-        if not started:  # a builder bug, not a user error
+        idle = 0 if started else idle + 1
+        if idle > tail_gap:  # a builder bug, not a user error (waiting out a tail gap is not one)
             raise AssertionError(f"zb-v: the greedy order deadlocks at slot {now} (S={S}, M={M})")
         for a, key in started:
             done[key] = now
@@ -291,7 +301,7 @@ def zb_v(num_stages: int, num_microbatches: int) -> PipelineProgram:
         remaining -= len(started)
         slots.append(tuple(a for a, _ in started))
     return PipelineProgram(name="zb-v", num_stages=S, num_microbatches=M, num_chunks=2, weight_pass=True,
-                           slots=tuple(slots), v_shape=True)
+                           slots=tuple(slots), v_shape=True, tail_gap=tail_gap)
 
 
 _BUILDERS: Mapping[str, Callable[[int, int, int, int], PipelineProgram]] = {
@@ -312,10 +322,9 @@ def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1,
     frozen value: the planner asks for GPT-1T's 128 stages x 1024 microbatches several times, 1.6 s each).
     ``tail_gap``: slots between the last virtual stage's forward and backward (module doc)."""
     if name in V_SCHEDULES:
-        if chunks != 2 or tail_gap:
-            raise ValueError(f"schedule {name!r} runs two model chunks a stage in a V and leaves no tail gap; got "
-                             f"chunks={chunks}, tail_gap={tail_gap}")
-        return zb_v(num_stages, num_microbatches)
+        if chunks != 2:
+            raise ValueError(f"schedule {name!r} runs two model chunks a stage in a V; got chunks={chunks}")
+        return zb_v(num_stages, num_microbatches, tail_gap)
     if name not in _BUILDERS:
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of "
                          f"{', '.join((*SCHEDULE_NAMES, *V_SCHEDULES))}")

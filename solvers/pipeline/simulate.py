@@ -20,8 +20,8 @@ action that made them ends when that ran on another stage:
 
 ``lockstep``: the program's slots are ticks that every stage runs together, as the SPMD program does: a
 tick lasts as long as its slowest stage's work ``a(t, s)`` (the ``f``, ``b``, ``w`` it runs, plus
-``tail / G`` on each of the last ``G`` stages at a spread tail's tick, ``lowering``), and every tick sends
-the stream up and its cotangent down (``x = Costs.exchange``, one message one way), a tail tick also its
+``tail / G`` at a spread tail's tick on each of the ``G`` stages that run its slices, ``Ticks.tail_stages``),
+and every tick sends the stream up and its cotangent down (``x = Costs.exchange``, one message one way), a tail tick also its
 ``G − 1`` slices out and back (``x_G = Costs.tail_exchange``):
 
     loop     = Σ_t max_s a(t, s) + T·2·x + (tail ticks)·2·(G − 1)·x_G
@@ -236,7 +236,7 @@ def _lockstep(t: Ticks, costs: Costs) -> Timing:
     exchange = T * 2.0 * costs.exchange
     if t.spread:
         G = t.tail_split
-        on = (t.tail_micro >= 0)[:, None] & (np.arange(S) >= S - G)[None, :]
+        on = (t.tail_micro >= 0)[:, None] & np.isin(np.arange(S), t.tail_stages())[None, :]
         per = per + np.where(on, costs.tail / G, 0.0)
         exchange += int((t.tail_micro >= 0).sum()) * 2.0 * (G - 1) * costs.tail_exchange
     loop = float(per.max(axis=1).sum()) + exchange
