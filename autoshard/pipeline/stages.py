@@ -100,7 +100,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -218,43 +218,22 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                    max_stages: int | None, forced_boundaries: Sequence[int], stage_shape: tuple[int, int] | None,
                    num_chunks: int, uniform: bool, spread_tail: bool, modes: StageModes | None,
                    deadline: Deadline | None) -> PipelinePlan:
+    """``plan_pipeline`` in its phases (the module docstring's steps): the options checked and the step cut
+    into layers; the layers priced on the submesh options (``price_layers``); the stages chosen
+    (``_chosen_uniform`` for the SPMD program, ``_chosen_interleaved``, else the stage DP ``_chosen_by_dp``);
+    each planned whole (``_planned_whole``); the plan priced and assembled (``_assembled``)."""
     t_start = time.perf_counter()
     if time_budget_s is None:
         time_budget_s = SHARES.auto_seconds(len(graph.ops))
-    if schedule_name not in (*SCHEDULE_NAMES, *V_SCHEDULES, "auto"):
-        raise PipelineError(f"schedule {schedule_name!r}: expected one of "
-                            f"{', '.join((*SCHEDULE_NAMES, *V_SCHEDULES))} or 'auto'")
-    if schedule_name in V_SCHEDULES and not uniform:
-        raise PipelineError(f"schedule {schedule_name!r} runs two chunks a stage in a V, which only the SPMD program "
-                            "runs: plan with uniform=True (runtime='spmd'), or use 'zb-h1'")
-    interleaved = schedule_name == "interleaved-1f1b"
-    v_shape = schedule_name in V_SCHEDULES  # ZB-V asked for (under "auto", ``_uniform`` may choose it)
-    # "auto" cuts and plans the stages for 1F1B, whose microbatches in flight ZB-H1 shares, then picks
-    pricing = "1f1b" if schedule_name == "auto" else schedule_name
-    if interleaved and (stage_shape is None or num_chunks < 2):
-        raise PipelineError("the interleaved schedule runs on a given stage layout with several model chunks "
-                            f"per stage: pass stage_shape=(hosts, devices) and num_chunks >= 2 (got "
-                            f"stage_shape={stage_shape}, num_chunks={num_chunks}), or use '1f1b'")
-    if num_microbatches < 1:
-        raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    interleaved, v_shape, pricing = _schedule_options(schedule_name, uniform, stage_shape, num_chunks,
+                                                      num_microbatches)
     cluster = cluster_of(cost.mesh)
     parts = split_step(graph)
-    if uniform:  # a layer ends where each repeated block starts, and after the last one: the uniform cut falls
-        # between blocks, and the tail (what follows the last block) is a layer of its own, which the SPMD
-        # program may spread over stages (``_uniform``)
-        fwd, _, _ = forward_sequence(graph, parts)
-        starts: dict[str, int] = {}
-        end = -1
-        for k, i in enumerate(fwd):
-            tag = graph.ops[i].layer
-            if tag and tag not in starts:
-                starts[tag] = k
-            if tag:
-                end = k
-        forced_boundaries = sorted({*forced_boundaries, *(k - 1 for k in list(starts.values())[1:] if k > 0),
-                                    *((end,) if 0 <= end < len(fwd) - 1 else ())})
+    blocks = 0
+    if uniform:  # the uniform cut falls between blocks, the tail a layer of its own (``_block_boundaries``)
+        forced_boundaries, blocks = _block_boundaries(graph, parts, forced_boundaries)
     lay = _layered(graph, parts, num_layers, forced_boundaries)
-    layer_of_op, layers, micro_ops, update_ops, into = lay.layer_of_op, lay.layers, lay.micro_ops, lay.update_ops, lay.into
+    layers = lay.layers
     options = _layouts(_submeshes(cluster, stage_shape, batch_rows(graph)))
     late = deadline is not None and deadline.spent()  # the call's budget is spent: the quickest plan that fits
     if late and not interleaved and any(view is not None for _, view in options):
@@ -270,9 +249,9 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     if interleaved:
         limit = n_devices // (options[0][0][0] * options[0][0][1])
     if uniform:  # price only the shapes a uniform cut can use
-        options = tuple(o for o in options if _uniform_count(o[0], cluster, len(starts), limit, chunks))
+        options = tuple(o for o in options if _uniform_count(o[0], cluster, blocks, limit, chunks))
         if not options:
-            raise _no_uniform_cut(len(starts), [], chunks)
+            raise _no_uniform_cut(blocks, [], chunks)
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     slow = min(link.bandwidth for link in cost.mesh.links)
@@ -308,124 +287,252 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     # the DP's time per microbatch: t' = t + u / B (the module docstring, step 3)
     # a cut's activations cross on every device's own link at once (each sends and receives its shard)
     link = np.array([slow * a * b for a, b in submeshes])
-    stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, into, link)
+    stage_time = _stage_times(prices.micro_time + prices.update_time / num_microbatches, lay.into, link)
     log.info("priced %d layers (%d distinct) on %d submesh shapes in %.1f s", layers, prices.distinct,
              len(submeshes), time.perf_counter() - t_start)
     _refuse_hopeless_layers(prices, submeshes, memory_budget, inflight)
-    fused, split, tail_time = False, 1, 0.0
-    recompute: dict[str, str] | None = None  # set where the stages chose their own (``modes``)
+    setting = _Setting(cost=cost, hardware=hardware, memory_budget=memory_budget, num_microbatches=num_microbatches,
+                       schedule_name=schedule_name, interleaved=interleaved, uniform=uniform,
+                       time_budget_s=time_budget_s, t_start=t_start, deadline=deadline, cluster=cluster,
+                       submeshes=submeshes, costs=costs, link=link, limit=limit)
     if uniform:  # interleaved or not: the SPMD program's cut, its tail spread over stages where that is faster
-        cut = _uniform(
-            graph, parts, layer_of_op, stage_time, prices, submeshes, cluster, num_microbatches, memory_budget,
-            pricing, limit, costs, into, cost, zero_bubble=schedule_name == "auto",
-            spread_rows=tail_spreadable(graph, parts) if spread_tail else 0,
-            tail_first=_last_block_layer(graph, parts, layer_of_op) + 1, chunks=chunks)
-        chosen, placement, dp_cost, fused, inflight, pricing = (cut.stages, cut.origins, cut.time, cut.fused,
-                                                                cut.inflight, cut.schedule)
-        by_chunk, split, tail_time, chunks = cut.by_chunk, cut.tail_split, cut.tail_time, cut.chunks
-        v_shape = cut.schedule in V_SCHEDULES
-        dp_seconds, dp_candidates = time.perf_counter() - t_start, len(submeshes)
+        cut = _chosen_uniform(setting, lay, prices, stage_time, pricing, chunks, spread_tail)
     elif interleaved:
-        # every option is the one stage shape, laid out differently: the fastest cut over those that have one
-        cuts = []
-        for m in range(len(options)):
-            try:
-                cuts.append(_interleaved(stage_time[:, :, m], limit, chunks, cluster, submeshes[m], m))
-            except PipelineDoesNotFit as e:
-                refusal = e
-        if not cuts:
-            raise refusal
-        chosen, placement, dp_cost = min(cuts, key=lambda r: r[2])
-        dp_seconds, dp_candidates = time.perf_counter() - t_start, 0
+        cut = _chosen_interleaved(setting, lay, prices, stage_time, pricing, chunks, inflight, by_chunk)
     else:
-        # a stage's options: every submesh layout, in every recompute mode ``modes`` offers (cheapest first;
-        # option ``v·M + m`` is layout ``m`` in mode ``v``), the tables side by side (the solver takes a shape
-        # more than once); without ``modes``, the graph's own mode alone
-        variants = _variants(modes, lay, prices, stage_time, priced, num_layers, forced_boundaries,
-                             num_microbatches, link)
-        M = len(submeshes)
-        composed = [_ComposedMemory(v.lay.graph, v.prices, v.lay.micro_ops, v.lay.update_ops, costs, num_microbatches)
-                    for v in variants]
-        all_time = np.concatenate([v.stage_time for v in variants], axis=2)
-        for attempt in range(MAX_RECUTS + 1):
-            problem = InterOpProblem(num_layers=layers, cluster=cluster, stage_time=all_time,
-                                     num_microbatches=num_microbatches, submeshes=submeshes * len(variants),
-                                     static_memory=np.concatenate([_static_memory(v.prices) for v in variants], 2),
-                                     activation_memory=np.concatenate(
-                                         [_range_sums(v.prices.micro_memory) for v in variants], 2),
-                                     memory_limit=memory_budget, inflight=inflight, max_stages=limit)
-            try:
-                sol = solve_inter_op(problem)
-            except InterOpInfeasibleError as e:
-                raise PipelineDoesNotFit(f"no pipeline of {layers} layers fits: {e}") from None
-            if sol.placement is None:
-                raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the "
-                                    f"cluster {cluster}")
-            chosen = [(st.first_layer, st.last_layer, st.submesh) for st in sol.stages]
-            # the DP adds its layers' memory; the layers' plans joined may hold more (module docstring)
-            over = [] if memory_budget is None or attempt == MAX_RECUTS else [
-                (a, b, o) for r, (a, b, o) in enumerate(chosen)
-                if composed[o // M](a, b, o % M, inflight[len(chosen) - 1 - r]) > memory_budget * (1 + 1e-6)]
-            if not over:
-                break
-            all_time = all_time.copy()
-            for first, last, o in over:
-                log.info("layers %d..%d on %s%s: their plans joined overflow the stage's memory; cut "
-                         "again without that stage", first, last, costs[o % M].mesh,
-                         "" if len(variants) == 1 else f" ({describe(variants[o // M].mode)})")
-                all_time[first, last, o] = np.inf
-                composed[o // M].forget(first, last)
-        placement, dp_cost = list(sol.placement), sol.cost
-        dp_seconds, dp_candidates = sol.stats.seconds, sol.stats.candidates
-        stage_variant = [variants[o // M] for _, _, o in chosen]
-        chosen = [(a, b, o % M) for a, b, o in chosen]
-        if modes is not None:
-            recompute, mixed = _per_stage_recompute(modes, lay, chosen, [v.mode for v in stage_variant])
-            if mixed is not lay.graph:
-                lay = stage_variant[0].lay if mixed is stage_variant[0].lay.graph else _aligned(
-                    _layered(mixed, split_step(mixed), num_layers, forced_boundaries), lay, "per stage")
-                graph, parts, layer_of_op = lay.graph, lay.parts, lay.layer_of_op
-                micro_ops, update_ops = lay.micro_ops, lay.update_ops
-            if len({v.mode for v in stage_variant}) > 1:
-                log.info("recompute chosen per stage: %s", ", ".join(
-                    f"stage {s} {v.mode}" for s, v in enumerate(stage_variant)))
-        stage_prices = [v.prices for v in stage_variant]
-        stage_tables = [v.stage_time for v in stage_variant]
-    if uniform or interleaved:  # every stage in the graph's own mode (the lockstep SPMD program gains nothing
-        # from a cheaper one on some stages: each tick lasts as long as its slowest stage)
-        stage_prices, stage_tables = [prices] * len(chosen), [stage_time] * len(chosen)
-        if modes is not None:
-            recompute = modes.config(modes.graphs[-1][0])
+        cut = _chosen_by_dp(setting, lay, prices, stage_time, priced, pricing, inflight, modes, num_layers,
+                            forced_boundaries)
+    if (uniform or interleaved) and modes is not None:  # every stage in the graph's own mode (the lockstep SPMD
+        # program gains nothing from a cheaper one on some stages: each tick lasts as long as its slowest stage)
+        cut.recompute = modes.config(modes.graphs[-1][0])
     t_dp = time.perf_counter() - t_start
+    planned = _planned_whole(setting, cut, prices)
+    return _assembled(setting, cut, planned, prices, t_dp)
 
-    # ---- the chosen stages re-planned whole ----
+
+def _schedule_options(schedule_name: str, uniform: bool, stage_shape: tuple[int, int] | None, num_chunks: int,
+                      num_microbatches: int) -> tuple[bool, bool, str]:
+    """``(interleaved, v_shape, pricing)`` of the schedule asked for, or the error that says what to change:
+    ``pricing`` is the schedule the stages are cut and planned for ("auto" cuts for 1F1B, whose microbatches
+    in flight ZB-H1 shares, then picks)."""
+    if schedule_name not in (*SCHEDULE_NAMES, *V_SCHEDULES, "auto"):
+        raise PipelineError(f"schedule {schedule_name!r}: expected one of "
+                            f"{', '.join((*SCHEDULE_NAMES, *V_SCHEDULES))} or 'auto'")
+    if schedule_name in V_SCHEDULES and not uniform:
+        raise PipelineError(f"schedule {schedule_name!r} runs two chunks a stage in a V, which only the SPMD program "
+                            "runs: plan with uniform=True (runtime='spmd'), or use 'zb-h1'")
+    interleaved = schedule_name == "interleaved-1f1b"
+    v_shape = schedule_name in V_SCHEDULES  # ZB-V asked for (under "auto", ``_uniform`` may choose it)
+    if interleaved and (stage_shape is None or num_chunks < 2):
+        raise PipelineError("the interleaved schedule runs on a given stage layout with several model chunks "
+                            f"per stage: pass stage_shape=(hosts, devices) and num_chunks >= 2 (got "
+                            f"stage_shape={stage_shape}, num_chunks={num_chunks}), or use '1f1b'")
+    if num_microbatches < 1:
+        raise PipelineError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    return interleaved, v_shape, "1f1b" if schedule_name == "auto" else schedule_name
+
+
+def _block_boundaries(graph: Graph, parts: Any, forced: Sequence[int]) -> tuple[list[int], int]:
+    """``forced`` with a layer ending where each repeated block starts, and after the last one (the uniform
+    cut falls between blocks; the tail, what follows the last block, is a layer of its own, which the SPMD
+    program may spread over stages: ``_uniform``), and the number of blocks."""
+    fwd, _, _ = forward_sequence(graph, parts)
+    starts: dict[str, int] = {}
+    end = -1
+    for k, i in enumerate(fwd):
+        tag = graph.ops[i].layer
+        if tag and tag not in starts:
+            starts[tag] = k
+        if tag:
+            end = k
+    bounds = sorted({*forced, *(k - 1 for k in list(starts.values())[1:] if k > 0),
+                     *((end,) if 0 <= end < len(fwd) - 1 else ())})
+    return bounds, len(starts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Setting:
+    """What every phase of ``_plan_pipeline`` reads: the call's options, resolved, and the submesh options the
+    layers were priced on (``submeshes``, a cost model each in ``costs``, the bandwidth a cut's activations
+    cross at in ``link``); ``limit``: the stages at most."""
+
+    cost: CostModel
+    hardware: str
+    memory_budget: float | None
+    num_microbatches: int
+    schedule_name: str  # as asked, "auto" included
+    interleaved: bool
+    uniform: bool
+    time_budget_s: float
+    t_start: float
+    deadline: Deadline | None
+    cluster: tuple[int, int]
+    submeshes: tuple[tuple[int, int], ...]
+    costs: Sequence[CostModel]
+    link: np.ndarray
+    limit: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Chosen:
+    """The stages a cut chose, before they are planned whole: ``chosen`` (first layer, last layer, submesh
+    option) per (virtual) stage and ``placement`` their origins; the cut's own cost and search; the schedule
+    it was priced for (``pricing``) with its form (fused ticks, chunks, a V, the tail's spread and seconds)
+    and microbatches in flight (per stage from the end, and per chunk); the layer prices and stage tables
+    each stage's times come from (its recompute mode's, with ``modes``); ``recompute`` where the stages chose
+    their own; ``lay`` the layering they cut (the step rewritten with those modes)."""
+
+    lay: _Layered
+    chosen: list[tuple[int, int, int]]
+    placement: list[tuple[int, int]]
+    dp_cost: float
+    dp_seconds: float
+    dp_candidates: int
+    pricing: str
+    inflight: tuple[int, ...]
+    by_chunk: tuple[tuple[int, ...], ...] | None
+    chunks: int
+    stage_prices: list[LayerPrices]
+    stage_tables: list[np.ndarray]
+    fused: bool = False
+    split: int = 1
+    tail_time: float = 0.0
+    recompute: dict[str, str] | None = None
+
+    @property
+    def v_shape(self) -> bool:
+        return self.pricing in V_SCHEDULES
+
+
+def _chosen_uniform(st: _Setting, lay: _Layered, prices: LayerPrices, stage_time: np.ndarray, pricing: str,
+                    chunks: int, spread_tail: bool) -> _Chosen:
+    """The SPMD program's stages (``_uniform``), every one priced from the graph's own layer prices."""
+    graph, parts = lay.graph, lay.parts
+    cut = _uniform(
+        graph, parts, lay.layer_of_op, stage_time, prices, st.submeshes, st.cluster, st.num_microbatches,
+        st.memory_budget, pricing, st.limit, st.costs, lay.into, st.cost, zero_bubble=st.schedule_name == "auto",
+        spread_rows=tail_spreadable(graph, parts) if spread_tail else 0,
+        tail_first=_last_block_layer(graph, parts, lay.layer_of_op) + 1, chunks=chunks)
+    n = len(cut.stages)
+    return _Chosen(lay=lay, chosen=cut.stages, placement=cut.origins, dp_cost=cut.time,
+                   dp_seconds=time.perf_counter() - st.t_start, dp_candidates=len(st.submeshes), pricing=cut.schedule,
+                   inflight=cut.inflight, by_chunk=cut.by_chunk, chunks=cut.chunks, stage_prices=[prices] * n,
+                   stage_tables=[stage_time] * n, fused=cut.fused, split=cut.tail_split, tail_time=cut.tail_time)
+
+
+def _chosen_interleaved(st: _Setting, lay: _Layered, prices: LayerPrices, stage_time: np.ndarray, pricing: str,
+                        chunks: int, inflight: tuple[int, ...], by_chunk: Any) -> _Chosen:
+    """The interleaved layout (``_interleaved``): every option is the one stage shape, laid out differently;
+    the fastest cut over those that have one."""
+    cuts = []
+    refusal: PipelineDoesNotFit | None = None
+    for m in range(len(st.submeshes)):
+        try:
+            cuts.append(_interleaved(stage_time[:, :, m], st.limit, chunks, st.cluster, st.submeshes[m], m))
+        except PipelineDoesNotFit as e:
+            refusal = e
+    if not cuts:
+        assert refusal is not None
+        raise refusal
+    chosen, placement, dp_cost = min(cuts, key=lambda r: r[2])
+    n = len(chosen)
+    return _Chosen(lay=lay, chosen=chosen, placement=placement, dp_cost=dp_cost,
+                   dp_seconds=time.perf_counter() - st.t_start, dp_candidates=0, pricing=pricing, inflight=inflight,
+                   by_chunk=by_chunk, chunks=chunks, stage_prices=[prices] * n, stage_tables=[stage_time] * n)
+
+
+def _chosen_by_dp(st: _Setting, lay: _Layered, prices: LayerPrices, stage_time: np.ndarray, priced: Any,
+                  pricing: str, inflight: tuple[int, ...], modes: StageModes | None, num_layers: int | None,
+                  forced_boundaries: Sequence[int]) -> _Chosen:
+    """The stage DP's cut (``solvers.solve_inter_op``; module docstring, step 3). A stage's options: every
+    submesh layout, in every recompute mode ``modes`` offers (cheapest first; option ``v·M + m`` is layout
+    ``m`` in mode ``v``), the tables side by side (the solver takes a shape more than once); without
+    ``modes``, the graph's own mode alone. A chosen stage whose layers' plans joined overflow the budget is
+    struck and the DP runs again (``MAX_RECUTS``)."""
+    layers, memory_budget, submeshes, costs = lay.layers, st.memory_budget, st.submeshes, st.costs
+    variants = _variants(modes, lay, prices, stage_time, priced, num_layers, forced_boundaries,
+                         st.num_microbatches, st.link)
+    M = len(submeshes)
+    composed = [_ComposedMemory(v.lay.graph, v.prices, v.lay.micro_ops, v.lay.update_ops, costs, st.num_microbatches)
+                for v in variants]
+    all_time = np.concatenate([v.stage_time for v in variants], axis=2)
+    for attempt in range(MAX_RECUTS + 1):
+        problem = InterOpProblem(num_layers=layers, cluster=st.cluster, stage_time=all_time,
+                                 num_microbatches=st.num_microbatches, submeshes=submeshes * len(variants),
+                                 static_memory=np.concatenate([_static_memory(v.prices) for v in variants], 2),
+                                 activation_memory=np.concatenate(
+                                     [_range_sums(v.prices.micro_memory) for v in variants], 2),
+                                 memory_limit=memory_budget, inflight=inflight, max_stages=st.limit)
+        try:
+            sol = solve_inter_op(problem)
+        except InterOpInfeasibleError as e:
+            raise PipelineDoesNotFit(f"no pipeline of {layers} layers fits: {e}") from None
+        if sol.placement is None:
+            raise PipelineError(f"the chosen submeshes {sol.submesh_shapes(problem)} do not tile the "
+                                f"cluster {st.cluster}")
+        chosen = [(s.first_layer, s.last_layer, s.submesh) for s in sol.stages]
+        # the DP adds its layers' memory; the layers' plans joined may hold more (module docstring)
+        over = [] if memory_budget is None or attempt == MAX_RECUTS else [
+            (a, b, o) for r, (a, b, o) in enumerate(chosen)
+            if composed[o // M](a, b, o % M, inflight[len(chosen) - 1 - r]) > memory_budget * (1 + 1e-6)]
+        if not over:
+            break
+        all_time = all_time.copy()
+        for first, last, o in over:
+            log.info("layers %d..%d on %s%s: their plans joined overflow the stage's memory; cut "
+                     "again without that stage", first, last, costs[o % M].mesh,
+                     "" if len(variants) == 1 else f" ({describe(variants[o // M].mode)})")
+            all_time[first, last, o] = np.inf
+            composed[o // M].forget(first, last)
+    stage_variant = [variants[o // M] for _, _, o in chosen]
+    chosen = [(a, b, o % M) for a, b, o in chosen]
+    recompute = None
+    if modes is not None:
+        recompute, mixed = _per_stage_recompute(modes, lay, chosen, [v.mode for v in stage_variant])
+        if mixed is not lay.graph:
+            lay = stage_variant[0].lay if mixed is stage_variant[0].lay.graph else _aligned(
+                _layered(mixed, split_step(mixed), num_layers, forced_boundaries), lay, "per stage")
+        if len({v.mode for v in stage_variant}) > 1:
+            log.info("recompute chosen per stage: %s", ", ".join(
+                f"stage {s} {v.mode}" for s, v in enumerate(stage_variant)))
+    return _Chosen(lay=lay, chosen=chosen, placement=list(sol.placement), dp_cost=sol.cost,
+                   dp_seconds=sol.stats.seconds, dp_candidates=sol.stats.candidates, pricing=pricing,
+                   inflight=inflight, by_chunk=None, chunks=1, stage_prices=[v.prices for v in stage_variant],
+                   stage_tables=[v.stage_time for v in stage_variant], recompute=recompute)
+
+
+def _planned_whole(st: _Setting, cut: _Chosen, prices: LayerPrices) -> dict[int, Part]:
+    """The chosen stages re-planned whole (module docstring, step 4), by (virtual) stage. Identical stages
+    (same ops on the same submesh shape) are planned once, for the most microbatches in flight among them:
+    fewer in flight need less memory, so that plan fits them all, and one solve with their pooled time beats
+    several short ones (short solves of large stages vary a lot); their memory is so an upper bound for those
+    holding fewer."""
+    lay, chosen, chunks = cut.lay, cut.chosen, cut.chunks
+    graph, micro_ops, update_ops = lay.graph, lay.micro_ops, lay.update_ops
     num_stages = len(chosen) // chunks  # physical
-    places = [place(u, num_stages, v_shape) for u in range(len(chosen))]  # (stage, chunk) of each virtual stage
+    places = [place(u, num_stages, cut.v_shape) for u in range(len(chosen))]  # (stage, chunk) of each virtual stage
     stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
                   [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
     # a chunk counts its own microbatches in flight (``Schedule.peak_inflight_by_chunk``), a stage all of its
-    held = [by_chunk[num_stages - 1 - s][c] if by_chunk is not None else inflight[num_stages - 1 - s]
+    held = [cut.by_chunk[num_stages - 1 - s][c] if cut.by_chunk is not None else cut.inflight[num_stages - 1 - s]
             for s, c in places]
-    # Identical stages (same ops on the same submesh shape) are planned once, for the most microbatches in
-    # flight among them: fewer in flight need less memory, so that plan fits them all, and one solve with
-    # their pooled time beats several short ones (short solves of large stages vary a lot). Their memory
-    # is so an upper bound for those holding fewer.
     keys = [(signature(graph, m) + signature(graph, u), c[2])
             for (m, u), c in zip(stage_ops, chosen, strict=True)]
     # their share of the budget, or what the pricing, the DP's re-cuts and the stages planned before left of
     # it: a solve given t seconds takes ~1.3 t with its problem's build and seeds (GPT-15B's two stages on 1x8,
     # 16.8 s solves took ~20 s each, past a 120 s budget)
-    per_solve = SHARES.stage_plans * time_budget_s / (2 * len(set(keys)))
+    per_solve = SHARES.stage_plans * st.time_budget_s / (2 * len(set(keys)))
+    done: dict[Any, Part] = {}
 
     def stage_seconds() -> float:
-        left = time_budget_s - (time.perf_counter() - t_start)
-        if deadline is not None and deadline.spent():  # the least a solve takes: its start, the layers' plans
-            deadline.cut("the pipeline's stages were planned whole with the least solver time")
+        left = st.time_budget_s - (time.perf_counter() - st.t_start)
+        if st.deadline is not None and st.deadline.spent():  # the least a solve takes: its start, the layers' plans
+            st.deadline.cut("the pipeline's stages were planned whole with the least solver time")
             return SHARES.min_layer_seconds
         return max(SHARES.min_stage_seconds, min(per_solve, left / (1.3 * 2 * len(set(keys) - set(done)))))
 
     est = None
-    if v_shape:
+    if cut.v_shape:
         # a stage's two chunks in a V hold its 2S chunk-microbatches between them, split unevenly (stage 0:
         # 2S - 1 and 1) and the other way on another stage: two identical chunks (same ops, same shape) are
         # planned once for all stages, at their stage's mean in flight, each under half the stage's budget
@@ -437,8 +544,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 held[u0] = held[u1] = (held[u0] + held[u1]) / 2
         static, active = _static_memory(prices), _range_sums(prices.micro_memory)
         est = [float(static[a, b, m] + held[u] * active[a, b, m]) for u, (a, b, m) in enumerate(chosen)]
-    shares = _chunk_budgets(prices, chosen, keys, num_stages, memory_budget, v_shape, est)
-    done: dict[Any, Part] = {}
+    shares = _chunk_budgets(prices, chosen, keys, num_stages, st.memory_budget, cut.v_shape, est)
     planned: dict[int, Part] = {}
     for s in sorted(range(len(chosen)), key=lambda u: (-held[u], u)):
         first, last, m = chosen[s]
@@ -448,18 +554,18 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             # the stage's own budget: its update state once, its activations once per microbatch in flight
             # started from the layers' own plans, the layouts behind the stage DP's prices
             ells = range(first, last + 1)
-            layer_micro = [stage_prices[s].parts[ell][m].micro for ell in ells]
-            layer_update = [stage_prices[s].parts[ell][m].update for ell in ells]
+            layer_micro = [cut.stage_prices[s].parts[ell][m].micro for ell in ells]
+            layer_update = [cut.stage_prices[s].parts[ell][m].update for ell in ells]
             mine_micro, mine_update = [micro_ops[ell] for ell in ells], [update_ops[ell] for ell in ells]
             starts = ((layouts_of_layers(graph, layer_micro, mine_micro, mops),
                        assignment_of_layers(graph, layer_micro, mine_micro, mops)),
                       (layouts_of_layers(graph, layer_update, mine_update, uops),
                        assignment_of_layers(graph, layer_update, mine_update, uops)))
             budget = shares[keys[s]]
-            part = plan_part(graph, mops, uops, costs[m], hardware, budget, stage_seconds(), float(held[s]),
-                             microbatches=num_microbatches, starts=starts)
+            part = plan_part(graph, mops, uops, st.costs[m], st.hardware, budget, stage_seconds(), float(held[s]),
+                             microbatches=st.num_microbatches, starts=starts)
             # the layer's plan, made on it or on an identical layer (``price_layers``), carried to its ops
-            layer = _reused(graph, stage_prices[s].parts[first][m], mops, uops) if first == last else None
+            layer = _reused(graph, cut.stage_prices[s].parts[first][m], mops, uops) if first == last else None
             if layer is not None and layer.micro.feasible and layer.update.feasible and (
                     not part.micro.feasible or not part.update.feasible
                     or (layer.time + layer.once < part.time + part.once
@@ -469,74 +575,87 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
                 part = layer
             done[keys[s]] = part
         planned[s] = part
+    return planned
+
+
+def _assembled(st: _Setting, cut: _Chosen, planned: Mapping[int, Part], prices: LayerPrices,
+               t_dp: float) -> PipelinePlan:
+    """The plan of the stages ``planned`` whole: each stage's time with its activations in and cotangents out,
+    the schedules priced on them (``simulate``: the SPMD program's lockstep ticks, or the MPMD runtime's
+    timeline with its host beside it; under "auto" the faster of ``AUTO_SCHEDULES``), refused when a stage
+    holds more than the budget."""
+    lay, chosen, chunks = cut.lay, cut.chosen, cut.chunks
+    graph, parts, layer_of_op, into = lay.graph, lay.parts, lay.layer_of_op, lay.into
+    num_stages = len(chosen) // chunks
+    places = [place(u, num_stages, cut.v_shape) for u in range(len(chosen))]
     # where the stages chose their recompute, each says what its blocks do
-    labels = [summary({b: (recompute or {}).get(b, "none") for ell in range(a, c + 1) for b in lay.blocks[ell]})
+    labels = [summary({b: (cut.recompute or {}).get(b, "none") for ell in range(a, c + 1) for b in lay.blocks[ell]})
               for a, c, _ in chosen]
     if len(set(labels)) < 2:
         labels = [""] * len(chosen)
     stages: list[StagePlan] = []
     for s, (first, last, m) in enumerate(chosen):
-        shape = submeshes[m]
-        mops, part = stage_ops[s][0], planned[s]
+        shape = st.submeshes[m]
+        part = planned[s]
         log.info("stage %d (layers %d..%d) on %dx%d planned: %s per microbatch (the DP's sum of its "
-                 "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / link[m]),
-                 human_time(float(stage_tables[s][first, last, m]
-                                  - stage_prices[s].update_time[first:last + 1, m].sum() / num_microbatches)))
-        if part.micro.plan is None and mops:
+                 "layers: %s)", s, first, last, *shape, human_time(part.time + 2 * into[first] / st.link[m]),
+                 human_time(float(cut.stage_tables[s][first, last, m]
+                                  - cut.stage_prices[s].update_time[first:last + 1, m].sum() / st.num_microbatches)))
+        if part.micro.plan is None and any(lay.micro_ops[ell] for ell in range(first, last + 1)):
             raise PipelineError(f"stage {s} (layers {first}..{last}) on {shape} did not plan "
                                 "within the memory budget when planned whole")
         stages.append(StagePlan(
-            layers=(first, last), submesh=shape, origin=placement[s],
-            mesh=costs[m].mesh, micro_time=part.time + 2 * into[first] / link[m],
+            layers=(first, last), submesh=shape, origin=cut.placement[s],
+            mesh=st.costs[m].mesh, micro_time=part.time + 2 * into[first] / st.link[m],
             update_time=part.once, memory=part.memory, specs=remap(part.micro),
             update_specs=remap(part.update), recompute=labels[s],
         ))
-    times = [st.micro_time for st in stages]
-    names = AUTO_SCHEDULES if schedule_name == "auto" and num_stages > 1 and not uniform else (pricing,)
+    times = [s.micro_time for s in stages]
+    names = AUTO_SCHEDULES if st.schedule_name == "auto" and num_stages > 1 and not st.uniform else (cut.pricing,)
     per_stage = [[u for u in range(len(stages)) if places[u][0] == s] for s in range(num_stages)]  # its chunks
     updates = [sum(stages[u].update_time for u in us) for us in per_stage]  # once a step, after the passes
-    if uniform:  # the SPMD program's lockstep ticks, interleaved or not
-        priced = {pricing: _lockstep_time(pricing, stages, into, cost, num_microbatches, fused, chunks, split,
-                                          tail_time, updates)}
+    if st.uniform:  # the SPMD program's lockstep ticks, interleaved or not
+        priced = {cut.pricing: _lockstep_time(cut.pricing, stages, into, st.cost, st.num_microbatches, cut.fused,
+                                              chunks, cut.split, cut.tail_time, updates)}
     else:  # the single-process runtime: the stages' passes, and the host issuing them (``pipeline.host``)
-        host = _host_work(graph, parts, layer_of_op, chosen, num_stages, num_microbatches, names, cost)
-        priced = {name: _pipeline_time(name, times, num_stages, num_microbatches, chunks, host[name].seconds,
+        host = _host_work(graph, parts, layer_of_op, chosen, num_stages, st.num_microbatches, names, st.cost)
+        priced = {name: _pipeline_time(name, times, num_stages, st.num_microbatches, chunks, host[name].seconds,
                                        updates) for name in names}
     chosen_schedule = min(names, key=lambda name: priced[name].passes)  # the first of equals: 1F1B
     timing = priced[chosen_schedule]
-    bubble, step_time = timing.bubble_fraction, timing.step
-    host_time = 0.0 if uniform else host[chosen_schedule].seconds
+    host_time = 0.0 if st.uniform else host[chosen_schedule].seconds
     if len(names) > 1:
         log.info("schedule %s chosen (%s)", chosen_schedule,
                  ", ".join(f"{name}: {human_time(t.passes)} of pipeline" for name, t in priced.items()))
     held_bytes = [sum(stages[u].memory for u in us) for us in per_stage]
     worst = int(np.argmax(held_bytes))
-    if memory_budget is not None and held_bytes[worst] > memory_budget * (1 + 1e-6):
+    if st.memory_budget is not None and held_bytes[worst] > st.memory_budget * (1 + 1e-6):
         # the interleaved cut is chosen by time alone, and a stage priced from a layer planned under a
         # fallback budget can exceed it: a plan over the budget is refused, never returned
         what = "it holds"
-        if interleaved:
+        if st.interleaved:
             what = f"its {chunks} chunks (" + ", ".join(
                 f"layers {stages[u].layers[0]}..{stages[u].layers[1]}: {stages[u].memory / 1e9:.3g} GB"
                 for u in per_stage[worst]) + ") hold"
         raise PipelineDoesNotFit(
             f"stage {worst} does not fit: {what} {held_bytes[worst] / 1e9:.4g} GB per device with "
-            f"{inflight[num_stages - 1 - worst]} microbatch(es) in flight, over the budget of {memory_budget / 1e9:.4g} GB; use "
-            "more microbatches (smaller ones), recompute, more devices per stage, or another schedule")
-    if uniform:  # the cut the SPMD program makes of these stages must be one it runs (``uniform_stages``):
+            f"{cut.inflight[num_stages - 1 - worst]} microbatch(es) in flight, over the budget of "
+            f"{st.memory_budget / 1e9:.4g} GB; use more microbatches (smaller ones), recompute, more devices per "
+            "stage, or another schedule")
+    if st.uniform:  # the cut the SPMD program makes of these stages must be one it runs (``uniform_stages``):
         # the same blocks a stage, differing only in their weights (a ResNet's downsampling first blocks fail)
         uniform_stages(graph, len(chosen), parts)
-    report = PipelineReport(dp_cost=dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
-                            dp_seconds=dp_seconds, dp_candidates=dp_candidates,
-                            stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - t_start,
+    report = PipelineReport(dp_cost=cut.dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
+                            dp_seconds=cut.dp_seconds, dp_candidates=cut.dp_candidates,
+                            stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - st.t_start,
                             schedules={name: t.passes for name, t in priced.items()} if len(names) > 1 else None)
     return PipelinePlan(
-        mesh=cost.mesh, hardware=hardware, num_microbatches=num_microbatches, schedule=chosen_schedule,
-        num_layers=layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=step_time,
-        bubble_fraction=bubble, peak_memory=max(sum(stages[u].memory for u in us) for us in per_stage),
-        memory_budget=memory_budget, solver=report, graph_digest=graph_digest(graph), num_chunks=chunks,
-        inputs=input_signature(graph), fused_ticks=fused, spmd=uniform, tail_split=split, tail_time=tail_time,
-        host_time=host_time, **({} if recompute is None else {"recompute": recompute}),
+        mesh=st.cost.mesh, hardware=st.hardware, num_microbatches=st.num_microbatches, schedule=chosen_schedule,
+        num_layers=lay.layers, stages=tuple(stages), layer_of_op=layer_of_op, predicted_step_time=timing.step,
+        bubble_fraction=timing.bubble_fraction, peak_memory=max(held_bytes), memory_budget=st.memory_budget,
+        solver=report, graph_digest=graph_digest(graph), num_chunks=chunks, inputs=input_signature(graph),
+        fused_ticks=cut.fused, spmd=st.uniform, tail_split=cut.split, tail_time=cut.tail_time, host_time=host_time,
+        **({} if cut.recompute is None else {"recompute": cut.recompute}),
     )
 
 
