@@ -17,9 +17,12 @@ from autoshard.emit.program import global_rel_error
 from autoshard.pipeline import (
     PipelineError,
     PipelinePlan,
+    build_pipelined_step,
+    explain_pipeline,
     format_pipeline_plan,
     microbatch_args,
     plan_pipeline,
+    schedule,
 )
 from autoshard.pipeline.layer_prices import carried_assignment, plan_ops, price_layers, submesh_cost
 from autoshard.pipeline.partition import (
@@ -158,6 +161,11 @@ def test_pipeline_plan_round_trips_and_explains_itself(gpt_micro, tmp_path: Path
     back.verify(g)
     text = format_pipeline_plan(plan)
     assert "2 stages, 4 microbatches, schedule 1f1b" in text and "bubble" in text
+    # the program both runtimes run, saved with the plan (a pure function of its fields) and drawn by explain;
+    # the MPMD runtime walks that program
+    assert back.program == plan.program == schedule("1f1b", 2, 4)
+    assert "\n".join("  " + row for row in str(plan.program).splitlines()) in explain_pipeline(plan)
+    assert build_pipelined_step(g, plan, jax.devices()).schedule == plan.program
     with pytest.raises(PipelineError, match="stage_shape"):
         plan_pipeline(g, cost, num_microbatches=4, stage_shape=(1, 3))
 

@@ -707,9 +707,11 @@ def test_golden_zb_v_spreads_a_heavy_tail_from_stage_0_over_the_first_stages(run
         _matches_jit(step, ex.train_step, state, batch, steps=2)
         plan = step.plan
         assert list(step._last.step.ticks.tail_stages()) == list(range(plan.tail_split))
+        assert step._last.step.schedule == plan.program  # the program runs the plan's own program
     else:
         plan = autoshard.plan(ex.train_step, *ex.args, **options)
     assert plan.schedule == "zb-v" and plan.num_physical_stages == 4 and plan.tail_split > 1
+    assert plan.program == schedule("zb-v", 4, 4, 2, tail_gap=1)
     assert 0 < plan.tail_time < plan.stages[-1].micro_time and plan.place(len(plan.stages) - 1) == (0, 1)
     assert f"run on the first {plan.tail_split} stages" in format_pipeline_plan(plan)
 

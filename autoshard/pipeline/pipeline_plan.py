@@ -23,8 +23,8 @@ from autoshard.planner.plan import (
 from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
-from solvers.pipeline.program import place
-from solvers.pipeline.schedules import V_SCHEDULES
+from solvers.pipeline.program import PipelineProgram, place
+from solvers.pipeline.schedules import V_SCHEDULES, fused_1f1b, schedule
 
 PIPELINE_PLAN_VERSION = 1
 
@@ -147,6 +147,18 @@ class PipelinePlan:
         """``(physical stage, chunk)`` of virtual stage ``u`` (``solvers.pipeline.program.place``; in a V for
         a schedule of ``V_SCHEDULES``)."""
         return place(u, self.num_physical_stages, self.schedule in V_SCHEDULES)
+
+    @property
+    def program(self) -> PipelineProgram:
+        """The pipeline as one program (``solvers.pipeline``): every stage's actions in order, the one both
+        runtimes run (the MPMD runtime follows its orders, the SPMD program its slots as lockstep ticks) and
+        the planner priced. A pure function of the plan's schedule, stage, microbatch and chunk counts, fused
+        ticks and tail spread (whose tick the program leaves free), so it is saved and loaded with them;
+        built once for the same ones (``schedules.schedule``)."""
+        S, M, gap = self.num_physical_stages, self.num_microbatches, int(self.tail_split > 1)
+        if self.fused_ticks:
+            return fused_1f1b(S, M, gap)
+        return schedule(self.schedule, S, M, self.num_chunks, tail_gap=gap)
 
     @property
     def cluster(self) -> tuple[int, int]:

@@ -100,4 +100,10 @@ def explain_pipeline(plan: PipelinePlan) -> str:
     lines = [format_pipeline_plan(plan), "", "time by category (adds up to the step time)"]
     for k, v in rows:
         lines.append(f"  {k:<28} {human_time(v):>12}  {100 * v / total:5.1f}%")
+    runs = "its slots are the SPMD program's lockstep ticks" if plan.spmd else "each stage follows its row's order"
+    lines += ["", f"the program both runtimes run (PipelinePlan.program; {runs}):",
+              *("  " + row for row in plan.program.draw(max_slots=DRAWN_SLOTS, max_stages=DRAWN_STAGES).splitlines())]
     return "\n".join(lines)
+
+
+DRAWN_SLOTS, DRAWN_STAGES = 36, 8  # the window of a plan's program that ``explain`` draws

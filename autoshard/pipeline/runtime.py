@@ -49,7 +49,7 @@ from autoshard.pipeline.partition import (
     split_step,
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.pipeline.schedules import V_SCHEDULES, Schedule, schedule
+from autoshard.pipeline.schedules import V_SCHEDULES, Schedule
 from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
 from autoshard.trace.graph import Graph, Scope
 from cost_models import ShardingSpec
@@ -324,7 +324,7 @@ def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax
     physical = [stage_mesh([devices[i] for i in st.devices(cluster)], st.mesh.shape, st.mesh.axis_names)
                 for st in plan.stages[:S]]
     meshes = [physical[u % S] for u in range(len(plan.stages))]  # virtual stage u runs on stage u mod S
-    sched = schedule(plan.schedule, S, plan.num_microbatches, plan.num_chunks)
+    sched = plan.program
     return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of, split_weight=sched.weight_pass),
                          meshes, [st.specs for st in plan.stages], sched,
                          update_specs=[st.update_specs for st in plan.stages])

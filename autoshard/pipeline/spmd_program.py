@@ -108,8 +108,8 @@ from autoshard.emit.program import check_leaves, copied_leaves
 from autoshard.emit.specs import named_sharding, normalize_key
 from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
-from autoshard.pipeline.schedules import V_SCHEDULES, schedule
-from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, cannot_run, fused_1f1b, price, ticks
+from autoshard.pipeline.schedules import V_SCHEDULES, PipelineProgram, schedule
+from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, cannot_run, price, ticks
 from autoshard.pipeline.uniform import (
     Group,
     UniformStages,
@@ -122,6 +122,7 @@ from autoshard.pipeline.uniform import (
 from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
 from autoshard.trace.graph import Graph, Role, Scope
 from cost_models import ShardingSpec
+from solvers.pipeline.schedules import fused_1f1b as _fused_program
 
 log = logging.getLogger("autoshard")
 
@@ -300,7 +301,8 @@ class SpmdPipelineStep:
 
     def __init__(self, micro: Graph, full: Graph, mesh: jax.sharding.Mesh, num_microbatches: int,
                  schedule_name: str = "1f1b", specs: Mapping[Scope, Mapping[int, ShardingSpec]] | None = None,
-                 num_chunks: int = 1, fused: bool = False, tail: Graph | None = None) -> None:
+                 num_chunks: int = 1, fused: bool = False, tail: Graph | None = None,
+                 program: PipelineProgram | None = None) -> None:
         if schedule_name not in SCHEDULES:
             raise cannot_run(f"the {schedule_name!r} schedule is not supported by the SPMD pipeline yet; use "
                         f"{' or '.join(SCHEDULES)}")
@@ -323,8 +325,16 @@ class SpmdPipelineStep:
         self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh) \
             if tail is not None else None
         G = self.spread.split if self.spread is not None else 1
-        self.schedule = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1))
-        self.ticks = fused_1f1b(S, M, G) if fused and schedule_name == "1f1b" else ticks(self.schedule, G)
+        if program is None:  # the schedule's program (a plan's own: ``PipelinePlan.program``)
+            program = _fused_program(S, M, int(G > 1)) if fused and schedule_name == "1f1b" else schedule(
+                schedule_name, S, M, chunks, tail_gap=int(G > 1))
+        elif (program.num_stages, program.num_microbatches, program.num_virtual_stages, program.tail_gap > 0) != (
+                S, M, S * chunks, G > 1):
+            raise cannot_run(f"the program {program.name!r} runs {program.num_stages} stages x {program.num_chunks} "
+                             f"chunk(s) over {program.num_microbatches} microbatches with tail gap {program.tail_gap}; "
+                             f"this step has {S} x {chunks} over {M}" + (", its tail spread" if G > 1 else ""))
+        self.schedule = program
+        self.ticks = ticks(program, G)
         self.v_shape = self.ticks.v_shape  # chunk 1 of stage s runs virtual stage 2S - 1 - s (ZB-V)
         # in a V, one message each way a tick carries a stream or a cotangent where their shapes agree (False:
         # both kinds each way, four ppermutes, as where they differ)
@@ -903,7 +913,7 @@ def spmd_pipeline_step(micro: Graph, full: Graph, plan: PipelinePlan, devices: S
             for key, by_tensor in table.items():
                 specs.setdefault(normalize_key(key), {}).update(by_tensor)
     step = SpmdPipelineStep(micro, full, mesh, plan.num_microbatches, name, specs, plan.num_chunks,
-                            fused=plan.fused_ticks, tail=tail if plan.tail_split > 1 else None)
+                            fused=plan.fused_ticks, tail=tail if plan.tail_split > 1 else None, program=plan.program)
     got = step.spread.split if step.spread is not None else 1
     if got != plan.tail_split:
         raise cannot_run(f"the plan spreads the tail over {plan.tail_split} stages; the step given as tail= splits "

@@ -409,21 +409,38 @@ class PipelineProgram:
         )
 
     def __str__(self) -> str:
+        return self.draw()
+
+    def draw(self, max_slots: int | None = None, max_stages: int | None = None) -> str:
+        """The program as a grid, a row per stage and a column per slot (``F3``, ``B3``, ``W3``; ``F3.1`` on
+        chunk 1; fused ``F3+B1``; ``.`` idle), under a line that names it. ``max_slots``: only the first that
+        many slots (the warm-up and the start of the steady state), ``…`` marking the rest; ``max_stages``:
+        only the first and the last stages, half of them each, ``⋮`` between."""
         with_chunk = self.num_chunks > 1
-        grid = [["."] * len(self.slots) for _ in range(self.num_stages)]
-        for t, slot in enumerate(self.slots):
+        T, S = len(self.slots), self.num_stages
+        shown = T if max_slots is None else min(T, max_slots)
+        rows_of = list(range(S)) if max_stages is None or max_stages >= S else [
+            *range((max_stages + 1) // 2), *range(S - max_stages // 2, S)]
+        grid = {s: ["."] * shown for s in rows_of}
+        for t, slot in enumerate(self.slots[:shown]):
             for a in slot:
-                if 0 <= a.stage < self.num_stages:  # fused: "F3+B1"
+                if a.stage in grid:  # fused: "F3+B1"
                     cell = grid[a.stage][t]
                     grid[a.stage][t] = a.label(with_chunk) if cell == "." else f"{cell}+{a.label(with_chunk)}"
-        width = max((len(cell) for row in grid for cell in row), default=1)
+        width = max((len(cell) for row in grid.values() for cell in row), default=1)
         head = (
-            f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches"
+            f"{self.name}: {S} stages, {self.num_microbatches} microbatches"
             + (f", {self.num_chunks} chunks" if with_chunk else "")
-            + f", {len(self.slots)} slots"
+            + f", {T} slots" + (f" (the first {shown} drawn)" if shown < T else "")
         )
-        rows = [f"stage {s}: " + " ".join(c.ljust(width) for c in row).rstrip() for s, row in enumerate(grid)]
-        return "\n".join([head, *rows])
+        label = len(f"stage {S - 1}: ")
+        lines = [head]
+        for i, s in enumerate(rows_of):
+            if i and rows_of[i - 1] != s - 1:
+                lines.append("⋮".rjust(label - 2))
+            cells = " ".join(c.ljust(width) for c in grid[s]) + (" …" if shown < T else "")
+            lines.append(f"stage {s}: ".ljust(label) + cells.rstrip())
+        return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- dependencies

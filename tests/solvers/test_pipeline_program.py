@@ -23,6 +23,7 @@ from solvers.pipeline import (
     schedule,
     simulate,
     ticks,
+    zb_h1,
     zb_v,
 )
 from solvers.pipeline.program import _deps
@@ -388,3 +389,20 @@ def test_zb_v_spreads_its_tail_from_stage_0_at_1f1bs_memory_for_a_few_more_ticks
         assert all(b == pytest.approx(2 * 6.0 * M) for b in got.busy[2:])
         # the spread pays once the microbatches outnumber the gap's ticks (S = 8, M = 16: 270 against 268)
         assert got.loop < kept.loop or M <= 2 * S
+
+
+def test_a_program_draws_as_a_grid_whole_or_as_a_window_of_its_first_slots_and_outer_stages() -> None:
+    whole = str(zb_h1(3, 4))
+    assert whole.splitlines() == [
+        "zb-h1: 3 stages, 4 microbatches, 16 slots",
+        "stage 0: F0 F1 F2 .  .  B0 W0 F3 B1 W1 .  B2 W2 .  B3 W3",
+        "stage 1: .  F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 .  B3 W3 .",
+        "stage 2: .  .  F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3 .  .",
+    ]
+    assert str(fused_1f1b(2, 2)).splitlines()[2] == "stage 1: .     F0+B0 F1+B1 ."  # a forward, then a backward
+    program = schedule("1f1b", 12, 24)
+    lines = program.draw(max_slots=5, max_stages=4).splitlines()
+    assert lines[0] == f"1f1b: 12 stages, 24 microbatches, {len(program.slots)} slots (the first 5 drawn)"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["stage 0", "stage 1", "⋮", "stage 10", "stage 11"]
+    assert lines[1] == "stage 0:  F0 F1 F2 F3 F4 …" and lines[-1] == "stage 11: .  .  .  .  .  …"
+    assert program.draw(max_slots=10 ** 6, max_stages=12) == str(program)  # a window as large as it: the whole
