@@ -469,15 +469,16 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
     if piped.spmd:  # the SPMD program's lockstep ticks: priced from the base's stage times first, both ways
         # the derived stages are run (interleaved 1F1B and ZB-V's V), the faster kept
         ours, derived = interleaved_lockstep(piped, count, batch)
-        _, v_derived = interleaved_lockstep(piped, count, batch, schedule="zb-v")
         # a V's stage holds two of the base's chunks, each with its weights and up to the base's first stage's
-        # microbatches in flight: screened by twice the base's fullest stage (GPT-1T on 64 stages of 6x8,
-        # selective recompute: 84.4 GiB where the base's 3x8 stages hold 51.8, over a 67 GiB budget)
-        roomy = piped.memory_budget is None or 2 * piped.peak_memory <= piped.memory_budget
-        if v_derived < derived and roomy:
-            name, derived = "zb-v", v_derived
-        elif v_derived < derived:
-            log.info("ZB-V on %dx%d stages over %d microbatches not planned: its stages hold two of the %s plan's "
+        # microbatches in flight: screened by twice the base's fullest stage before it is priced (GPT-1T on 64
+        # stages of 6x8, selective recompute: 84.4 GiB where the base's 3x8 stages hold 51.8, over a 67 GiB
+        # budget; its ticks priced 76.76 s to the base's 79.98 s, and pricing them took 3-5 s)
+        if piped.memory_budget is None or 2 * piped.peak_memory <= piped.memory_budget:
+            _, v_derived = interleaved_lockstep(piped, count, batch, schedule="zb-v")
+            if v_derived < derived:
+                name, derived = "zb-v", v_derived
+        else:
+            log.info("ZB-V on %dx%d stages over %d microbatches not tried: its stages hold two of the %s plan's "
                      "chunks, and twice its fullest stage (%s) is over the memory budget", *shape, count,
                      piped.schedule, human_bytes(2 * piped.peak_memory))
         if derived >= ours:

@@ -84,8 +84,8 @@ def test_the_derived_interleaved_pipeline_starts_at_the_recompute_of_the_plan_it
     asked = []
 
     def plan_one(count: int, seconds: float | None, shape: tuple[int, int] | None = None,
-                 mode: str | None = None) -> object:
-        asked.append((count, shape, mode))
+                 mode: str | None = None, derived: str = "interleaved-1f1b") -> object:
+        asked.append((count, shape, mode))  # interleaved 1F1B or ZB-V, whichever ticks price faster
         return dataclasses.replace(base, predicted_step_time=0.5 * base.predicted_step_time)
 
     got = _try_interleaving(base, plan_one, 32, PipelineOptions(uniform=True), left=60.0, took=1.0)
@@ -110,8 +110,15 @@ def test_a_derived_interleaved_pipeline_whose_lockstep_ticks_cannot_pay_is_not_p
     assert base.spmd and base.num_physical_stages == 4  # must be solved, not cut short on a loaded machine
     ours, derived = interleaved_lockstep(base, 16, 64)
     assert derived >= ours
+    # ZB-V's two chunks a stage, priced too, are planned only where their ticks pay (each F, B, W about a
+    # forward: no waiting for a backward)
+    _, v_shaped = interleaved_lockstep(base, 16, 64, schedule="zb-v")
+    asked = []
 
-    def plan_one(*args: object) -> object:
-        raise AssertionError("the derived pipeline was planned")
+    def plan_one(count: int, seconds: float | None, shape: tuple[int, int], mode: str | None, name: str) -> object:
+        assert name == "zb-v", f"the derived {name} pipeline was planned"
+        asked.append((count, shape))
+        return dataclasses.replace(base, predicted_step_time=2 * base.predicted_step_time)  # and lost
 
     assert _try_interleaving(base, plan_one, 64, PipelineOptions(uniform=True), left=60.0, took=1.0) is base
+    assert asked == ([(16, (1, 4))] if v_shaped < ours else [])
