@@ -442,6 +442,7 @@ def _zb_v_step(stages: int, layers: int, M: int, devices: int) -> tuple[SpmdPipe
     return step, ex.train_step, state, batch
 
 
+@pytest.mark.slow  # CI: ZB-V with its tail spread, test_a_tail_spread_over_stages_gives_jits_numbers[zb-v-2-2]
 def test_zb_v_runs_its_two_chunks_in_a_v_and_gives_jits_numbers() -> None:
     # ZB-V: 2 stages of 2 chunks (a block each), chunk 1 of stage s running virtual stage 3 - s, so the head
     # and the tail both run on stage 0 and the turn stays on stage 1; 3 steps equal jax.jit's
@@ -655,6 +656,10 @@ def test_a_tail_spread_over_stages_gives_jits_numbers(name: str, stages: int, sp
                             num_chunks=2 if name == "interleaved-1f1b" else 1, fused=name == "fused", tail=small)
     assert step.spread is not None and step.spread.split == split and step.ticks.spread
     assert int((step.ticks.tail_micro >= 0).sum()) == M  # each microbatch's tail once
+    if name == "zb-v":  # two chunks a stage in a V: the head and the tail on stage 0, the turn on stage S - 1
+        assert step.num_chunks == 2 and step.ticks.v_shape and step.ticks.weight_pass
+        assert step.schedule.place(0) == (0, 0) and step.schedule.place(2 * stages - 1) == (0, 1)
+        assert list(step.ticks.tail_stages()) == list(range(split))
     _matches_jit(step, ex.train_step, state, batch)
 
 
