@@ -84,7 +84,7 @@ stage's forward and backward (``schedules``' tail gap). The slices' layouts are 
 ops pair up with the small trace's, else XLA's (JAX traces a dimension of one row differently). In a V
 (ZB-V) the last virtual stage runs on stage 0, beside the head, and the slices go to stages ``0..G−1``
 (``Ticks.tail_stages``): without the spread every tick in which stage 0 runs its second chunk would carry
-the tail (GPT-1T on 64 stages: 3% of the step).
+the whole tail.
 
 Not yet: blocks that read per-microbatch values other than the residual stream (an attention mask built
 from the batch).
@@ -328,8 +328,8 @@ class SpmdPipelineStep:
         if program is None:  # the schedule's program (a plan's own: ``PipelinePlan.program``)
             program = _fused_program(S, M, int(G > 1)) if fused and schedule_name == "1f1b" else schedule(
                 schedule_name, S, M, chunks, tail_gap=int(G > 1))
-        elif (program.num_stages, program.num_microbatches, program.num_virtual_stages, program.tail_gap > 0) != (
-                S, M, S * chunks, G > 1):
+        elif (program.num_stages, program.num_microbatches, program.num_virtual_stages, program.tail_gap > 0,
+              program.v_shape) != (S, M, S * chunks, G > 1, schedule_name in V_SCHEDULES):
             raise cannot_run(f"the program {program.name!r} runs {program.num_stages} stages x {program.num_chunks} "
                              f"chunk(s) over {program.num_microbatches} microbatches with tail gap {program.tail_gap}; "
                              f"this step has {S} x {chunks} over {M}" + (", its tail spread" if G > 1 else ""))
