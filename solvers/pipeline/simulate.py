@@ -21,8 +21,8 @@ action that made them ends when that ran on another stage:
 ``lockstep``: the program's slots are ticks that every stage runs together, as the SPMD program does: a
 tick lasts as long as its slowest stage's work ``a(t, s)`` (the ``f``, ``b``, ``w`` it runs, plus
 ``tail / G`` at a spread tail's tick on each of the ``G`` stages that run its slices, ``Ticks.tail_stages``),
-and every tick sends the stream up and its cotangent down (``x = Costs.exchange``, one message one way), a tail tick also its
-``G − 1`` slices out and back (``x_G = Costs.tail_exchange``):
+and every tick sends the stream up and its cotangent down (``x = Costs.exchange``, one message one way), a
+tail tick also its ``G − 1`` slices out and back (``x_G = Costs.tail_exchange``):
 
     loop     = Σ_t max_s a(t, s) + T·2·x + (tail ticks)·2·(G − 1)·x_G
 
