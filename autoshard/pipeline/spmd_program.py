@@ -64,8 +64,8 @@ neighbours in one tick; since it runs one action a tick it sends at most one val
 still ends with two ``ppermute`` (up and down), each carrying a stream or a cotangent (four where their
 shapes differ), read into the slot the receive table for that side names (``lowering.Ticks``). At most
 ``2S`` chunk-microbatches are in flight a stage (until ``W``), each half a stage's layers: 1F1B's
-activation memory, with the bubble filled by ``W``. The tail cannot be spread over other stages (stage 0
-holds it beside the head).
+activation memory, with the bubble filled by ``W``. Stage 0 holds the tail beside the head; spread, its
+slices run on stages ``0..G−1`` (below).
 
 Gradients are reduced once a step, as the planner prices them: a stage's partial sums over its data-parallel
 axes (weight gradients of the chunk, the tail's and the head's, the loss, the embeddings' scatter-adds
