@@ -29,6 +29,7 @@ from autoshard.pipeline import (
 )
 from autoshard.pipeline.microbatches import (
     INTERLEAVE_CHUNKS,
+    derived_lockstep,
     derived_recompute,
     first_recompute,
     interleaved_lockstep,
@@ -474,7 +475,7 @@ def _try_interleaving(piped: PipelinePlan, plan_one: Callable[..., PipelinePlan]
         # stages of 6x8, selective recompute: 84.4 GiB where the base's 3x8 stages hold 51.8, over a 67 GiB
         # budget; its ticks priced 76.76 s to the base's 79.98 s, and pricing them took 3-5 s)
         if piped.memory_budget is None or 2 * piped.peak_memory <= piped.memory_budget:
-            _, v_derived = interleaved_lockstep(piped, count, batch, schedule="zb-v")
+            v_derived = derived_lockstep(piped, count, batch, "zb-v")
             if v_derived < derived:
                 name, derived = "zb-v", v_derived
         else:

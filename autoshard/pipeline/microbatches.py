@@ -104,15 +104,21 @@ def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERL
     ZB-V idles about ``2S'`` of its ticks, ZB-H1 ``2S``: GPT-1T's 128 stages of 3x8 over 1024 microbatches
     under ZB-H1 take 79.98 s of ticks, as interleaved 1F1B on 64 stages of 6x8 over 512 96.19 s, as ZB-V
     76.76 s, which its memory then does not allow: ``api._try_interleaving``)."""
-    S = len(plan.stages)
-    times = [st.micro_time for st in plan.stages]
     G = plan.tail_split
-    base = lockstep_tables(plan.schedule, S, plan.num_microbatches, fused=plan.fused_ticks, tail_split=G)
+    base = lockstep_tables(plan.schedule, len(plan.stages), plan.num_microbatches, fused=plan.fused_ticks,
+                           tail_split=G)
+    ours = _loop([st.micro_time for st in plan.stages], base, plan.tail_time if G > 1 else 0.0, G)
+    return ours, derived_lockstep(plan, count, batch, schedule, chunks)
+
+
+def derived_lockstep(plan: Any, count: int, batch: int, schedule: str, chunks: int = INTERLEAVE_CHUNKS) -> float:
+    """The derived pipeline's tick loop alone, as ``interleaved_lockstep`` prices it (a second schedule for
+    the same derived stages, without pricing the base again)."""
+    S = len(plan.stages)
     S2, rows = S // chunks, batch // count
-    G2 = max((g for g in range(2, S2 + 1) if rows % g == 0), default=1) if G > 1 else 1
+    G2 = max((g for g in range(2, S2 + 1) if rows % g == 0), default=1) if plan.tail_split > 1 else 1
     derived = lockstep_tables(schedule, S2, count, chunks, tail_split=G2)
-    tail = plan.tail_time
-    return _loop(times, base, tail if G > 1 else 0.0, G), _loop(times, derived, tail if G2 > 1 else 0.0, G2)
+    return _loop([st.micro_time for st in plan.stages], derived, plan.tail_time if G2 > 1 else 0.0, G2)
 
 
 def _loop(times: Sequence[float], table: Any, tail: float, tail_split: int) -> float:

@@ -24,7 +24,7 @@ from autoshard.planner.utilization import ModelFlops
 from autoshard.trace.graph import Graph, Scope
 from cost_models import LogicalMesh, ShardingSpec
 from solvers.pipeline.program import PipelineProgram, place
-from solvers.pipeline.schedules import V_SCHEDULES, fused_1f1b, schedule
+from solvers.pipeline.schedules import V_SCHEDULES, schedule
 
 PIPELINE_PLAN_VERSION = 1
 
@@ -155,10 +155,8 @@ class PipelinePlan:
         the planner priced. A pure function of the plan's schedule, stage, microbatch and chunk counts, fused
         ticks and tail spread (whose tick the program leaves free), so it is saved and loaded with them;
         built once for the same ones (``schedules.schedule``)."""
-        S, M, gap = self.num_physical_stages, self.num_microbatches, int(self.tail_split > 1)
-        if self.fused_ticks:
-            return fused_1f1b(S, M, gap)
-        return schedule(self.schedule, S, M, self.num_chunks, tail_gap=gap)
+        return schedule(self.schedule, self.num_physical_stages, self.num_microbatches, self.num_chunks,
+                        tail_gap=int(self.tail_split > 1), fused=self.fused_ticks)
 
     @property
     def cluster(self) -> tuple[int, int]:

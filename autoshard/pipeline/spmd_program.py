@@ -122,7 +122,6 @@ from autoshard.pipeline.uniform import (
 from autoshard.pipeline.unreduced import UnreducedInterpreter, plan_stacked, stacked_size
 from autoshard.trace.graph import Graph, Role, Scope
 from cost_models import ShardingSpec
-from solvers.pipeline.schedules import fused_1f1b as _fused_program
 
 log = logging.getLogger("autoshard")
 
@@ -326,8 +325,8 @@ class SpmdPipelineStep:
             if tail is not None else None
         G = self.spread.split if self.spread is not None else 1
         if program is None:  # the schedule's program (a plan's own: ``PipelinePlan.program``)
-            program = _fused_program(S, M, int(G > 1)) if fused and schedule_name == "1f1b" else schedule(
-                schedule_name, S, M, chunks, tail_gap=int(G > 1))
+            program = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1),
+                               fused=fused and schedule_name == "1f1b")
         elif (program.num_stages, program.num_microbatches, program.num_virtual_stages, program.tail_gap > 0,
               program.v_shape) != (S, M, S * chunks, G > 1, schedule_name in V_SCHEDULES):
             raise cannot_run(f"the program {program.name!r} runs {program.num_stages} stages x {program.num_chunks} "
@@ -773,7 +772,7 @@ class SpmdPipelineStep:
         if sp is not None:
             G = sp.split
             # the stage of the last virtual stage, whose stream is spread, and the first of the G that run slices
-            home, first = (0, 0) if self.v_shape else (S - 1, S - G)
+            home, first = self.schedule.place(V - 1)[0], T.tail_stages().start
             small_interp = Interpreter(abstract, sp.specs)
             inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
             over_g = lambda x: (x / jnp.asarray(G, x.dtype)).astype(x.dtype) if inexact(x) else x  # noqa: E731

@@ -403,6 +403,15 @@ class _Chosen:
     def v_shape(self) -> bool:
         return self.pricing in V_SCHEDULES
 
+    @property
+    def num_stages(self) -> int:  # physical
+        return len(self.chosen) // self.chunks
+
+    @property
+    def places(self) -> list[tuple[int, int]]:
+        """``(stage, chunk)`` of each virtual stage (``place``)."""
+        return [place(u, self.num_stages, self.v_shape) for u in range(len(self.chosen))]
+
 
 def _chosen_uniform(st: _Setting, lay: _Layered, prices: LayerPrices, stage_time: np.ndarray, pricing: str,
                     chunks: int, spread_tail: bool) -> _Chosen:
@@ -507,15 +516,13 @@ def _planned_whole(st: _Setting, cut: _Chosen, prices: LayerPrices) -> dict[int,
     fewer in flight need less memory, so that plan fits them all, and one solve with their pooled time beats
     several short ones (short solves of large stages vary a lot); their memory is so an upper bound for those
     holding fewer."""
-    lay, chosen, chunks = cut.lay, cut.chosen, cut.chunks
+    lay, chosen, num_stages = cut.lay, cut.chosen, cut.num_stages
     graph, micro_ops, update_ops = lay.graph, lay.micro_ops, lay.update_ops
-    num_stages = len(chosen) // chunks  # physical
-    places = [place(u, num_stages, cut.v_shape) for u in range(len(chosen))]  # (stage, chunk) of each virtual stage
     stage_ops = [([i for ell in range(a, b + 1) for i in micro_ops[ell]],
                   [i for ell in range(a, b + 1) for i in update_ops[ell]]) for a, b, _ in chosen]
     # a chunk counts its own microbatches in flight (``Schedule.peak_inflight_by_chunk``), a stage all of its
     held = [cut.by_chunk[num_stages - 1 - s][c] if cut.by_chunk is not None else cut.inflight[num_stages - 1 - s]
-            for s, c in places]
+            for s, c in cut.places]
     keys = [(signature(graph, m) + signature(graph, u), c[2])
             for (m, u), c in zip(stage_ops, chosen, strict=True)]
     # their share of the budget, or what the pricing, the DP's re-cuts and the stages planned before left of
@@ -584,10 +591,8 @@ def _assembled(st: _Setting, cut: _Chosen, planned: Mapping[int, Part], prices: 
     the schedules priced on them (``simulate``: the SPMD program's lockstep ticks, or the MPMD runtime's
     timeline with its host beside it; under "auto" the faster of ``AUTO_SCHEDULES``), refused when a stage
     holds more than the budget."""
-    lay, chosen, chunks = cut.lay, cut.chosen, cut.chunks
+    lay, chosen, chunks, num_stages, places = cut.lay, cut.chosen, cut.chunks, cut.num_stages, cut.places
     graph, parts, layer_of_op, into = lay.graph, lay.parts, lay.layer_of_op, lay.into
-    num_stages = len(chosen) // chunks
-    places = [place(u, num_stages, cut.v_shape) for u in range(len(chosen))]
     # where the stages chose their recompute, each says what its blocks do
     labels = [summary({b: (cut.recompute or {}).get(b, "none") for ell in range(a, c + 1) for b in lay.blocks[ell]})
               for a, c, _ in chosen]

@@ -32,10 +32,8 @@ def lockstep_tables(name: str, num_stages: int, num_microbatches: int, chunks: i
                     tail_split: int = 1) -> Ticks:
     """What ``price`` reads of the SPMD program's ticks for schedule ``name`` (``fused``: 1F1B's fused
     ticks, ``fused_1f1b``), the tail spread over ``tail_split`` stages (its gap in the schedule)."""
-    if fused:
-        return fused_1f1b(num_stages, num_microbatches, tail_split, actions_only=True)
-    return action_tables(schedule(name, num_stages, num_microbatches, chunks, tail_gap=int(tail_split > 1)),
-                         tail_split)
+    return action_tables(schedule(name, num_stages, num_microbatches, chunks, tail_gap=int(tail_split > 1),
+                                  fused=fused), tail_split)
 
 
 def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, actions_only: bool = False) -> Ticks:

@@ -317,10 +317,16 @@ V_SCHEDULES = ("zb-v",)
 
 
 @functools.lru_cache(maxsize=16)
-def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1, tail_gap: int = 0) -> PipelineProgram:
+def schedule(name: str, num_stages: int, num_microbatches: int, chunks: int = 1, tail_gap: int = 0,
+             fused: bool = False) -> PipelineProgram:
     """Build the schedule called ``name`` (one of ``SCHEDULE_NAMES``); built once for the same arguments (a
     frozen value: the planner asks for GPT-1T's 128 stages x 1024 microbatches several times, 1.6 s each).
-    ``tail_gap``: slots between the last virtual stage's forward and backward (module doc)."""
+    ``tail_gap``: slots between the last virtual stage's forward and backward (module doc); ``fused``: 1F1B
+    as its fused ticks (``fused_1f1b``), the SPMD program's other form of it."""
+    if fused:
+        if name != "1f1b":
+            raise ValueError(f"only '1f1b' runs as fused ticks (a forward and a backward a tick), not {name!r}")
+        return fused_1f1b(num_stages, num_microbatches, tail_gap)
     if name in V_SCHEDULES:
         if chunks != 2:
             raise ValueError(f"schedule {name!r} runs two model chunks a stage in a V; got chunks={chunks}")

@@ -406,3 +406,11 @@ def test_a_program_draws_as_a_grid_whole_or_as_a_window_of_its_first_slots_and_o
     assert [line.split(":")[0].strip() for line in lines[1:]] == ["stage 0", "stage 1", "⋮", "stage 10", "stage 11"]
     assert lines[1] == "stage 0:  F0 F1 F2 F3 F4 …" and lines[-1] == "stage 11: .  .  .  .  .  …"
     assert program.draw(max_slots=10 ** 6, max_stages=12) == str(program)  # a window as large as it: the whole
+
+
+def test_a_schedule_by_name_is_1f1b_as_fused_ticks_where_asked_and_only_for_1f1b() -> None:
+    # one rule for a plan's program, the SPMD program's and its price's tables (``PipelinePlan.program``)
+    assert schedule("1f1b", 3, 4, fused=True) == fused_1f1b(3, 4)
+    assert schedule("1f1b", 3, 4, tail_gap=1, fused=True) == fused_1f1b(3, 4, 1)
+    with pytest.raises(ValueError, match="only '1f1b' runs as fused ticks"):
+        schedule("zb-h1", 3, 4, fused=True)
