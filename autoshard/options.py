@@ -126,7 +126,7 @@ class PlanOptions:
         several processes run or the mesh spans more than one host of the hardware (``target.uniform_stages``:
         a cluster runs one process per host, and the MPMD runtime drives every stage from one), else MPMD,
         and the SPMD program too where the MPMD plan's host work is at least ``HOST_SHARE`` of its step, the
-        faster kept (``api._spmd_if_faster``). Decided by ``target.runtime_options`` when planning, in
+        faster kept (``choose.spmd_if_faster``). Decided by ``target.runtime_options`` when planning, in
         ``plan`` and ``parallelize`` alike, and a plan runs on the runtime it was priced for
         (``target.runs_spmd``)."""))
     microbatches: int | None = field(default=None, metadata=_doc("""

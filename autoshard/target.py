@@ -233,7 +233,7 @@ def runs_spmd(runtime: str, plan_spmd: bool, processes: int = 1) -> bool:
 def runtime_options(runtime: str, target: Target, processes: int = 1, schedule: str = "auto") -> dict[str, bool]:
     """``PipelineOptions``' fields for ``runtime``: ``uniform`` (``uniform_stages``), and ``spmd_if_faster``
     where ``"auto"`` leaves a single process the choice (the MPMD runtime's plan, and where its host work
-    weighs, the SPMD program's too: ``api._choose``). A ``schedule`` only the SPMD program runs (ZB-V) makes
+    weighs, the SPMD program's too: ``choose.Choosing.plan_one``). A ``schedule`` only the SPMD program runs (ZB-V) makes
     ``"auto"`` the SPMD program."""
     uniform = uniform_stages(runtime, target, processes) or (runtime == "auto" and schedule in SPMD_ONLY)
     return {"uniform": uniform, "spmd_if_faster": runtime == "auto" and not uniform}

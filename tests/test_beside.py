@@ -112,6 +112,7 @@ def test_the_intra_operator_plan_made_beside_the_pipeline_search_is_the_one_made
 
     import autoshard
     import autoshard.api as api
+    import autoshard.choose as choose
     from autoshard._examples import load_module
     from autoshard.pipeline import PipelinePlan
     from autoshard.planner.plan import Plan
@@ -122,10 +123,10 @@ def test_the_intra_operator_plan_made_beside_the_pipeline_search_is_the_one_made
     fn, args = mod.train_step, mod.make("tiny", abstract=True, layers=2, batch=16, seq_len=64)
     graph = autoshard.trace(fn, *args)
     target = Target.of((2,), "h100", memory_budget=share * estimate(graph, "none").peak_bytes / 2)
-    monkeypatch.setattr(api, "BESIDE_MIN_OPS", 0)
-    real = api.plan_recomputing  # the same budget both ways (made beside, it gets the pipeline search's), and
+    monkeypatch.setattr(choose, "BESIDE_MIN_OPS", 0)
+    real = choose.plan_recomputing  # the same budget both ways (made beside, it gets the pipeline search's), and
     # one long enough that no search in it stops at the clock (a solve proven optimal returns early)
-    monkeypatch.setattr(api, "plan_recomputing", lambda *a, **kw: real(*a, **{**kw, "time_budget_s": 60.0}))
+    monkeypatch.setattr(choose, "plan_recomputing", lambda *a, **kw: real(*a, **{**kw, "time_budget_s": 60.0}))
     made = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("AUTOSHARD_BESIDE", setting)

@@ -1,6 +1,6 @@
 """The SPMD program's interleaved pipeline as the planner prices it: the uniform cut into chunks, the tail
 spread over the last stages where that pays, and the interleaved pipeline derived from a plan the planner
-chose (``api._try_interleaving``) planned from that plan's recompute."""
+chose (``choose.try_interleaving``) planned from that plan's recompute."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import autoshard
 from autoshard._examples import load_example
-from autoshard.api import _try_interleaving
+from autoshard.choose import try_interleaving
 from autoshard.pipeline.microbatches import derived_recompute, interleaved_lockstep
 from autoshard.pipeline.partition import trace_microbatch
 from autoshard.target import PipelineOptions
@@ -88,7 +88,7 @@ def test_the_derived_interleaved_pipeline_starts_at_the_recompute_of_the_plan_it
         asked.append((count, shape, mode))  # interleaved 1F1B or ZB-V, whichever ticks price faster
         return dataclasses.replace(base, predicted_step_time=0.5 * base.predicted_step_time)
 
-    got = _try_interleaving(base, plan_one, 32, PipelineOptions(uniform=True), left=60.0, took=1.0)
+    got = try_interleaving(base, plan_one, 32, PipelineOptions(uniform=True), left=60.0, took=1.0)
     assert asked == [(2, (1, 4), "selective")]
     assert got.predicted_step_time == 0.5 * base.predicted_step_time
 
@@ -120,5 +120,5 @@ def test_a_derived_interleaved_pipeline_whose_lockstep_ticks_cannot_pay_is_not_p
         asked.append((count, shape))
         return dataclasses.replace(base, predicted_step_time=2 * base.predicted_step_time)  # and lost
 
-    assert _try_interleaving(base, plan_one, 64, PipelineOptions(uniform=True), left=60.0, took=1.0) is base
+    assert try_interleaving(base, plan_one, 64, PipelineOptions(uniform=True), left=60.0, took=1.0) is base
     assert asked == ([(16, (1, 4))] if v_shaped < ours else [])

@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard._examples import load_module
-from autoshard.api import _activations
+from autoshard.choose import activations_bound
 from autoshard.pipeline import PipelinePlan
 from autoshard.pipeline.microbatches import candidates, first_recompute, interleaving, search
 from autoshard.pipeline.partition import PipelineError
@@ -175,7 +175,7 @@ def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatc
     back and the log says why. Asked for (``microbatches=8``), the pipeline is still planned."""
     import time as time_module
 
-    import autoshard.api as api
+    import autoshard.choose as choose
 
     model, cost = _MLP(), _h100_issuing_instantly()
     x = jax.ShapeDtypeStruct((2048, 16), jnp.float32)
@@ -183,7 +183,7 @@ def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatc
     state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2)), params)
     roomy = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=None, time_budget_s=10)
     budget = 0.15 * roomy.peak_memory
-    real_clock, real_plan = time_module.perf_counter, api.plan_recomputing
+    real_clock, real_plan = time_module.perf_counter, choose.plan_recomputing
     skipped = [0.0]
 
     def plan_recomputing(*a, **kw):
@@ -192,7 +192,7 @@ def test_a_pipeline_search_not_asked_for_stays_within_the_time_budget(monkeypatc
         return out
 
     monkeypatch.setattr(time_module, "perf_counter", lambda: real_clock() + skipped[0])
-    monkeypatch.setattr(api, "plan_recomputing", plan_recomputing)
+    monkeypatch.setattr(choose, "plan_recomputing", plan_recomputing)
     with caplog.at_level("INFO", logger="autoshard"):
         tight = autoshard.plan(_step, state, {"x": x}, mesh=(8,), hardware=cost, memory_budget=budget, time_budget_s=10)
     assert isinstance(tight, Plan) and tight.solver.pipeline_step_time is None
@@ -218,9 +218,9 @@ def test_the_first_count_is_sized_by_the_step_as_traced_also_when_it_fits_by_rec
         asked.append(mode)
         return estimate(graph, mode).peak_bytes / cost.mesh.num_devices
 
-    assert _activations(need, SimpleNamespace(recompute={"block_0": "full"}), None) == bound and asked == ["none"]
-    assert _activations(need, SimpleNamespace(recompute={}), None) is None
-    assert _activations(need, None, DoesNotFit("does not fit", needed=5e9, as_traced=7e9)) == 7e9
+    assert activations_bound(need, SimpleNamespace(recompute={"block_0": "full"}), None) == bound and asked == ["none"]
+    assert activations_bound(need, SimpleNamespace(recompute={}), None) is None
+    assert activations_bound(need, None, DoesNotFit("does not fit", needed=5e9, as_traced=7e9)) == 7e9
     assert asked == ["none"]  # the bound the failed planning proved is not estimated again
 
 
@@ -240,10 +240,10 @@ def test_the_interleaved_pipeline_priced_beside_uniform_stages_doubles_them_and_
 
 
 def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_the_planner_chooses() -> None:
-    """``_try_interleaving``: the interleaved plan replaces the chosen one when it prices faster; it is not
+    """``choose.try_interleaving``: the interleaved plan replaces the chosen one when it prices faster; it is not
     planned when the user fixed the schedule or the stages, when no budget was given and the chosen plan
     idles little, or when the user's budget has too little left; a failure keeps the chosen plan."""
-    from autoshard.api import _try_interleaving
+    from autoshard.choose import try_interleaving
     from autoshard.target import PipelineOptions
 
     def pipe(t: float, bubble: float = 0.2):
@@ -258,15 +258,15 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
         return pipe(0.9)
 
     auto = PipelineOptions()
-    faster = _try_interleaving(pipe(1.0), plan_one, 64, auto, None, 5.0)
+    faster = try_interleaving(pipe(1.0), plan_one, 64, auto, None, 5.0)
     assert faster.predicted_step_time == 0.9 and asked == [(4, (1, 4), "none", "interleaved-1f1b")]
     slower = pipe(0.5)
-    assert _try_interleaving(slower, plan_one, 64, auto, None, 5.0) is slower
+    assert try_interleaving(slower, plan_one, 64, auto, None, 5.0) is slower
     for options, left, bubble in ((PipelineOptions(schedule="1f1b"), None, 0.2),
                                   (PipelineOptions(stage_shape=(1, 2)), None, 0.2),
                                   (auto, None, 0.05), (auto, 1.0, 0.2)):
         chosen = pipe(1.0, bubble)
-        assert _try_interleaving(chosen, plan_one, 64, options, left, 5.0) is chosen
+        assert try_interleaving(chosen, plan_one, 64, options, left, 5.0) is chosen
     assert len(asked) == 2
     # an SPMD plan's derived stages are priced as interleaved 1F1B and as ZB-V from its own stage times
     # (ZB-H1 on 4 stages over 8 microbatches, unit stages: 10 of ticks; interleaved 1F1B on 2 stages of 2
@@ -274,15 +274,15 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
     spmd = SimpleNamespace(**vars(pipe(1.0)), tail_split=1, fused_ticks=False, tail_time=0.0, peak_memory=4e9,
                            memory_budget=8e9)
     spmd.spmd, spmd.schedule, spmd.stages = True, "zb-h1", [SimpleNamespace(submesh=(1, 2), micro_time=1.0)] * 4
-    assert _try_interleaving(spmd, plan_one, 64, auto, None, 5.0).predicted_step_time == 0.9
+    assert try_interleaving(spmd, plan_one, 64, auto, None, 5.0).predicted_step_time == 0.9
     assert asked[-1] == (4, (1, 4), "none", "zb-v")
     # a V's stage holds two of the base's chunks: not planned where twice the base's fullest stage overflows
     # (interleaved 1F1B's ticks, 10.67 to the base's 10, are not planned either)
     spmd.peak_memory = 4.1e9
-    assert _try_interleaving(spmd, plan_one, 64, auto, None, 5.0) is spmd and len(asked) == 3
+    assert try_interleaving(spmd, plan_one, 64, auto, None, 5.0) is spmd and len(asked) == 3
 
     def fails(count, seconds, shape, mode, derived="interleaved-1f1b"):
         raise PipelineError("no cut fits")
 
     chosen = pipe(1.0)
-    assert _try_interleaving(chosen, fails, 64, auto, 10.0, 5.0) is chosen
+    assert try_interleaving(chosen, fails, 64, auto, 10.0, 5.0) is chosen

@@ -11,7 +11,7 @@ import pytest
 
 import autoshard
 from autoshard._examples import load_example
-from autoshard.api import _warn_if_far_from_bound
+from autoshard.choose import warn_if_far_from_bound
 from autoshard.planner import layouts
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import plan_graph
@@ -99,8 +99,8 @@ def test_a_plan_far_above_its_bound_when_time_ran_out_is_flagged(wide_plan, capl
     far = dataclasses.replace(plan, solver=dataclasses.replace(
         solver, optimal=False, objective=83.0 * plan.predicted_step_time, lower_bound=plan.predicted_step_time))
     with caplog.at_level(logging.WARNING, logger="autoshard"):
-        assert _warn_if_far_from_bound(far)
+        assert warn_if_far_from_bound(far)
     assert "83x the solver's lower bound" in caplog.text and "--time-budget" in caplog.text
     close = dataclasses.replace(far, solver=dataclasses.replace(far.solver, objective=2.4 * plan.predicted_step_time))
     proven = dataclasses.replace(far, solver=dataclasses.replace(far.solver, optimal=True))
-    assert not _warn_if_far_from_bound(close) and not _warn_if_far_from_bound(proven)
+    assert not warn_if_far_from_bound(close) and not warn_if_far_from_bound(proven)

@@ -16,7 +16,7 @@ import pytest
 
 import autoshard
 from autoshard._examples import load_example
-from autoshard.api import _warn_if_far_from_bound
+from autoshard.choose import warn_if_far_from_bound
 from autoshard.planner import layouts
 from autoshard.planner.compare import price_layout
 from autoshard.planner.planning import ProblemCache, plan_graph
@@ -86,11 +86,11 @@ def test_the_warning_does_not_advise_leaving_out_a_budget_left_out(tiny, caplog:
     far = dataclasses.replace(plan, solver=dataclasses.replace(
         plan.solver, optimal=False, objective=50.0 * plan.predicted_step_time, lower_bound=plan.predicted_step_time))
     with caplog.at_level(logging.WARNING, logger="autoshard"):
-        assert _warn_if_far_from_bound(far, budget_given=False)
+        assert warn_if_far_from_bound(far, budget_given=False)
     assert "leave the budget out" not in caplog.text and "--time-budget" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="autoshard"):
-        assert _warn_if_far_from_bound(far, budget_given=True)
+        assert warn_if_far_from_bound(far, budget_given=True)
     assert "leave the budget out" in caplog.text
 
 

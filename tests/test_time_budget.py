@@ -146,8 +146,8 @@ def test_a_step_that_cannot_fit_as_traced_is_pipelined_first_when_the_budget_is_
     plan its intra-operator plan in a forked child) alike: a child would be waited for (GPT-1.3B on 2x4,
     budget 5 s: its intra-operator problem took 13 s to build beside the pipeline's search)."""
     if core_free:
-        monkeypatch.setattr("autoshard.api.BESIDE_MIN_OPS", 0)
-        monkeypatch.setattr("autoshard.api.can_fork", lambda: True)
+        monkeypatch.setattr("autoshard.choose.BESIDE_MIN_OPS", 0)
+        monkeypatch.setattr("autoshard.choose.can_fork", lambda: True)
     state, batch = _state(2048)
     cost = _cost()
     graph = trace(_step, state, batch)

@@ -20,7 +20,7 @@ count is slower than the best so far, and leaves the rest of the time budget uns
 
 The best plan found has the stages the DP cut, one model chunk each. Where they are uniform, a stage can
 hold two chunks instead (``interleaving``): stages twice as large over half as many microbatches twice as
-large, run by the interleaved schedule. ``api._try_interleaving`` plans that one too and keeps the faster:
+large, run by the interleaved schedule. ``choose.try_interleaving`` plans that one too and keeps the faster:
 GPT-1T on 384x8 A100 goes from 128 stages of 3x8 over 1024 microbatches (ZB-H1, 115.79 s a step, its
 last stage, a block and the head, 1.17x a block) to 64 stages of 6x8 over 512 (Megatron's own layout,
 110.25 s).
@@ -103,7 +103,7 @@ def interleaved_lockstep(plan: Any, count: int, batch: int, chunks: int = INTERL
     ``4/3`` of the work), where ZB-H1's and ZB-V's ``F``, ``B`` and ``W`` are each about a forward long (and
     ZB-V idles about ``2S'`` of its ticks, ZB-H1 ``2S``: GPT-1T's 128 stages of 3x8 over 1024 microbatches
     under ZB-H1 take 79.98 s of ticks, as interleaved 1F1B on 64 stages of 6x8 over 512 96.19 s, as ZB-V
-    76.76 s, which its memory then does not allow: ``api._try_interleaving``)."""
+    76.76 s, which its memory then does not allow: ``choose.try_interleaving``)."""
     G = plan.tail_split
     base = lockstep_tables(plan.schedule, len(plan.stages), plan.num_microbatches, fused=plan.fused_ticks,
                            tail_split=G)
@@ -130,7 +130,7 @@ def _loop(times: Sequence[float], table: Any, tail: float, tail_split: int) -> f
 
 def derived_recompute(modes: Mapping[str, str]) -> str:
     """The recompute mode the pipeline that ``interleaving`` derives from a plan is planned with
-    (``api._try_interleaving``), ``modes`` being that plan's per block (``PipelinePlan.recompute``; empty:
+    (``choose.try_interleaving``), ``modes`` being that plan's per block (``PipelinePlan.recompute``; empty:
     as traced): the least of ``REMAT_MODES`` any of its blocks uses.
 
     Per device the derived pipeline holds what its base does and more: a stage ``c`` times as large over
