@@ -6,13 +6,15 @@ program on its own slice of the stacked weights, and activations move one stage 
 tick with ``jax.lax.ppermute``. Being one SPMD program, it runs unchanged on one host or across hosts
 under ``jax.distributed`` (multi-controller JAX).
 
-GPipe, forward: with ``S`` stages and ``M`` microbatches, tick ``t = 0 .. M + S − 2``; stage ``s``
-works on microbatch ``t − s`` when ``0 <= t − s < M``. Stage 0 takes microbatch ``t`` from the input;
-every stage passes its result to ``s + 1``; the last stage's result for microbatch ``t − S + 1`` is
-kept. Backward: ``jax.grad`` through the loop (the transpose of a ``ppermute`` is the reverse
+The ticks are the IR's (``solvers.pipeline``): GPipe's program (``schedules.gpipe``) lowered to tables indexed
+``[tick, stage]`` (``lowering.action_tables``), of which this helper runs the forward ticks: at tick ``t``
+stage ``s`` runs the forward of microbatch ``f[t, s]`` (GPipe's ``t − s``; -1: none), stage 0 reading it from
+the input, every stage passing its result to ``s + 1``, the last stage keeping its result for that
+microbatch. Backward: ``jax.grad`` through the loop (the transpose of a ``ppermute`` is the reverse
 ``ppermute``), which gives GPipe's backward with all forwards' activations held, ``M + S − 1`` ticks.
 Ticks where a stage has no microbatch compute on zeros and are masked out: the bubble is real work
-here, as it is on hardware.
+here, as it is on hardware. ``autoshard.pipeline.spmd_program`` runs every schedule, a planned step's
+stages and its backward as the program's own ticks; this helper is for a stack the user splits by hand.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from autoshard.pipeline.partition import PipelineError
+from solvers.pipeline.lowering import action_tables
+from solvers.pipeline.schedules import gpipe
 
 
 def spmd_pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params: Any, x: jax.Array, *,
@@ -49,25 +54,25 @@ def spmd_pipeline(stage_fn: Callable[[Any, jax.Array], jax.Array], stage_params:
         raise PipelineError(f"batch of {x.shape[0]} rows does not split into {M} microbatches")
     micro = x.reshape(M, x.shape[0] // M, *x.shape[1:])
     perm = [(s, (s + 1) % S) for s in range(S)]
+    tables = action_tables(gpipe(S, M))
+    forward = tables.f_micro[: int(np.flatnonzero((tables.f_micro >= 0).any(axis=1)).max()) + 1]  # its ticks
 
     def body(params: Any, xs: jax.Array) -> jax.Array:
         params = jax.tree.map(lambda a: a[0], params)  # this device's stage
         s = jax.lax.axis_index(axis)
         zero = jnp.zeros_like(xs[0])
 
-        def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        def tick(carry: tuple[jax.Array, jax.Array], row: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
             h, outs = carry
-            feed = jnp.where(t < M, xs[jnp.minimum(t, M - 1)], zero)
-            h = jnp.where(s == 0, feed, h)
-            active = (t - s >= 0) & (t - s < M)
-            y = jnp.where(active, stage_fn(params, h), zero)
-            done = t - (S - 1)
-            keep = (s == S - 1) & (done >= 0)
-            outs = outs.at[jnp.clip(done, 0, M - 1)].set(jnp.where(keep, y, outs[jnp.clip(done, 0, M - 1)]))
+            m = row[s]  # the microbatch this stage runs forward at this tick, or -1
+            h = jnp.where(s == 0, xs[jnp.maximum(m, 0)], h)
+            y = jnp.where(m >= 0, stage_fn(params, h), zero)
+            at = jnp.maximum(m, 0)
+            outs = outs.at[at].set(jnp.where((s == S - 1) & (m >= 0), y, outs[at]))
             return (jax.lax.ppermute(y, axis, perm), outs), None
 
         outs = jnp.zeros_like(xs)
-        (_, outs), _ = jax.lax.scan(tick, (zero, outs), jnp.arange(M + S - 1))
+        (_, outs), _ = jax.lax.scan(tick, (zero, outs), jnp.asarray(forward))
         # only the last stage holds the results: sum over the axis hands them to every device
         return jax.lax.psum(jnp.where(s == S - 1, outs, jnp.zeros_like(outs)), axis)
 
