@@ -94,6 +94,7 @@ PASSES = (
     "autoshard.cache",
     "autoshard.checkpoint",
     "autoshard.options",
+    "autoshard.choose",
     "autoshard.api",
     "autoshard.megatron",
     "autoshard.cli",
