@@ -286,3 +286,18 @@ def test_an_interleaved_pipeline_is_kept_only_when_faster_and_tried_only_when_th
 
     chosen = pipe(1.0)
     assert try_interleaving(chosen, fails, 64, auto, 10.0, 5.0) is chosen
+
+
+def test_a_traced_graph_asked_for_microbatches_is_refused_with_what_to_pass_instead() -> None:
+    """A pipeline traces the step again at microbatch size, which a ``Graph`` cannot be: the error says to pass
+    the step function and its arguments (``choose``), after the intra-operator plan, which a graph can have."""
+    from autoshard.target import PlanningError
+
+    model = _MLP()
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2)), params)
+    graph = autoshard.trace(_step, state, {"x": x})
+    assert isinstance(autoshard.plan(graph, mesh=(2,), time_budget_s=2), Plan)
+    with pytest.raises(PlanningError, match="pass the step function and its arguments, not a Graph"):
+        autoshard.plan(graph, mesh=(2,), microbatches=4, time_budget_s=2)
