@@ -32,8 +32,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from autoshard.pipeline.partition import UPDATE, StepParts, segments
 from autoshard.pipeline.ticks import DISPATCH_S
 from autoshard.trace.graph import Graph
@@ -85,7 +83,7 @@ def host_work(graph: Graph, parts: StepParts, stage_of_op: Sequence[int], num_st
     or a value from another stage, is put."""
     B = num_microbatches
     step_inputs = set(graph.inputs)
-    accumulated = {t for t in parts.accumulated if np.issubdtype(np.dtype(graph.tensors[t].dtype), np.inexact)}
+    accumulated = {t for t in parts.accumulated if graph.tensors[t].inexact}
     per_micro_calls = per_micro_args = per_micro_puts = per_micro_adds = 0
     once_calls = once_args = once_puts = updates = 0
     reducing: set[int] = set()

@@ -43,7 +43,6 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -67,7 +66,7 @@ def produced_partial(op: Op, graph: Graph, specs: Mapping[int, ShardingSpec]) ->
     """The mesh axes over which ``op``'s result is a partial sum given its inputs' layouts (``()``: none,
     or not a case handled here)."""
     out = graph.tensors[op.outputs[0]] if len(op.outputs) == 1 else None
-    if out is None or not jnp.issubdtype(out.dtype, jnp.inexact):
+    if out is None or not out.inexact:
         return ()
     name = op.primitive
     if name == "dot_general" and len(op.inputs) == 2:
@@ -182,7 +181,7 @@ def plan_stacked(graph: Graph, ops: Sequence[Op], specs: Mapping[int, ShardingSp
                 producers[op.id] = stacked[op.outputs[0]] = candidates[op.id]
                 continue
             flags = [t in stacked for t in op.inputs]
-            inexact = all(jnp.issubdtype(graph.tensors[t].dtype, jnp.inexact) for t in op.outputs)
+            inexact = all(graph.tensors[t].inexact for t in op.outputs)
             if inexact and _linear(op, graph, flags, [stacked.get(t) for t in op.inputs]):
                 ax = next(stacked[t] for t in op.inputs if t in stacked)
                 for t in op.outputs:

@@ -18,6 +18,7 @@ Conventions
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -27,6 +28,19 @@ import networkx as nx
 
 from autoshard.errors import GraphError
 from autoshard.trace.roles import Role
+
+
+@functools.cache
+def inexact_dtype(name: str) -> bool:
+    """``Tensor.inexact`` for a dtype's name: jax's ``issubdtype``, which knows the ml_dtypes floats, and False
+    for a name numpy cannot read (a PRNG key's ``key<impl>``)."""
+    import jax.numpy as jnp
+
+    try:
+        return bool(jnp.issubdtype(name, jnp.inexact))
+    except TypeError:
+        return False
+
 
 # Where a tensor lives: the path of (op id, body index) from the top-level graph into nested bodies;
 # () is the step itself. Tensor ids are per graph, so a tensor is named by (scope, id).
@@ -48,6 +62,13 @@ class Tensor:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def inexact(self) -> bool:
+        """Whether its dtype is a floating or complex one (what a gradient or a partial sum can be): bfloat16
+        and the float8 types included, which numpy's own ``issubdtype`` does not count; False for integers,
+        booleans and PRNG keys (``key<fry>``: a dropout key passed to the step)."""
+        return inexact_dtype(self.dtype)
 
     def __repr__(self) -> str:
         dims = ",".join(map(str, self.shape))
