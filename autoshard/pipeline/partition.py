@@ -43,7 +43,7 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -357,10 +357,10 @@ class SubGraph:
     tensors: tuple[int, ...]  # sub tensor id -> step tensor id
 
 
-def boundary(graph: Graph, op_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+def boundary(graph: Graph, op_ids: Sequence[int], keep: Collection[int] = ()) -> tuple[list[int], list[int]]:
     """What a set of ops exchanges with the rest of the step: the tensors they read that are produced
-    elsewhere or are step inputs (constants excluded), in first-read order, and the tensors they produce
-    that something outside reads or the step returns, in schedule order."""
+    elsewhere or are step inputs (constants excluded, but for those in ``keep``), in first-read order, and
+    the tensors they produce that something outside reads or the step returns, in schedule order."""
     inside = set(op_ids)
     outputs = set(graph.outputs)
     ins: list[int] = []
@@ -370,7 +370,7 @@ def boundary(graph: Graph, op_ids: Sequence[int]) -> tuple[list[int], list[int]]
             ten = graph.tensors[t]
             if t in seen or (ten.producer is not None and ten.producer in inside):
                 continue
-            if ten.producer is None and ten.role is Role.CONST:
+            if ten.producer is None and ten.role is Role.CONST and t not in keep:
                 continue
             seen.add(t)
             ins.append(t)

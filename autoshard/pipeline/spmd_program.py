@@ -440,8 +440,9 @@ class SpmdPipelineStep:
             if rows is not None:  # row first + u·step of a layer stack [K, ...]: a reshape, local to each stage
                 x, first, step = rows
                 x = jax.lax.index_in_dim(env[x].reshape(V, step, *env[x].shape[1:]), first, 1, keepdims=False)
-            else:
-                x = jnp.stack([value(t) for t in tids])
+            else:  # a constant of each chunk's own (``stage_constants``) in its traced dtype
+                x = jnp.stack([jnp.asarray(value(t), g.tensors[t].dtype) if t in cut.stage_constants else value(t)
+                               for t in tids])
             return self._by_stage(x)
 
         stacked = [per_stage([cut.chunk_f[u].inputs[j] for u in range(V)]) for j in f_stacked]

@@ -33,7 +33,7 @@ boundary tensor of a chunk is
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,7 @@ from autoshard.pipeline.partition import (
     split_step,
 )
 from autoshard.pipeline.ticks import cannot_run
-from autoshard.trace.graph import Graph, Role
+from autoshard.trace.graph import Graph, Op, Role
 
 # ---- what runs where (pure: tensor ids) ------------------------------------------------------------------
 
@@ -64,9 +64,10 @@ class Group:
     outputs: tuple[int, ...]
 
     @staticmethod
-    def of(graph: Graph, ops: Sequence[int]) -> Group:
+    def of(graph: Graph, ops: Sequence[int], keep: Collection[int] = ()) -> Group:
+        """``ops``' group; ``keep``: constants counted among its inputs (``UniformStages.stage_constants``)."""
         ops = sorted(ops)
-        ins, outs = boundary(graph, ops)
+        ins, outs = boundary(graph, ops, keep)
         return Group(tuple(ops), tuple(ins), tuple(outs))
 
 
@@ -105,6 +106,9 @@ class UniformStages:
     side: Group = Group((), (), ())  # head ops every stage runs on its microbatch: side inputs (a mask)
     template_b: Group | None = None  # the backward every stage runs: ``chunk_b[0]``, or ``chunk_b[1]``'s ops
     # where the first block reads the batch (``_first_chunk_aligned``)
+    # constants the chunks read at the same place with values of their own (flax's dropout folds each module's
+    # path into its key: a literal per block): chunk inputs, stacked per stage like the weights
+    stage_constants: frozenset[int] = frozenset()
 
     @property
     def backward(self) -> Group:
@@ -241,8 +245,10 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         by.setdefault((kind, layer[op.id]), []).append(op.id)
     n = K // S
 
+    lifted: frozenset[int] = frozenset()
+
     def chunk(kind: str, s: int) -> Group:
-        return Group.of(graph, [i for b in range(s * n + 1, (s + 1) * n + 1) for i in by.get((kind, b), [])])
+        return Group.of(graph, [i for b in range(s * n + 1, (s + 1) * n + 1) for i in by.get((kind, b), [])], lifted)
 
     # a gradient summed from two places (tied input and output embeddings: the head's and the tail's parts)
     # is summed after the loop instead: the mean over microbatches of a sum is the sum of the means
@@ -259,10 +265,19 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
                 accumulated |= {t for t in op.inputs if graph.tensors[t].producer is not None}
     chunk_f = tuple(chunk(FORWARD, s) for s in range(S))
     chunk_b = tuple(chunk(BACKWARD, s) for s in range(S))
+    lifted = frozenset(_stage_constants(graph, chunk_f) | _stage_constants(graph, chunk_b[1:]))
+    if lifted:
+        chunk_f = tuple(chunk(FORWARD, s) for s in range(S))
+        chunk_b = tuple(chunk(BACKWARD, s) for s in range(S))
     head_f, head_b = Group.of(graph, by.get((FORWARD, 0), [])), Group.of(graph, by.get((BACKWARD, 0), []))
     tail_f, tail_b = Group.of(graph, by.get((FORWARD, K + 1), [])), Group.of(graph, by.get((BACKWARD, K + 1), []))
     template_b = chunk_b[0]
     if len(_exports(graph, chunk_b[0])) < len(_exports(graph, chunk_b[1])):  # the first block reads the batch
+        if lifted:
+            raise cannot_run("its first block reads the batch (no layer with parameters before it) and every block "
+                             "reads constants of its own (a dropout key folded with the block's name): add a layer "
+                             "with parameters before the blocks (an input projection), or run with runtime='mpmd' "
+                             "on one process")
         chunk_f, chunk_b = _first_chunk_aligned(graph, chunk_f, chunk_b, accumulated)
         template_b = chunk_b[1]
     for s in range(1, S):
@@ -424,7 +439,35 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
         act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
         head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res, side=Group.of(graph, side),
-        template_b=template_b)
+        template_b=template_b, stage_constants=lifted)
+
+
+def _stage_constants(graph: Graph, groups: Sequence[Group]) -> set[int]:
+    """The constants that groups of the same ops (a chunk per stage) read at the same operand of the same op
+    with values that differ between groups: Flax's dropout folds a hash of each module's path into the key
+    (``random_fold_in`` on a literal), so each block computes the same thing on a constant of its own. The
+    SPMD program feeds them per stage, as it does the weights (``UniformStages.stage_constants``); groups
+    that differ otherwise are left to ``_same_as_template``'s error."""
+    if len(groups) < 2 or len({len(g.ops) for g in groups}) != 1:
+        return set()
+
+    def const_value(op: Op, i: int) -> bytes | None:
+        t = graph.tensors[op.inputs[i]]
+        if t.producer is not None or t.role is not Role.CONST:
+            return None
+        val = getattr(op.eqn.invars[i], "val", graph.constants.get(t.id))
+        return None if val is None else np.asarray(val).tobytes()
+
+    out: set[int] = set()
+    for k in range(len(groups[0].ops)):
+        ops = [graph.ops[g.ops[k]] for g in groups]
+        if len({(op.primitive, len(op.inputs)) for op in ops}) != 1:
+            continue
+        for i in range(len(ops[0].inputs)):
+            vals = [const_value(op, i) for op in ops]
+            if None not in vals and len(set(vals)) > 1:
+                out.update(op.inputs[i] for op in ops)
+    return out
 
 
 # ---- a weight pass (ZB-H1) ------------------------------------------------------------------------------
@@ -456,8 +499,8 @@ def weight_pass(graph: Graph, cut: UniformStages, parts: StepParts) -> WeightPas
     for u in range(V):
         ops = (cut.backward if u == 0 else cut.chunk_b[u]).ops
         need = input_gradient_ops(graph, parts, ops)
-        ib.append(Group.of(graph, [i for i in ops if i in need]))
-        w.append(Group.of(graph, [i for i in ops if i not in need]))
+        ib.append(Group.of(graph, [i for i in ops if i in need], cut.stage_constants))
+        w.append(Group.of(graph, [i for i in ops if i not in need], cut.stage_constants))
     if not w[0].ops:
         raise cannot_run("the blocks' backward has no weight-gradient part to run apart (ZB-H1); use 1f1b")
     for u in range(1, V):
