@@ -21,6 +21,7 @@ from autoshard.emit.program import ArgumentMismatch, EmittedStep
 from autoshard.options import PARALLELIZE_DEFAULTS, PLAN_DEFAULTS, PlanOptions
 from autoshard.options import signature as options_signature
 from autoshard.pipeline import PipelinePlan, build_pipelined_step, explain_pipeline, trace_microbatch
+from autoshard.pipeline.report import random_note
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, spmd_pipeline_step, tail_graph
 from autoshard.planner.deadline import Deadline
 from autoshard.planner.explain import explain_plan
@@ -104,6 +105,7 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     key = plan_cache.key(graph, target, options, time_budget_s=time_budget_s, recompute=recompute,
                          name=getattr(step_fn, "__qualname__", type(step_fn).__name__))
     if (hit := plan_cache.lookup(key, step_fn, args, graph, roles)) is not None:
+        _warn_if_random(*hit)
         return hit
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = choose(step_fn, args, graph, deadline, t_trace, target, options,
@@ -117,7 +119,14 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     if (note := deadline.note()) is not None:  # the summary says what the spent budget cut short
         the_plan = dataclasses.replace(the_plan, solver=dataclasses.replace(the_plan.solver, cut_short=note))
     plan_cache.store(key, the_plan)
+    _warn_if_random(the_plan, planned, micro)
     return the_plan, planned, micro
+
+
+def _warn_if_random(the_plan: Plan | PipelinePlan, planned: Graph, micro: Graph | None) -> None:
+    """A pipelined plan of a step that draws random numbers says what each microbatch draws (``random_note``)."""
+    if isinstance(the_plan, PipelinePlan) and micro is not None and (note := random_note(micro)):
+        log.warning("%s", note)
 
 
 OVERRUN = 1.5  # a call that took this many times its time budget (and 2 s more) says so

@@ -1,0 +1,107 @@
+"""A model with dropout, pipelined: flax folds each module's path into the dropout key, so every block reads a
+constant of its own (``uniform.UniformStages.stage_constants``), which the SPMD program feeds per stage as it
+does the weights; and a pipeline draws each microbatch's numbers with the key it is given, which is not what the
+unpipelined step draws, and says so."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import autoshard
+from autoshard.emit import global_rel_error
+from autoshard.pipeline import PipelinePlan
+
+TOL = 1e-5
+
+
+class _Block(nn.Module):  # setup-style, as Hugging Face's Flax models write theirs
+    d: int
+
+    def setup(self) -> None:
+        self.ln = nn.LayerNorm()
+        self.fc1 = nn.Dense(2 * self.d)
+        self.fc2 = nn.Dense(self.d)
+        self.drop = nn.Dropout(0.1)
+
+    def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool) -> jax.Array:
+        h = self.fc2(nn.gelu(self.fc1(self.ln(x)))) * mask[..., None]
+        return x + self.drop(h, deterministic=deterministic)
+
+
+class _Model(nn.Module):
+    d: int = 32
+    n: int = 4
+
+    def setup(self) -> None:
+        self.emb = nn.Embed(64, self.d)
+        self.h = [_Block(self.d) for _ in range(self.n)]  # named h_0 ... h_3
+        self.out = nn.Dense(64)
+
+    def __call__(self, ids: jax.Array, mask: jax.Array, deterministic: bool = True) -> jax.Array:
+        x = self.emb(ids)
+        for block in self.h:
+            x = block(x, mask, deterministic)
+        return self.out(x)
+
+
+def _train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[TrainState, jax.Array]:
+    def loss_fn(p: Any) -> jax.Array:
+        logits = state.apply_fn({"params": p}, batch["ids"], batch["mask"], deterministic=False,
+                                rngs={"dropout": rng})
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["ids"][:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes a Python float and an int32 count
+        return state.apply_gradients(grads=grads), loss
+
+
+@functools.cache
+def _args(legacy_key: bool) -> tuple[Any, ...]:
+    model = _Model()
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (16, 16)), jnp.int32)
+    mask = jnp.ones((16, 16), jnp.float32).at[:, -3:].set(0.0)  # padding every block reads
+    params = model.init(jax.random.key(0), ids, mask)["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    rng = jax.random.PRNGKey(1) if legacy_key else jax.random.key(1)
+    return state, {"ids": ids, "mask": mask}, rng
+
+
+PIPE = dict(mesh=(1, 4), microbatches=4, pipeline=True, stage_shape=(1, 1), hardware="h100", time_budget_s=5)
+
+
+@pytest.mark.parametrize("schedule,legacy_key", [("1f1b", False), ("zb-h1", True)])
+def test_a_dropout_model_runs_as_the_spmd_program_as_the_mpmd_runtime_runs_it(
+        schedule: str, legacy_key: bool, caplog: pytest.LogCaptureFixture) -> None:
+    state, batch, rng = _args(legacy_key)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        mpmd = autoshard.parallelize(_train_step, runtime="mpmd", schedule=schedule, **PIPE)
+        spmd = autoshard.parallelize(_train_step, runtime="spmd", schedule=schedule, **PIPE)
+        s_m = s_s = state
+        for step in range(2):
+            key = jax.random.fold_in(rng, step)
+            s_m, l_m = mpmd(s_m, batch, key)
+            s_s, l_s = spmd(s_s, batch, key)
+            assert global_rel_error(l_m, l_s) <= TOL
+            assert global_rel_error(s_m.params, s_s.params) <= TOL
+    assert isinstance(spmd.plan, PipelinePlan) and spmd.plan.spmd and len(spmd.plan.stages) == 4
+    assert "every microbatch draws the same numbers" in caplog.text
+
+
+def test_the_intra_operator_plan_of_a_dropout_model_draws_as_jit_does(caplog: pytest.LogCaptureFixture) -> None:
+    state, batch, rng = _args(False)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        par = autoshard.parallelize(_train_step, mesh=(2, 4), hardware="h100", time_budget_s=5)
+        s_p, l_p = par(state, batch, rng)
+    s_j, l_j = jax.jit(_train_step)(state, batch, rng)
+    assert global_rel_error(l_j, l_p) <= TOL and global_rel_error(s_j.params, s_p.params) <= TOL
+    assert "draws the same numbers" not in caplog.text
