@@ -105,3 +105,41 @@ def test_the_intra_operator_plan_of_a_dropout_model_draws_as_jit_does(caplog: py
     s_j, l_j = jax.jit(_train_step)(state, batch, rng)
     assert global_rel_error(l_j, l_p) <= TOL and global_rel_error(s_j.params, s_p.params) <= TOL
     assert "draws the same numbers" not in caplog.text
+
+
+def test_nnx_blocks_counting_their_own_random_numbers_are_refused_by_the_spmd_program_with_why() -> None:
+    """An nnx ``Dropout`` holds an RNG counter that each block advances (state the blocks hand on, not a
+    gradient): the SPMD program names it and what to do, where it once blamed an auxiliary loss."""
+    from flax import nnx
+
+    from autoshard.pipeline.partition import PipelineError
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.fc = nnx.Linear(16, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x + self.drop(jnp.tanh(self.fc(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.inp = nnx.Linear(16, 16, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for b in self.blocks:
+                x = b(self.inp(x) if b is self.blocks[0] else x)
+            return x
+
+    def step(model: Model, opt: nnx.Optimizer, x: jax.Array) -> jax.Array:
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        with jax.numpy_dtype_promotion("standard"):
+            opt.update(model, grads)
+        return loss
+
+    model = Model(nnx.Rngs(0, dropout=1))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    par = autoshard.parallelize(step, runtime="spmd", **dict(PIPE, mesh=(1, 2)))
+    with pytest.raises(PipelineError, match=r"update state of their own .*drop.*uint32.*runtime='mpmd'"):
+        par(model, opt, jnp.ones((8, 16), jnp.float32))

@@ -408,6 +408,11 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
             raise cannot_run(f"a block's backward hands {graph.tensors[t].name!r} to something other than the "
                         "optimizer or the block before")
     for t in chunk_f[0].outputs:
+        if t in accumulated and not graph.tensors[t].inexact:  # an nnx Dropout's RNG counter, counted per call
+            raise cannot_run(f"its blocks update state of their own ({graph.tensors[t].name!r}, "
+                             f"{graph.tensors[t].dtype}: a random-number counter such as flax nnx's Rngs), which the "
+                             "program does not carry between stages; give the blocks no state of their own (a linen "
+                             "model takes its dropout key as an argument), or run with runtime='mpmd' on one process")
         if t in accumulated:
             raise cannot_run(f"a block's forward returns {graph.tensors[t].name!r} from the gradient computation "
                         "(an auxiliary loss per block is not supported yet)")
