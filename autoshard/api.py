@@ -105,7 +105,7 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     key = plan_cache.key(graph, target, options, time_budget_s=time_budget_s, recompute=recompute,
                          name=getattr(step_fn, "__qualname__", type(step_fn).__name__))
     if (hit := plan_cache.lookup(key, step_fn, args, graph, roles)) is not None:
-        _warn_if_random(*hit)
+        _warn_if_random(hit[0], hit[2])
         return hit
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = choose(step_fn, args, graph, deadline, t_trace, target, options,
@@ -119,11 +119,11 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     if (note := deadline.note()) is not None:  # the summary says what the spent budget cut short
         the_plan = dataclasses.replace(the_plan, solver=dataclasses.replace(the_plan.solver, cut_short=note))
     plan_cache.store(key, the_plan)
-    _warn_if_random(the_plan, planned, micro)
+    _warn_if_random(the_plan, micro)
     return the_plan, planned, micro
 
 
-def _warn_if_random(the_plan: Plan | PipelinePlan, planned: Graph, micro: Graph | None) -> None:
+def _warn_if_random(the_plan: Plan | PipelinePlan, micro: Graph | None) -> None:
     """A pipelined plan of a step that draws random numbers says what each microbatch draws (``random_note``)."""
     if isinstance(the_plan, PipelinePlan) and micro is not None and (note := random_note(micro)):
         log.warning("%s", note)
