@@ -627,7 +627,8 @@ def test_blocks_no_uniform_cut_divides_are_refused_by_name_before_any_layer_is_p
     pipeline is refused, saying what to change, without pricing a layer on any submesh."""
     ex = load_example(ROOT / "examples" / "gpt.py", "tiny", ["layers=3"], abstract=True)
     with caplog.at_level(logging.INFO, logger="autoshard"), pytest.raises(
-            PipelineError, match=r"no uniform cut of the step's 3 repeated blocks .*stage_shape"):
+            PipelineError, match=r"no uniform cut of the step's 3 repeated blocks .*: 1x1 gives 8, 1x2 gives 4, 1x4 gives 2\)"
+                                 r".*stage_shape"):
         autoshard.plan(ex.train_step, *ex.args, mesh=(2, 4), microbatches=4, pipeline=True, runtime="spmd",
                        time_budget_s=10)
     assert not any(r.getMessage().startswith("priced") for r in caplog.records)

@@ -249,9 +249,11 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
     if interleaved:
         limit = n_devices // (options[0][0][0] * options[0][0][1])
     if uniform:  # price only the shapes a uniform cut can use
+        tried_shapes = sorted({o[0] for o in options})
         options = tuple(o for o in options if _uniform_count(o[0], cluster, blocks, limit, chunks))
         if not options:
-            raise _no_uniform_cut(blocks, [], chunks)
+            raise _no_uniform_cut(blocks, [], chunks, {f"{h}x{d}": n for h, d in tried_shapes
+                                                       if (n := n_devices // (h * d)) >= 2})
     submeshes = tuple(shape for shape, _ in options)  # a one-host shape once per logical layout of it
     costs = [submesh_cost(cost, shape, view) for shape, view in options]  # one per option: they cache prices
     slow = min(link.bandwidth for link in cost.mesh.links)
@@ -834,10 +836,13 @@ def _last_block_layer(graph: Graph, parts: Any, layer_of_op: Sequence[int]) -> i
     return max(layer_of_op[i] for i in parts.ops(FORWARD) if graph.ops[i].layer)
 
 
-def _no_uniform_cut(blocks: int, tried: Sequence[str], chunks: int = 1) -> PipelineDoesNotFit:
-    """The error for ``blocks`` repeated blocks no uniform cut fits, ``tried`` saying why for each shape tried."""
+def _no_uniform_cut(blocks: int, tried: Sequence[str], chunks: int = 1,
+                    counts: Mapping[str, int] | None = None) -> PipelineDoesNotFit:
+    """The error for ``blocks`` repeated blocks no uniform cut fits, ``tried`` saying why for each shape tried,
+    or ``counts`` the stage count each submesh shape gives (none of which divides the blocks)."""
+    shapes = f": {', '.join(f'{k} gives {n}' for k, n in counts.items())}" if counts else ""
     why = "; ".join(tried) or "no submesh shape gives a stage count dividing them" + (
-        f" {chunks} chunks a stage" if chunks > 1 else "")
+        f" {chunks} chunks a stage" if chunks > 1 else "") + shapes
     needs = "a stage count dividing the block count" if chunks == 1 else \
         f"{chunks} chunks times the stage count to divide the block count"
     return PipelineDoesNotFit(
