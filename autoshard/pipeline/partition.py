@@ -111,6 +111,21 @@ def split_step(graph: Graph) -> StepParts:
         if outs and all(t.consumers and all(kind[c] != UPDATE for c in t.consumers) and t.id not in graph.outputs
                         for t in outs):
             kind[op.id] = FORWARD
+    # Ops that read neither the batch nor any value of the gradient computation and feed the microbatched part
+    # as well as the update (a key split: one half for dropout, the other returned in the state) run with the
+    # microbatches too: what they hand the update is the same for every microbatch.
+    def free_value(t: int) -> bool:
+        p = graph.tensors[t].producer
+        return t not in batch if p is None else p in free
+
+    free: set[int] = set()
+    for op in graph.ops:
+        if all(free_value(t) for t in op.inputs):
+            free.add(op.id)
+    for op in reversed(graph.ops):  # consumers first: a chain of them (wrap, split, unwrap) moves whole
+        if kind[op.id] == UPDATE and op.id in free and any(
+                kind[c] != UPDATE for t in op.outputs for c in graph.tensors[t].consumers):
+            kind[op.id] = FORWARD
     # Batch inputs must reach the update part only through accumulated values.
     for op in graph.ops:
         if kind[op.id] == UPDATE:
