@@ -117,6 +117,7 @@ def test_a_dropout_model_runs_as_the_spmd_program_as_the_mpmd_runtime_runs_it(
     assert "every microbatch draws the same numbers" in caplog.text
 
 
+@pytest.mark.slow  # CI: the intra-operator plan against jax.jit in many other tests (CI time)
 def test_the_intra_operator_plan_of_a_dropout_model_draws_as_jit_does(caplog: pytest.LogCaptureFixture) -> None:
     state, batch, rng = _args(False)
     with caplog.at_level(logging.WARNING, logger="autoshard"):
