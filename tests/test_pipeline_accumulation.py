@@ -16,6 +16,7 @@ from flax.training.train_state import TrainState
 
 import autoshard
 from autoshard.emit.program import global_rel_error
+from autoshard.errors import AutoshardError
 from autoshard.pipeline import (
     PipelineError,
     PipelinePlan,
@@ -229,3 +230,64 @@ def test_split_backward_programs_need_a_schedule_with_a_weight_pass() -> None:
     with pytest.raises(PipelineError, match="has no weight pass"):
         PipelinedStep(step.graph, step.parts, [0] * len(step.graph.ops), segs, meshes, [{}, {}],
                       one_f_one_b(2, 4))
+
+
+class _Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Dense(24)(x)
+        for i in range(4):
+            x = x + nn.Dense(24, name=f"layers_{i}")(nn.relu(x))
+        return nn.Dense(10)(x)
+
+
+def _step_with_metrics(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    """As flax's examples write it: the logits returned as aux, the accuracy computed from them and the labels
+    outside the gradient."""
+    def loss_fn(p):
+        logits = state.apply_fn({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    accuracy = jnp.mean((jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32))
+    with jax.numpy_dtype_promotion("standard"):
+        return state.apply_gradients(grads=grads), {"loss": loss, "accuracy": accuracy}
+
+
+@pytest.mark.parametrize("runtime", ["mpmd", "spmd"])
+def test_metrics_computed_from_the_logits_and_labels_outside_the_gradient_run_per_microbatch(runtime: str) -> None:
+    """The accuracy reads the batch and the per-example logits outside ``value_and_grad``: it runs with each
+    microbatch and its means are averaged (refused before: "reads the batch input 'batch.y' outside the
+    gradient computation"), giving jax.jit's loss, accuracy and parameters."""
+    model = _Residual()
+    x = jax.random.normal(jax.random.key(0), (64, 16), jnp.float32)
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(2), x)["params"],
+                              tx=optax.adam(1e-2))
+    batch = {"x": x, "y": y}
+    par = autoshard.parallelize(_step_with_metrics, mesh=(1, 4), microbatches=4, pipeline=True, stage_shape=(1, 1),
+                                runtime=runtime, hardware="h100", time_budget_s=5)
+    s_ref = s_par = state
+    for _ in range(2):
+        s_ref, m_ref = jax.jit(_step_with_metrics)(s_ref, batch)
+        s_par, m_par = par(s_par, batch)
+        assert global_rel_error(m_ref, m_par) <= TOL
+        assert global_rel_error(s_ref.params, s_par.params) <= TOL
+    assert isinstance(par.plan, PipelinePlan) and len(par.plan.stages) == 4
+
+
+def test_an_op_reading_the_batch_and_the_averaged_gradients_is_refused_by_name() -> None:
+    """What cannot run per microbatch (it reads the step's gradients, averaged over microbatches, and the batch)
+    is still refused, naming the op and the batch input."""
+    def step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, jax.Array]:
+        grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch["x"]) ** 2))(state.params)
+        weighted = jnp.mean(batch["x"] * optax.global_norm(grads))
+        with jax.numpy_dtype_promotion("standard"):
+            return state.apply_gradients(grads=grads), weighted
+
+    model = _Residual()
+    x = jax.ShapeDtypeStruct((64, 16), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    state = jax.eval_shape(lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=optax.sgd(0.1)), params)
+    with pytest.raises(AutoshardError, match=r"reads the batch input 'batch\.x' outside the gradient computation"):
+        autoshard.plan(step, state, {"x": x}, mesh=(1, 4), microbatches=4, pipeline=True, time_budget_s=5)

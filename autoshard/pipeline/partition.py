@@ -122,6 +122,41 @@ def split_step(graph: Graph) -> StepParts:
     for op in graph.ops:
         if all(free_value(t) for t in op.inputs):
             free.add(op.id)
+    # Ops outside the gradient that read the batch or a value with a row per example made by the microbatched
+    # part (the logits a loss returns as aux) compute per-example metrics (accuracy from the logits and the
+    # labels, as flax's examples write it): they run with the microbatches too, and what they hand on is
+    # averaged over microbatches like the loss (exact for a mean over examples), so long as they read no
+    # gradient and nothing the update makes.
+    rows = {graph.tensors[t].shape[0] for t in batch if graph.tensors[t].shape}
+    per_example = set(batch)
+    if len(rows) == 1:
+        R = next(iter(rows))
+        from_batch = set(batch)
+        for op in graph.ops:
+            if any(t in from_batch for t in op.inputs):
+                from_batch.update(op.outputs)
+        moved: list[int] = []
+        for op in graph.ops:
+            if kind[op.id] != UPDATE:
+                per_example.update(t for t in op.outputs if t in from_batch and (graph.tensors[t].shape or (0,))[0] == R)
+                continue
+            if not any(t in per_example for t in op.inputs):
+                continue
+            made = [graph.tensors[t].producer for t in op.inputs]
+            if all(p is None or kind[p] == FORWARD or p in free for p in made):
+                kind[op.id] = FORWARD
+                moved.append(op.id)
+                per_example.update(t for t in op.outputs if (graph.tensors[t].shape or (0,))[0] == R)
+        # what they hand on must be a mean over the microbatch's rows (a division by a multiple of them), which
+        # averaging microbatches keeps exact; a sum (jnp.sum(batch["x"])) would be averaged into 1/M of itself:
+        # then none runs per microbatch, and the batch read is refused below
+        inside = set(moved)
+        handed = [t for i in moved for t in graph.ops[i].outputs
+                  if t in graph.outputs or any(c not in inside and kind[c] == UPDATE for c in graph.tensors[t].consumers)]
+        if not all(_mean_over_rows(graph, t, R, inside) for t in handed):
+            for i in moved:
+                kind[i] = UPDATE
+    # (after the metrics, whose free inputs then run with them too)
     for op in reversed(graph.ops):  # consumers first: a chain of them (wrap, split, unwrap) moves whole
         if kind[op.id] == UPDATE and op.id in free and any(
                 kind[c] != UPDATE for t in op.outputs for c in graph.tensors[t].consumers):
@@ -155,6 +190,30 @@ def split_step(graph: Graph) -> StepParts:
     positions = tuple(i for i, t in enumerate(graph.inputs) if t in batch)
     _warn_if_normalised_by_the_batch(graph, accumulated, batch)
     return StepParts(kind=tuple(kind), accumulated=tuple(accumulated), batch_inputs=positions)
+
+
+def _mean_over_rows(graph: Graph, t: int, rows: int, inside: set[int]) -> bool:
+    """Whether ``t``, handed from ops run per microbatch (``inside``) to the update, is a mean over the
+    microbatch's rows: made by dividing by a constant multiple of ``rows`` (``jnp.mean`` over its rows, or its
+    rows and tokens), or a sum that every op outside divides so (the update then divides the average of the
+    microbatches' sums, which is as exact)."""
+    def divides_by_rows(op_id: int | None, numerator: int | None = None) -> bool:
+        if op_id is None or graph.ops[op_id].primitive != "div":
+            return False
+        op = graph.ops[op_id]
+        num, den = op.inputs
+        if numerator is not None and num != numerator:
+            return False
+        val = getattr(op.eqn.invars[1], "val", graph.constants.get(den)) if graph.tensors[den].producer is None else None
+        if val is None or np.size(val) != 1:
+            return False
+        v = float(np.asarray(val).reshape(()))
+        return v > 0 and v == int(v) and int(v) % rows == 0
+
+    if divides_by_rows(graph.tensors[t].producer):
+        return True
+    outside = [c for c in graph.tensors[t].consumers if c not in inside]
+    return t not in graph.outputs and bool(outside) and all(divides_by_rows(c, t) for c in outside)
 
 
 def _warn_if_normalised_by_the_batch(graph: Graph, accumulated: Sequence[int], batch: set[int]) -> None:
