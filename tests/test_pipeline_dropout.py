@@ -164,3 +164,24 @@ def test_nnx_blocks_counting_their_own_random_numbers_are_refused_by_the_spmd_pr
     par = autoshard.parallelize(step, runtime="spmd", **dict(PIPE, mesh=(1, 2)))
     with pytest.raises(PipelineError, match=r"update state of their own .*drop.*uint32.*runtime='mpmd'"):
         par(model, opt, jnp.ones((8, 16), jnp.float32))
+
+
+def test_random_numbers_drawn_once_a_step_in_the_update_are_not_warned_about() -> None:
+    """Noise added to the gradients after ``value_and_grad`` is drawn in the update, once a step as jax.jit
+    draws it: ``random_note`` speaks only of draws that run per microbatch."""
+    from autoshard.pipeline.partition import trace_microbatch
+    from autoshard.pipeline.report import random_note
+
+    def noisy(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[TrainState, jax.Array]:
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch["ids"],
+                                                                          batch["mask"]) ** 2))(state.params)
+        leaves, tree = jax.tree.flatten(grads)
+        keys = jax.random.split(rng, len(leaves))
+        grads = tree.unflatten([g + 1e-3 * jax.random.normal(k, g.shape) for g, k in zip(leaves, keys, strict=True)])
+        with jax.numpy_dtype_promotion("standard"):
+            return state.apply_gradients(grads=grads), loss
+
+    state, batch, rng = _args(False)
+    for step, expect in ((noisy, False), (_train_step, True)):
+        micro = trace_microbatch(step, (state, batch, rng), autoshard.trace(step, state, batch, rng), 4)
+        assert (random_note(micro) is not None) == expect, step.__name__

@@ -3,9 +3,13 @@ the bubble) and ``explain_pipeline`` (that, with the step time split into stage 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from autoshard.pipeline.partition import UPDATE, split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.summary import cpu_note, human_time, mfu_line
 from autoshard.trace import Graph, remat
+from autoshard.trace.graph import Op
 from autoshard.trace.summary import human_bytes
 from solvers.pipeline.schedules import V_SCHEDULES
 
@@ -39,10 +43,11 @@ def random_note(micro: Graph) -> str | None:
     numbers (the same dropout mask on every microbatch's rows) where the unpipelined step draws one mask over
     the whole batch: not ``jax.jit``'s numbers, and less random than the user meant (a dropout model pipelined
     over 4 microbatches on 2x4: loss 6.4805 against jax.jit's 6.4780; the intra-operator plan gives 6.4780)."""
-    def draws(g: Graph) -> bool:
-        return any(op.primitive in RANDOM_PRIMITIVES or any(draws(b) for b in op.bodies) for op in g.ops)
+    def draws(ops: Iterable[Op]) -> bool:
+        return any(op.primitive in RANDOM_PRIMITIVES or any(draws(b.ops) for b in op.bodies) for op in ops)
 
-    if not draws(micro):
+    kind = split_step(micro).kind  # draws in the update (noise on the gradients) run once a step, as jit's
+    if not draws(op for op in micro.ops if kind[op.id] != UPDATE):
         return None
     keys = [t.name for t in (micro.tensors[i] for i in micro.inputs) if t.dtype.startswith("key<")]
     given = f"the key{'s' if len(keys) > 1 else ''} {', '.join(keys)}" if keys else "a key it is given"
