@@ -1,7 +1,8 @@
 """A model with dropout, pipelined: flax folds each module's path into the dropout key, so every block reads a
 constant of its own (``uniform.UniformStages.stage_constants``), which the SPMD program feeds per stage as it
-does the weights; and a pipeline draws each microbatch's numbers with the key it is given, which is not what the
-unpipelined step draws, and says so."""
+does the weights; the usual loop's key split (one half for dropout, the other returned) runs with the microbatches
+and returns jax.jit's next key; a pipeline draws each microbatch's numbers with the key it is given, which is not
+what the unpipelined step draws, and says so; nnx blocks counting their own random numbers are refused by name."""
 
 from __future__ import annotations
 
