@@ -24,7 +24,7 @@ from autoshard.emit.program import ArgumentMismatch
 from autoshard.pipeline.partition import PipelineError, microbatch_args, trace_microbatch
 from autoshard.pipeline.schedules import schedule
 from autoshard.pipeline.spmd_program import SpmdPipelineStep, stage_mesh
-from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, price, ticks
+from autoshard.pipeline.ticks import fused_1f1b, fused_inflight, lockstep_tables, price, ticks
 from autoshard.pipeline.uniform import uniform_stages
 from autoshard.trace import trace
 from autoshard.trace.structure import structure
@@ -549,8 +549,8 @@ def test_a_spread_tail_is_priced_as_its_ticks_run_and_from_the_light_tables_alik
                          tail=tail) == want
     for g in (1, G):
         times = [1.0, 2.0, 3.0, 4.0]
-        assert price(times, [0.0] * S, fused_1f1b(S, M, g, actions_only=True), stream_bytes=4e3, link=link, inner=2,
-                     tail=tail) == price(times, [0.0] * S, fused_1f1b(S, M, g), stream_bytes=4e3, link=link, inner=2,
+        assert price(times, [0.0] * S, lockstep_tables("1f1b", S, M, fused=True, tail_split=g), stream_bytes=4e3,
+                     link=link, inner=2, tail=tail) == price(times, [0.0] * S, fused_1f1b(S, M, g), stream_bytes=4e3, link=link, inner=2,
                                          tail=tail)
 
 

@@ -201,10 +201,9 @@ def _mean_over_rows(graph: Graph, t: int, rows: int, inside: set[int]) -> bool:
         if op_id is None or graph.ops[op_id].primitive != "div":
             return False
         op = graph.ops[op_id]
-        num, den = op.inputs
-        if numerator is not None and num != numerator:
+        if numerator is not None and op.inputs[0] != numerator:
             return False
-        val = getattr(op.eqn.invars[1], "val", graph.constants.get(den)) if graph.tensors[den].producer is None else None
+        val = graph.constant_value(op, 1)
         if val is None or np.size(val) != 1:
             return False
         v = float(np.asarray(val).reshape(()))

@@ -131,8 +131,6 @@ from autoshard.pipeline.partition import (
 )
 from autoshard.pipeline.pipeline_plan import PipelinePlan, PipelineReport, StagePlan, cluster_of, graph_digest
 from autoshard.pipeline.ticks import (
-    action_tables,
-    fused_1f1b,
     fused_inflight,
     lockstep_costs,
     lockstep_tables,
@@ -819,15 +817,15 @@ def _tick_forms(pricing: str, S: int, M: int, chunks: int, splits: Sequence[int]
     forms = []
     for g in splits:
         gap = int(g > 1)
-        sched = schedule(pricing, S, M, chunks, tail_gap=gap)
         by_chunk = chunk_inflight_rule(pricing, S, M, chunks, tail_gap=gap) if chunks > 1 else None
         forms.append((pricing, False, inflight_rule(pricing, S, M, chunks, tail_gap=gap), by_chunk,
-                      action_tables(sched, g), g))
+                      lockstep_tables(pricing, S, M, chunks, tail_split=g), g))
         if pricing == "1f1b":
-            forms.append(("1f1b", True, fused_inflight(S, M, g), None, fused_1f1b(S, M, g, actions_only=True), g))
+            forms.append(("1f1b", True, fused_inflight(S, M, g), None,
+                          lockstep_tables("1f1b", S, M, fused=True, tail_split=g), g))
             if zero_bubble:
                 forms.append(("zb-h1", False, inflight_rule("zb-h1", S, M, tail_gap=gap), None,
-                              action_tables(schedule("zb-h1", S, M, tail_gap=gap), g), g))
+                              lockstep_tables("zb-h1", S, M, tail_split=g), g))
     return forms
 
 

@@ -36,12 +36,10 @@ def lockstep_tables(name: str, num_stages: int, num_microbatches: int, chunks: i
                                   fused=fused), tail_split)
 
 
-def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1, actions_only: bool = False) -> Ticks:
+def fused_1f1b(num_stages: int, num_microbatches: int, tail_split: int = 1) -> Ticks:
     """The tick tables of fused 1F1B (``solvers.pipeline.schedules.fused_1f1b``: a forward and a backward in
-    every tick), the tail spread over ``tail_split`` stages; ``actions_only``: without the buffer slots
-    (``action_tables``)."""
-    program = _schedules.fused_1f1b(num_stages, num_microbatches, tail_gap=int(tail_split > 1))
-    return action_tables(program, tail_split) if actions_only else ticks(program, tail_split)
+    every tick), the tail spread over ``tail_split`` stages (without the buffer slots: ``lockstep_tables``)."""
+    return ticks(_schedules.fused_1f1b(num_stages, num_microbatches, tail_gap=int(tail_split > 1)), tail_split)
 
 
 def fused_inflight(num_stages: int, num_microbatches: int, tail_split: int = 1) -> tuple[int, ...]:

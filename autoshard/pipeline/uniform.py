@@ -457,10 +457,7 @@ def _stage_constants(graph: Graph, groups: Sequence[Group]) -> set[int]:
         return set()
 
     def const_value(op: Op, i: int) -> bytes | None:
-        t = graph.tensors[op.inputs[i]]
-        if t.producer is not None or t.role is not Role.CONST:
-            return None
-        val = getattr(op.eqn.invars[i], "val", graph.constants.get(t.id))
+        val = graph.constant_value(op, i) if graph.tensors[op.inputs[i]].role is Role.CONST else None
         return None if val is None else np.asarray(val).tobytes()
 
     out: set[int] = set()
@@ -656,21 +653,19 @@ def _signature(graph: Graph, group: Group) -> list[tuple[Any, ...]]:
     position, or a constant's value)."""
     pos = {op_id: k for k, op_id in enumerate(group.ops)}
     ins = {t: j for j, t in enumerate(group.inputs)}
-    known = graph.constants
     out = []
     for op_id in group.ops:
         op = graph.ops[op_id]
         src = []
-        for t, atom in zip(op.inputs, op.eqn.invars, strict=True):
+        for i, t in enumerate(op.inputs):
             ten = graph.tensors[t]
             if ten.producer is not None and ten.producer in pos:
                 src.append(("op", pos[ten.producer], graph.ops[ten.producer].outputs.index(t)))
             elif t in ins:
                 src.append(("in", ins[t]))
             else:
-                val = getattr(atom, "val", known.get(t))
-                arr = np.asarray(val) if val is not None else None
-                src.append(("const", ten.shape, ten.dtype, None if arr is None else arr.tobytes()))
+                val = graph.constant_value(op, i)
+                src.append(("const", ten.shape, ten.dtype, None if val is None else np.asarray(val).tobytes()))
         shapes = tuple((graph.tensors[t].shape, graph.tensors[t].dtype) for t in op.outputs)
         out.append((op.primitive, op.params, shapes, tuple(src)))
     return out

@@ -139,6 +139,15 @@ class Graph:
 
     # ---- queries -------------------------------------------------------------------------------------
 
+    def constant_value(self, op: Op, i: int) -> Any | None:
+        """The value of ``op``'s operand ``i`` when it is a constant (a literal, or a closed-over array: no
+        producer and a known value), else None."""
+        t = op.inputs[i]
+        if self.tensors[t].producer is not None:
+            return None
+        atom = op.eqn.invars[i] if op.eqn is not None else None
+        return getattr(atom, "val", self.constants.get(t))
+
     def tensor(self, name: str) -> Tensor:
         for t in self.tensors:
             if t.name == name:
