@@ -6,6 +6,7 @@ hold on a loaded machine."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +18,12 @@ from flax.training.train_state import TrainState
 import autoshard
 from autoshard.api import plan_for
 from autoshard.emit import emit
-from autoshard.pipeline import PipelinePlan
+from autoshard.emit.program import global_rel_error
+from autoshard.pipeline import PipelinePlan, build_pipelined_step
 from autoshard.pipeline.microbatches import search
 from autoshard.planner.deadline import Deadline
-from autoshard.planner.plan import Plan
+from autoshard.planner.plan import DoesNotFit, Plan
+from autoshard.planner.planning import plan_graph
 from autoshard.target import PipelineOptions, Target
 from autoshard.trace import trace
 from autoshard.trace.recompute import estimate
@@ -141,14 +144,16 @@ def test_a_step_that_cannot_fit_as_traced_is_pipelined_first_when_the_budget_is_
     """The MLP at 2048 rows under half the memory it needs as traced (every value split its furthest), with
     the budget spent by tracing: the planner plans the pipeline (which must be planned anyway) before the
     intra-operator plan, and once it has one it skips the rest: no intra-operator plan, no further
-    microbatch counts, the layers priced on each submesh shape as it is only. The plan fits, checks
-    against its microbatch trace, and its summary lists each cut. With a core free (a step large enough to
+    microbatch counts, the layers priced on each submesh shape as it is only, the layers other than the
+    block on one shape only, the stages their layers' plans joined with no solve. The plan fits, checks
+    against its microbatch trace, runs one step with jax.jit's loss and parameters, and its summary lists
+    each cut. With a core free (a step large enough to
     plan its intra-operator plan in a forked child) alike: a child would be waited for (GPT-1.3B on 2x4,
     budget 5 s: its intra-operator problem took 13 s to build beside the pipeline's search)."""
     if core_free:
         monkeypatch.setattr("autoshard.choose.BESIDE_MIN_OPS", 0)
         monkeypatch.setattr("autoshard.choose.can_fork", lambda: True)
-    state, batch = _state(2048)
+    state, batch = _state(2048, concrete=True)
     cost = _cost()
     graph = trace(_step, state, batch)
     budget = 0.5 * estimate(graph, "none").peak_bytes / cost.mesh.num_devices
@@ -164,4 +169,33 @@ def test_a_step_that_cannot_fit_as_traced_is_pipelined_first_when_the_budget_is_
     note = the_plan.solver.cut_short or ""
     assert "intra-operator plan (recomputing) was not made" in note
     assert "2-D layouts" in note
+    assert re.search(r"layers were priced on 1 of \d+ submesh shapes", note)
+    assert "stages are their layers' plans joined, not solved whole" in note
     assert "time budget:" in _summary(the_plan)
+    step = build_pipelined_step(micro, the_plan, jax.devices())
+    s_pip, m_pip = step(state, batch)
+    s_ref, m_ref = jax.jit(_step)(state, batch)
+    assert global_rel_error(m_ref, m_pip) <= 1e-5
+    assert global_rel_error(s_ref.params, s_pip.params) <= 1e-5
+
+
+def test_a_plan_not_solved_is_its_best_start_as_it_is() -> None:
+    """``plan_graph(solve=False)`` (a pipeline stage once the call's budget is spent): given a plan of the graph
+    as a start, it returns that plan's layouts and price with no solve, and says so; with no start that fits
+    (none given, or one over the memory budget), it plans as usual."""
+    state, batch = _state(64)
+    graph = trace(_step, state, batch)
+    cost = _cost()
+    solved = plan_graph(graph, cost, time_budget_s=2.0)
+    assert "not solved" not in solved.solver.status
+    taken = plan_graph(graph, cost, time_budget_s=2.0, starts=[solved], solve=False)
+    assert "not solved" in taken.solver.status and taken.solver.solve_seconds == 0.0
+    assert taken.solver.choice == solved.solver.choice
+    assert taken.predicted_step_time == pytest.approx(solved.predicted_step_time)
+    assert "not solved" not in plan_graph(graph, cost, time_budget_s=2.0, solve=False).solver.status
+    tight = 0.9 * solved.peak_memory
+    try:
+        over = plan_graph(graph, cost, time_budget_s=2.0, starts=[solved], solve=False, memory_budget=tight)
+    except DoesNotFit:
+        return
+    assert "not solved" not in over.solver.status and over.peak_memory <= tight

@@ -23,6 +23,7 @@ import numpy as np
 
 from autoshard.pipeline.partition import SubGraph, subgraph
 from autoshard.planner.build import combined_reductions
+from autoshard.planner.deadline import Deadline
 from autoshard.planner.plan import Plan, PlanError
 from autoshard.planner.planning import PROBLEMS, ProblemCache, plan_graph
 from autoshard.planner.seeds import Assignment
@@ -99,18 +100,19 @@ def submesh_cost(cost: CostModel, shape: tuple[int, int], view: tuple[int, int] 
 
 def plan_ops(graph: Graph, ops: Sequence[int], cost: CostModel, hardware: str, budget: float | None,
              time_budget_s: float, activation_weight: float = 1.0, reductions_per_call: float = 1.0,
-             starts: Sequence[Mapping[str, ShardingSpec]] = ()) -> Priced:
+             starts: Sequence[Mapping[str, ShardingSpec]] = (), solve: bool = True) -> Priced:
     """Plan some ops; ``memory`` is the plan's peak with activations counted ``activation_weight`` times.
     ``reductions_per_call``: how often per call the pending sums the ops return are reduced (``1/B`` for a
     microbatch's gradients); their whole reduction is ``Priced.reduce``, and ``time`` leaves it out.
-    ``starts``: layouts of some inputs (by name) the solve also starts from (``planning.plan_graph``)."""
+    ``starts``: layouts of some inputs (by name) the solve also starts from; ``solve=False``: the best start
+    as it is, where one fits (both ``planning.plan_graph``'s)."""
     if not ops:
         return NOTHING
     sub = subgraph(graph, ops)
     try:
         plan = plan_graph(sub.graph, cost, hardware=hardware, memory_budget=budget, time_budget_s=time_budget_s,
                           activation_weight=activation_weight, reduction_weight=reductions_per_call,
-                          starts=[x for x in starts if x], problems=ProblemCache.of(sub.graph))
+                          starts=[x for x in starts if x], problems=ProblemCache.of(sub.graph), solve=solve)
     except PlanError:
         return Priced(math.inf, math.inf, None, sub)
     # the plan's predicted time counts the reduction of the pending sums it returns once, in full
@@ -138,16 +140,16 @@ def output_reduction(graph: Graph, plan: Plan, cost: CostModel) -> float:
 def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int], cost: CostModel, hardware: str,
               budget: float | None, time_budget_s: float, inflight: float, fallback: float | None = None,
               microbatches: int = 1, starts: tuple[Sequence[Any], Sequence[Any]] = ((), ()),
-              ) -> Part:
+              solve: bool = True) -> Part:
     """The update ops planned under ``budget``, then the microbatched ops under what they leave, with
     their activations counted ``inflight`` times and their pending-sum results reduced once per
     ``microbatches``. With ``fallback`` (a larger budget), a part that does not fit is priced again under
     it, so that the stage DP sees what it would cost rather than nothing. ``starts``: where the microbatch
     and the update solves also start (``plan_graph``'s starts: ``layouts_of_layers``,
-    ``assignment_of_layers``)."""
+    ``assignment_of_layers``); ``solve=False``: each the best of its starts, unsolved (``plan_ops``)."""
     per_call = 1.0 / max(1, microbatches)
     mstart, ustart = tuple(starts[0]), tuple(starts[1])
-    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s, starts=ustart)
+    update = plan_ops(graph, update_ops, cost, hardware, budget, time_budget_s, starts=ustart, solve=solve)
     solves = 1
     if not update.feasible and fallback is not None:
         update = plan_ops(graph, update_ops, cost, hardware, fallback, time_budget_s, starts=ustart)
@@ -155,7 +157,7 @@ def plan_part(graph: Graph, micro_ops: Sequence[int], update_ops: Sequence[int],
     rest = None if budget is None else budget - update.memory
     micro = INFEASIBLE
     if rest is None or rest > 0:
-        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight, per_call, mstart)
+        micro = plan_ops(graph, micro_ops, cost, hardware, rest, time_budget_s, inflight, per_call, mstart, solve)
         solves += 1
     if not micro.feasible and fallback is not None and math.isfinite(update.memory):
         micro = plan_ops(graph, micro_ops, cost, hardware, fallback, time_budget_s, inflight, per_call, mstart)
@@ -330,7 +332,8 @@ class LayerPrices:
 def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: Sequence[Sequence[int]],
                  costs: Sequence[CostModel], hardware: str, memory_budget: float | None, time_budget_s: float,
                  inflight: Sequence[int], num_devices: int, num_microbatches: int = 1, chunks: int = 1,
-                 chunk_inflight: Sequence[Sequence[int]] | None = None) -> LayerPrices:
+                 chunk_inflight: Sequence[Sequence[int]] | None = None,
+                 deadline: Deadline | None = None) -> LayerPrices:
     """Every layer on every submesh (``costs``: one cost model per shape), each planned with ``plan_part``.
 
     A layer is planned under its share of a stage's memory: on a submesh of ``n`` devices the cluster
@@ -350,7 +353,13 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     layer's fraction is at least ``1 / (4 · distinct)`` before normalising (the embedding and the head
     keep a useful solve), and every solve at least ``SHARES.min_layer_seconds`` (GPT-39B's first layer, the
     embedding and a block, on 2x4: 41.7 ms a microbatch after 0.05 s, 14.1 ms after 0.3 s; a solve that
-    proves its optimum returns sooner)."""
+    proves its optimum returns sooner).
+
+    The most repeated layer (the block) is priced on every shape first; the other layers then go shape by
+    shape, the shapes ranked by the block's step on them (``_ranked_shapes``). Once ``deadline`` (the whole
+    planning call's) is spent and every layer has a price on some shape, the shapes left are not priced: their
+    columns are infinite, which the stage DP never chooses (GPT-1.3B on 2x4 under a 5 s budget: 4.9 s of
+    pricing on 5 shapes, past the budget before it began)."""
     num_layers, num_shapes = len(micro_ops), len(costs)
     signatures = [signature(graph, micro_ops[ell]) + signature(graph, update_ops[ell]) for ell in range(num_layers)]
     distinct = len(set(signatures))
@@ -395,31 +404,72 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
         solves += part.solves
         return part, weight
 
-    # the most repeated layer first: the others start from its plan where their ops match (GPT's first
-    # layer holds a copy of the block; ``carried_assignment``)
-    for ell in sorted(range(num_layers), key=lambda x: (-signatures.count(signatures[x]), x)):
+    def price(ell: int, m: int) -> None:
+        """Layer ``ell`` on shape ``m``, planned unless an identical layer was."""
+        cost = costs[m]
+        key: tuple[Any, ...] = (signatures[ell], m)
+        stages = max(1, num_devices // cost.mesh.num_devices)
+        for fewer in (held(ell, stages), min(inflight)):
+            if key in cache and not cache[key][0].micro.feasible and fewer < cache[key][1]:
+                # no plan holds the most microbatches any copy of this layer keeps in flight: this copy gets
+                # a plan for as many as its place keeps, or else as the last stage keeps (a stage late in
+                # the pipeline may hold a block as traced that the first stages must recompute: ``stages``'
+                # recompute per stage), which the stage DP places only where it fits
+                key = (signatures[ell], m, fewer)
+                weights[key] = float(fewer)
+                if key not in cache:
+                    cache[key] = _planned(key, ell, m, cost, stages)
+        if key not in cache:
+            cache[key] = _planned(key, ell, m, cost, stages)
+        part, weight = cache[key]
+        parts[ell][m] = part
+        out[0][ell, m], out[2][ell, m], out[3][ell, m] = part.micro.time, part.once, part.update.memory
+        out[1][ell, m], transient[ell, m] = held_and_transient(part.micro, weight)
+
+    # the most repeated layer first, on every shape: the others start from its plan where their ops match
+    # (GPT's first layer holds a copy of the block; ``carried_assignment``), and its prices rank the shapes
+    order = sorted(range(num_layers), key=lambda x: (-signatures.count(signatures[x]), x))
+    for ell in order:
         planned_on.setdefault(signatures[ell], ell)
-        for m, cost in enumerate(costs):
-            key: tuple[Any, ...] = (signatures[ell], m)
-            stages = max(1, num_devices // cost.mesh.num_devices)
-            for fewer in (held(ell, stages), min(inflight)):
-                if key in cache and not cache[key][0].micro.feasible and fewer < cache[key][1]:
-                    # no plan holds the most microbatches any copy of this layer keeps in flight: this copy gets
-                    # a plan for as many as its place keeps, or else as the last stage keeps (a stage late in
-                    # the pipeline may hold a block as traced that the first stages must recompute: ``stages``'
-                    # recompute per stage), which the stage DP places only where it fits
-                    key = (signatures[ell], m, fewer)
-                    weights[key] = float(fewer)
-                    if key not in cache:
-                        cache[key] = _planned(key, ell, m, cost, stages)
-            if key not in cache:
-                cache[key] = _planned(key, ell, m, cost, stages)
-            part, weight = cache[key]
-            parts[ell][m] = part
-            out[0][ell, m], out[2][ell, m], out[3][ell, m] = part.micro.time, part.once, part.update.memory
-            out[1][ell, m], transient[ell, m] = held_and_transient(part.micro, weight)
+    first = [ell for ell in order if signatures[ell] == signatures[order[0]]]
+    for m in range(num_shapes):
+        for ell in first:
+            price(ell, m)
+    rest = [ell for ell in order if signatures[ell] != signatures[order[0]]]
+    ranked = _ranked_shapes(out[0][order[0]] + out[2][order[0]] / max(1, num_microbatches), costs, num_devices,
+                            num_microbatches)
+    skipped: list[int] = []
+    for k, m in enumerate(ranked):
+        if (k > 0 and deadline is not None and deadline.spent() and rest
+                and all(np.isfinite(out[0][ell, ranked[:k]] + out[2][ell, ranked[:k]]).any() for ell in rest)):
+            # the call's budget is spent and every layer has a price somewhere: the shapes its block runs least
+            # efficiently on are left out (the stage DP cannot choose them)
+            skipped = list(ranked[k:])
+            deadline.cut(f"the pipeline's layers were priced on {k} of {num_shapes} submesh shapes (the block's "
+                         "most efficient first)")
+            break
+        for ell in rest:
+            price(ell, m)
+    for m in skipped:
+        for ell in rest:
+            out[0][ell, m] = out[1][ell, m] = out[2][ell, m] = out[3][ell, m] = math.inf
     return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts),
                        micro_transient=transient)
+
+
+def _ranked_shapes(block: np.ndarray, costs: Sequence[CostModel], num_devices: int,
+                   num_microbatches: int) -> list[int]:
+    """The shapes in the order of a step of the block alone on them: on a submesh of ``n`` of the ``N``
+    devices the cluster runs ``S = N / n`` stages, each of ``L / S`` of the ``L`` blocks, so a step takes
+    about ``(B + S - 1) · (L / S) · t = L · t · n · (B + S - 1) / N`` for the block's time ``t`` per
+    microbatch (``block``, per shape) over ``B`` microbatches: ``t · n · (B + S - 1)`` ranks them
+    (ties: the earlier shape first)."""
+    def step(m: int) -> float:
+        n = costs[m].mesh.num_devices
+        stages = max(1, num_devices // n)
+        return float(block[m]) * n * (num_microbatches + stages - 1)
+
+    return sorted(range(len(costs)), key=lambda m: (step(m), m))
 
 
 def held_and_transient(micro: Priced, weight: float) -> tuple[float, float]:

@@ -280,7 +280,7 @@ def _plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str, memory_budge
             memo[pricing_key] = price_layers(
                 lay.graph, lay.micro_ops, lay.update_ops, costs, hardware, memory_budget,
                 SHARES.layer_pricing * time_budget_s / unpriced, inflight, n_devices, num_microbatches, chunks,
-                by_chunk)
+                by_chunk, deadline)
         return memo[pricing_key]
 
     prices = priced(lay)
@@ -531,11 +531,13 @@ def _planned_whole(st: _Setting, cut: _Chosen, prices: LayerPrices) -> dict[int,
     per_solve = SHARES.stage_plans * st.time_budget_s / (2 * len(set(keys)))
     done: dict[Any, Part] = {}
 
-    def stage_seconds() -> float:
+    def stage_seconds() -> float | None:
+        """A stage's solve seconds, or None once the call's budget is spent: the stage is then its layers' plans
+        joined (the start every stage solve has), not solved (``plan_graph(solve=False)``)."""
         left = st.time_budget_s - (time.perf_counter() - st.t_start)
-        if st.deadline is not None and st.deadline.spent():  # the least a solve takes: its start, the layers' plans
-            st.deadline.cut("the pipeline's stages were planned whole with the least solver time")
-            return SHARES.min_layer_seconds
+        if st.deadline is not None and st.deadline.spent():
+            st.deadline.cut("the pipeline's stages are their layers' plans joined, not solved whole")
+            return None
         return max(SHARES.min_stage_seconds, min(per_solve, left / (1.3 * 2 * len(set(keys) - set(done)))))
 
     est = None
@@ -569,8 +571,10 @@ def _planned_whole(st: _Setting, cut: _Chosen, prices: LayerPrices) -> dict[int,
                       (layouts_of_layers(graph, layer_update, mine_update, uops),
                        assignment_of_layers(graph, layer_update, mine_update, uops)))
             budget = shares[keys[s]]
-            part = plan_part(graph, mops, uops, st.costs[m], st.hardware, budget, stage_seconds(), float(held[s]),
-                             microbatches=st.num_microbatches, starts=starts)
+            seconds = stage_seconds()
+            part = plan_part(graph, mops, uops, st.costs[m], st.hardware, budget,
+                             SHARES.min_layer_seconds if seconds is None else seconds, float(held[s]),
+                             microbatches=st.num_microbatches, starts=starts, solve=seconds is not None)
             # the layer's plan, made on it or on an identical layer (``price_layers``), carried to its ops
             layer = _reused(graph, cut.stage_prices[s].parts[first][m], mops, uops) if first == last else None
             if layer is not None and layer.micro.feasible and layer.update.feasible and (

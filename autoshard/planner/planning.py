@@ -30,7 +30,7 @@ from autoshard.planner.summary import human_time
 from autoshard.trace.graph import Graph
 from autoshard.trace.recompute import advice as recompute_advice
 from cost_models import CostModel, ShardingSpec
-from solvers import InfeasibleError, IntraOpProblem, solve_intra_op
+from solvers import InfeasibleError, IntraOpProblem, IntraOpSolution, solve_intra_op
 
 log = logging.getLogger("autoshard")
 
@@ -84,6 +84,7 @@ def plan_graph(
     reduction_weight: float = 1.0,
     starts: Sequence[Any] = (),
     includes_build: bool = False,
+    solve: bool = True,
 ) -> Plan:
     """Plan ``graph`` on ``cost.mesh``: build the problem, solve it, read the layouts back.
 
@@ -99,6 +100,10 @@ def plan_graph(
     ``time_budget_s``: seconds for solving, or for building and solving with ``includes_build`` (None:
     scaled to the problem, building included); how they are spent, seeds included, is in
     ``planner.shares``: the plan is never worse than any seed or start.
+
+    ``solve=False``: the best of the replicated seed and the ``starts`` given as a Plan or an ``Assignment``
+    that fit, with no seed solved and no solve after (a pipeline stage planned once the call's budget is
+    spent: its layers' plans joined, which the stage DP priced); planned as usual when none of them fits.
     """
     t0 = time.perf_counter()
     if problems is None:
@@ -120,15 +125,23 @@ def plan_graph(
         problem.check_memory_lower_bound()  # every node at its least memory overflows: no seed can fit
         with _gc_frozen():
             t_start = time.perf_counter()
-            found = seed_portfolio(graph, cost, built, problem, pins, starts, SHARES.seeds * solve_s)
+            found = [] if solve else seed_portfolio(graph, cost, built, problem, pins, starts, 0.0, starts_only=True)
+            quick = any(x.given for x in found)
+            if not quick:
+                found = seed_portfolio(graph, cost, built, problem, pins, starts, SHARES.seeds * solve_s)
             found += _Found.of(graph).fitting(key, cost, problem)
             best = min(found, key=lambda x: x.objective, default=None)
             t_seeds = time.perf_counter() - t_start
             if best is not None:
                 log.info("%d seeds in %.1f s, the best (%s) at %s", len(found), t_seeds, best.name,
                          human_time(best.objective))
-            sol = solve_intra_op(problem, time_budget_s=max(solve_s - t_seeds, (1 - SHARES.seeds) * solve_s),
-                                 initial=None if best is None else best.choice)
+            if quick:
+                assert best is not None
+                sol = IntraOpSolution.unsolved(problem, best.choice, best.objective,
+                                               f"feasible (not solved: the time budget was spent; {best.name!r})")
+            else:
+                sol = solve_intra_op(problem, time_budget_s=max(solve_s - t_seeds, (1 - SHARES.seeds) * solve_s),
+                                     initial=None if best is None else best.choice)
             if best is not None and (not sol.feasible or best.objective < sol.cost):
                 # the incumbent is kept: the final solve never returns worse than its best start
                 sol = dataclasses.replace(sol, choice=best.choice, cost=best.objective, optimal=False, feasible=True,

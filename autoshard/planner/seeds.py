@@ -63,7 +63,8 @@ def assignment_choice(built: BuiltProblem, layouts: Mapping[tuple[Scope, int], S
 
 
 def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpProblem,
-          pins: Mapping[int, ShardingSpec], starts: Sequence[Any], budget_s: float) -> list[Seed]:
+          pins: Mapping[int, ShardingSpec], starts: Sequence[Any], budget_s: float,
+          starts_only: bool = False) -> list[Seed]:
     """Starting points for the final solve, each a memory-feasible assignment of ``problem``. Every seed is solved *tied*: the copies of a repeated block (``solvers.equivalence_classes``)
     take one choice, which makes a transformer's problem 20-50 times smaller (``solve_intra_op(ties=)``).
 
@@ -104,7 +105,10 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
     global structure, with every tensor free to leave it (a ZeRO-sharded optimizer state here, a
     replicated bias there), uniformly over the blocks. Graphs under ``SHARES.seed_min_nodes`` nodes get only the
     replicated seed and the user's starts, in one round. Measured on GPT-6.7B over 8x8 (30 s budget): the best layout's first-round
-    seed costs 231 ms, its second-round seed 225 ms, the final untied solve from it 222 ms."""
+    seed costs 231 ms, its second-round seed 225 ms, the final untied solve from it 222 ms.
+
+    ``starts_only``: the replicated seed and the ``starts`` given as a Plan or an ``Assignment`` that fit, as
+    they are: no solve at all (``plan_graph(solve=False)``)."""
     start = time.perf_counter()
     fallback = _replicated(built, problem)
     if problem.num_nodes < SHARES.seed_min_nodes and not starts:
@@ -131,6 +135,8 @@ def seeds(graph: Graph, cost: CostModel, built: BuiltProblem, problem: IntraOpPr
             log.info("start %r: %s", name, human_time(objective))
         elif math.isfinite(objective):
             repair.append((name, choice))
+    if starts_only:
+        return out
     automatic = problem.num_nodes >= SHARES.seed_min_nodes and cost.mesh.num_devices > 1
     essential: set[str] = set()
     if automatic and not pins:

@@ -49,6 +49,15 @@ class IntraOpSolution:
     feasible: bool = True
     method: str = ""
 
+    @staticmethod
+    def unsolved(problem: IntraOpProblem, choice: np.ndarray, cost: float, status: str) -> IntraOpSolution:
+        """``choice`` as the answer, with no solve run (a start taken as it is): not proven, no bound."""
+        n, m, k = problem.num_nodes, problem.num_edges, int(problem.num_strategies.sum())
+        stats = PresolveStats(nodes_before=n, edges_before=m, strategies_before=k, nodes_after=n, edges_after=m,
+                              strategies_after=k)
+        return IntraOpSolution(choice=choice, cost=cost, optimal=False, lower_bound=None, status=status,
+                               solve_seconds=0.0, stats=stats)
+
     @property
     def gap(self) -> float | None:
         """Relative gap ``(cost - lower_bound) / max(|cost|, 1e-12)``, or None without a bound."""
