@@ -161,6 +161,19 @@ def test_a_step_with_debug_print_plans_and_runs_with_no_missing_rule(caplog, cap
     assert "sum " in capfd.readouterr().out
 
 
+def test_a_cloned_key_plans_and_runs_with_no_missing_rule(caplog) -> None:
+    """``jax.random.clone`` (what ``nn.scan`` traces for ``split_rngs``) is key plumbing like a split: no cost or
+    sharding rule missing, and the step gives jax.jit's numbers."""
+    def noisy(y):
+        return (y * jax.random.uniform(jax.random.clone(jax.random.key(2)), y.shape)).mean()
+
+    step, args = _linear_step(noisy)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        par = autoshard.parallelize(step, mesh=(8,), time_budget_s=5)
+        _matches_jit(step, args, par)
+    assert "no sharding rule" not in caplog.text and "no cost rule" not in caplog.text, caplog.text
+
+
 def test_an_fft_keeps_its_transformed_dimension_whole() -> None:
     step, args = _linear_step(lambda y: (jnp.abs(jnp.fft.fft(y)) ** 2).mean())
     graph = autoshard.trace(step, *args)

@@ -119,7 +119,7 @@ RULES: dict[str, Rule] = {}
 
 FALLBACK: frozenset[str] = frozenset({
     # PRNG plumbing on keys: tiny (a key is two words), and splitting it would change the random stream.
-    "random_bits", "random_wrap", "random_unwrap", "random_seed", "random_fold_in", "random_split",
+    "random_bits", "random_wrap", "random_unwrap", "random_seed", "random_fold_in", "random_split", "random_clone",
     "threefry2x32",
     # host callbacks (jax.debug.print, jax.debug.callback, io/pure_callback) see whole values on the host
     *CALLBACKS,

@@ -134,7 +134,7 @@ DATA_MOVEMENT = (
     "reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice dynamic_update_slice "
     "concatenate pad gather rev copy copy_p convert_element_type bitcast_convert_type iota select_and_gather_add "
     "stop_gradient optimization_barrier sharding_constraint device_put random_bits random_seed random_wrap "
-    "random_unwrap random_fold_in random_split threefry2x32 split mesh_cast reshard pvary pcast "
+    "random_unwrap random_fold_in random_split random_clone threefry2x32 split mesh_cast reshard pvary pcast "
     "empty empty2 broadcast full stack unstack"
 ).split()
 
