@@ -105,7 +105,7 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     key = plan_cache.key(graph, target, options, time_budget_s=time_budget_s, recompute=recompute,
                          name=getattr(step_fn, "__qualname__", type(step_fn).__name__))
     if (hit := plan_cache.lookup(key, step_fn, args, graph, roles)) is not None:
-        _warn_if_random(hit[0], hit[2])
+        _warn_if_random(hit[0], hit[2], graph)
         return hit
     flops = model_flops(graph, target.cost.device)  # of the step as written (before any recompute)
     the_plan, planned, micro = choose(step_fn, args, graph, deadline, t_trace, target, options,
@@ -119,13 +119,15 @@ def plan_for(step_fn: Callable[..., Any] | Graph, args: tuple[Any, ...], target:
     if (note := deadline.note()) is not None:  # the summary says what the spent budget cut short
         the_plan = dataclasses.replace(the_plan, solver=dataclasses.replace(the_plan.solver, cut_short=note))
     plan_cache.store(key, the_plan)
-    _warn_if_random(the_plan, micro)
+    _warn_if_random(the_plan, micro, graph)
     return the_plan, planned, micro
 
 
-def _warn_if_random(the_plan: Plan | PipelinePlan, micro: Graph | None) -> None:
-    """A pipelined plan of a step that draws random numbers says what each microbatch draws (``random_note``)."""
-    if isinstance(the_plan, PipelinePlan) and micro is not None and (note := random_note(micro)):
+def _warn_if_random(the_plan: Plan | PipelinePlan, micro: Graph | None, graph: Graph) -> None:
+    """A pipelined plan of a step that draws random numbers as no pipeline can draw them as jax.jit does says
+    what each microbatch draws (``random_note``)."""
+    if isinstance(the_plan, PipelinePlan) and micro is not None and (
+            note := random_note(micro, graph, the_plan.num_microbatches)):
         log.warning("%s", note)
 
 
@@ -425,7 +427,7 @@ class parallelize:  # lower case: used as a decorator, like jax.jit
         if runs_spmd(self.options.runtime, the_plan.spmd, processes):  # a plan runs on the runtime it was priced for
             tail = tail_graph(fn, args, graph, the_plan, roles=self.roles)
             return _Compiled(micro, the_plan, spmd_pipeline_step(micro, graph, the_plan, devices, tail), fn)
-        return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices), fn)
+        return _Compiled(micro, the_plan, build_pipelined_step(micro, the_plan, devices, graph), fn)
 
     def _given(self, fn: Callable[..., Any], args: tuple[Any, ...],
                mesh: jax.sharding.Mesh) -> tuple[Plan | PipelinePlan, Graph, Graph | None]:

@@ -74,6 +74,7 @@ PASSES = (
     "autoshard.planner",
     "autoshard.emit",
     "autoshard.pipeline.partition",
+    "autoshard.pipeline.draws",
     "autoshard.pipeline.schedules",
     "autoshard.pipeline.ticks",
     "autoshard.pipeline.host",

@@ -1,8 +1,9 @@
 """A model with dropout, pipelined: flax folds each module's path into the dropout key, so every block reads a
 constant of its own (``uniform.UniformStages.stage_constants``), which the SPMD program feeds per stage as it
 does the weights; the usual loop's key split (one half for dropout, the other returned) runs with the microbatches
-and returns jax.jit's next key; a pipeline draws each microbatch's numbers with the key it is given, which is not
-what the unpipelined step draws, and says so; nnx blocks counting their own random numbers are refused by name."""
+and returns jax.jit's next key; each microbatch draws its rows of jax.jit's dropout mask (``pipeline.draws``), so
+both runtimes give jax.jit's numbers, and a draw that cannot be split so is said; nnx blocks counting their own
+random numbers are refused by name."""
 
 from __future__ import annotations
 
@@ -93,29 +94,70 @@ PIPE = dict(mesh=(1, 4), microbatches=4, pipeline=True, stage_shape=(1, 1), hard
 
 # ZB-H1 (the weight pass's groups read the stage constants too) and a legacy uint32 key: -m slow (CI time)
 @pytest.mark.parametrize("schedule,legacy_key", [("1f1b", False), pytest.param("zb-h1", True, marks=pytest.mark.slow)])
-def test_a_dropout_model_runs_as_the_spmd_program_as_the_mpmd_runtime_runs_it(
+def test_a_pipelined_dropout_model_draws_jits_masks_on_both_runtimes(
         schedule: str, legacy_key: bool, caplog: pytest.LogCaptureFixture) -> None:
     """The step splits its key, drops out with one half and returns the other (the split read no batch and no
     gradient, and fed both the blocks and the returned state: the MPMD runtime failed with a bare
-    ``KeyError``, ``partition.split_step`` left it to the update): both runtimes return jax.jit's next key
-    and each other's numbers."""
+    ``KeyError``, ``partition.split_step`` left it to the update): over 2 steps both runtimes give jax.jit's
+    loss, parameters and next key, each microbatch drawing its rows of jit's masks (before, every microbatch
+    drew the first one's: loss 6.4805 against 6.4780), and nothing is warned."""
     state, batch, rng = _args(legacy_key)
-    _, _, next_key = jax.jit(_splitting_step)(state, batch, rng)
     with caplog.at_level(logging.WARNING, logger="autoshard"):
         mpmd = autoshard.parallelize(_splitting_step, runtime="mpmd", schedule=schedule, **PIPE)
         spmd = autoshard.parallelize(_splitting_step, runtime="spmd", schedule=schedule, **PIPE)
-        s_m = s_s = state
-        k_m = k_s = rng
+        s_j = s_m = s_s = state
+        k_j = k_m = k_s = rng
         for _ in range(2):
+            s_j, l_j, k_j = jax.jit(_splitting_step)(s_j, batch, k_j)
             s_m, l_m, k_m = mpmd(s_m, batch, k_m)
             s_s, l_s, k_s = spmd(s_s, batch, k_s)
-            assert global_rel_error(l_m, l_s) <= TOL
-            assert global_rel_error(s_m.params, s_s.params) <= TOL
-            if next_key is not None:  # the first step's
-                assert (_key_data(k_m) == _key_data(next_key)).all() and (_key_data(k_s) == _key_data(next_key)).all()
-                next_key = None
+            for s_p, l_p, k_p in ((s_m, l_m, k_m), (s_s, l_s, k_s)):
+                assert global_rel_error(l_j, l_p) <= TOL
+                assert global_rel_error(s_j.params, s_p.params) <= TOL
+                assert (_key_data(k_p) == _key_data(k_j)).all()
     assert isinstance(spmd.plan, PipelinePlan) and spmd.plan.spmd and len(spmd.plan.stages) == 4
-    assert "every microbatch draws the same numbers" in caplog.text
+    assert "draws the same numbers" not in caplog.text
+
+
+class _HeadTailDropout(_Model):
+    """Dropout outside the blocks too: on the embedding (the head) and before the output layer (the tail),
+    draws that read no batch value and none of a block's (the SPMD program once ran them before the loop,
+    once a step: every microbatch got the first one's mask)."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.drop_in, self.drop_out = nn.Dropout(0.1), nn.Dropout(0.2)
+
+    def __call__(self, ids: jax.Array, mask: jax.Array, deterministic: bool = True) -> jax.Array:
+        x = self.drop_in(self.emb(ids), deterministic=deterministic)
+        for block in self.h:
+            x = block(x, mask, deterministic)
+        return self.out(self.drop_out(x, deterministic=deterministic))
+
+
+def test_dropout_in_the_head_and_a_tail_spread_over_stages_draws_jits_masks() -> None:
+    """The SPMD program with the tail spread over 2 of its 4 stages (each runs half of each microbatch's rows:
+    ``tail_graph``'s trace, its draws offset by the half's place among the batch's rows): 2 steps give
+    jax.jit's losses and parameters."""
+    from autoshard.pipeline.partition import trace_microbatch
+    from autoshard.pipeline.spmd_program import SpmdPipelineStep, stage_mesh
+
+    _, batch, rng = _args(False)
+    model = _HeadTailDropout()
+    params = model.init(jax.random.key(0), batch["ids"], batch["mask"])["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    M, split = 4, 2
+    full = autoshard.trace(_train_step, state, batch, rng)
+    micro = trace_microbatch(_train_step, (state, batch, rng), full, M)
+    small = trace_microbatch(_train_step, (state, batch, rng), full, M * split)
+    step = SpmdPipelineStep(micro, full, stage_mesh(jax.devices()[:4], 4), M, "1f1b", tail=small)
+    assert step.spread is not None and step.spread.split == split and step.random_exact
+    s_j = s_p = state
+    for k in range(2):
+        key = jax.random.fold_in(rng, k)
+        s_j, l_j = jax.jit(_train_step)(s_j, batch, key)
+        s_p, l_p = step(s_p, batch, key)
+        assert global_rel_error(l_j, l_p) <= TOL and global_rel_error(s_j.params, s_p.params) <= TOL
 
 
 @pytest.mark.slow  # CI: the intra-operator plan against jax.jit in many other tests (CI time)
@@ -167,9 +209,11 @@ def test_nnx_blocks_counting_their_own_random_numbers_are_refused_by_the_spmd_pr
         par(model, opt, jnp.ones((8, 16), jnp.float32))
 
 
-def test_random_numbers_drawn_once_a_step_in_the_update_are_not_warned_about() -> None:
-    """Noise added to the gradients after ``value_and_grad`` is drawn in the update, once a step as jax.jit
-    draws it: ``random_note`` speaks only of draws that run per microbatch."""
+def test_only_draws_a_pipeline_cannot_make_jits_are_warned_about() -> None:
+    """``random_note`` speaks only of draws that run per microbatch and cannot be split by rows as jax.jit
+    draws them: not of noise added to the gradients after ``value_and_grad`` (drawn in the update, once a step),
+    nor of dropout over the batch's rows (each microbatch draws its rows of jit's mask); of a mask whose
+    dimension 0 is not the batch's (time-major), yes."""
     from autoshard.pipeline.partition import trace_microbatch
     from autoshard.pipeline.report import random_note
 
@@ -182,7 +226,36 @@ def test_random_numbers_drawn_once_a_step_in_the_update_are_not_warned_about() -
         with jax.numpy_dtype_promotion("standard"):
             return state.apply_gradients(grads=grads), loss
 
+    def time_major(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array) -> tuple[TrainState, jax.Array]:
+        def loss_fn(p: Any) -> jax.Array:
+            h = state.apply_fn({"params": p}, batch["ids"], batch["mask"])
+            keep = jax.random.bernoulli(rng, 0.9, (h.shape[1], h.shape[0], h.shape[2]))  # [T, rows, vocab]
+            return jnp.mean((h * jnp.swapaxes(keep, 0, 1).astype(h.dtype)) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        with jax.numpy_dtype_promotion("standard"):
+            return state.apply_gradients(grads=grads), loss
+
     state, batch, rng = _args(False)
-    for step, expect in ((noisy, False), (_train_step, True)):
-        micro = trace_microbatch(step, (state, batch, rng), autoshard.trace(step, state, batch, rng), 4)
-        assert (random_note(micro) is not None) == expect, step.__name__
+    for step, expect in ((noisy, False), (_train_step, False), (time_major, True)):
+        full = autoshard.trace(step, state, batch, rng)
+        micro = trace_microbatch(step, (state, batch, rng), full, 4)
+        assert (random_note(micro, full, 4) is not None) == expect, step.__name__
+
+
+def test_a_block_of_rows_draws_those_rows_of_the_whole_draw() -> None:
+    """``offset_bits``: block ``i`` of ``b`` rows is rows ``i·b .. (i+1)·b`` of ``jax.random.bits`` over all the
+    rows, at 8, 16 and 32 bits, the block index traced; the 64-bit offset's words are ``a · n`` for values
+    whose product passes 2**32 (a draw of billions of elements)."""
+    from autoshard.emit.draws import _mul64, offset_bits
+
+    key = jax.random.key(7)
+    for bits, dtype in ((8, jnp.uint8), (16, jnp.uint16), (32, jnp.uint32)):
+        whole = jax.random.bits(key, (12, 3, 5), dtype)
+        block = jax.jit(lambda k, i, bits=bits: offset_bits(k, bits, (3, 3, 5), i))
+        for i in range(4):
+            assert (block(key, jnp.int32(i)) == whole[3 * i:3 * (i + 1)]).all(), (bits, i)
+    for a in (0, 1, 65535, 65536, 123457, 2**31 - 1, 2**32 - 1):
+        for n in (1, 65537, 2**31 + 5, 2**32 - 1):
+            hi, lo = _mul64(jnp.uint32(a), n)
+            assert (int(hi) << 32 | int(lo)) == a * n

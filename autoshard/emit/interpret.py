@@ -43,6 +43,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
+from autoshard.emit.draws import DRAW, offset_bits
 from autoshard.emit.specs import EmitError, named_sharding, normalize_key
 from autoshard.trace import jaxpr_compat as jc
 from autoshard.trace.graph import Graph, Op, Scope
@@ -67,6 +68,10 @@ class Interpreter:
         self.constraints: dict[Scope, int] = {}  # constraints placed per scope, in the last trace
         self.rebuilt: dict[Scope, str] = {}  # scopes whose body was rebuilt, and the op's primitive
         self.hoisted: dict[Scope, int] = {}  # constants a rebuilt body closed over, made operands
+        # draws over the batch's rows (by scope and op id) computed as block ``block`` of a larger draw
+        # (``emit.draws.offset_bits``): a pipeline's microbatch drawing jax.jit's numbers (``pipeline.draws``)
+        self.draws: frozenset[tuple[Scope, int]] = frozenset()
+        self.block: Any = None
 
     def reset(self) -> None:
         """Forget what the previous trace recorded (``constraints``, ``rebuilt``, ``hoisted``)."""
@@ -176,6 +181,12 @@ class Interpreter:
         if rule is None and name in jc.REMAT:
             rule = Interpreter._remat
         with jc.eqn_context(eqn):
+            if name == DRAW and (key, op.id) in self.draws:
+                if self.block is None:
+                    raise EmitError(f"{op.where()} draws over the batch's rows, but this program was given no "
+                                    "microbatch index to offset it by")
+                return [offset_bits(invals[0], int(eqn.params["bit_width"]), tuple(eqn.params["shape"]),
+                                    self.block)]
             if op.bodies and rule is not None and _convert_constvars is not None:
                 outs = rule(self, op, key, invals)
             else:

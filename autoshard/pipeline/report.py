@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from autoshard.pipeline.draws import RAW, row_draws
 from autoshard.pipeline.partition import UPDATE, split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.planner.summary import cpu_note, human_time, mfu_line
@@ -34,28 +35,32 @@ def one_stage_note(plan: PipelinePlan) -> str | None:
             "planner) is usually faster than one stage.")
 
 
-RANDOM_PRIMITIVES = frozenset({"random_bits", "threefry2x32"})  # the draws of jax.random (dropout, sampling)
+RANDOM_PRIMITIVES = frozenset({"random_bits", *RAW})  # the draws of jax.random (dropout, sampling)
 
 
-def random_note(micro: Graph) -> str | None:
-    """For a step traced at microbatch size that draws random numbers from a key it is given (dropout), what a
-    pipeline does with them; else None. Each microbatch runs the step with the same key, so each draws the same
-    numbers (the same dropout mask on every microbatch's rows) where the unpipelined step draws one mask over
-    the whole batch: not ``jax.jit``'s numbers, and less random than the user meant (a dropout model pipelined
-    over 4 microbatches on 2x4: loss 6.4805 against jax.jit's 6.4780; the intra-operator plan gives 6.4780)."""
+def random_note(micro: Graph, full: Graph, num_microbatches: int) -> str | None:
+    """For a step traced at microbatch size (``micro``; ``full`` at full size) that draws random numbers from a key
+    it is given (dropout) in a way a pipeline cannot draw as jax.jit does, what each microbatch draws; else None.
+    Both runtimes draw each microbatch's rows of jax.jit's numbers where ``draws.row_draws`` finds which draws
+    run over the batch's rows (threefry keys, partitionable, dimension 0 the batch's); left: every microbatch
+    runs the step with the key it is given and draws the first microbatch's numbers (a dropout model
+    pipelined over 4 microbatches on 2x4: loss 6.4805 against jax.jit's 6.4780)."""
     def draws(ops: Iterable[Op]) -> bool:
         return any(op.primitive in RANDOM_PRIMITIVES or any(draws(b.ops) for b in op.bodies) for op in ops)
 
+    if row_draws(micro, full, num_microbatches) is not None:
+        return None  # every draw is jit's: over the rows, each microbatch's; the others the same for all
     kind = split_step(micro).kind  # draws in the update (noise on the gradients) run once a step, as jit's
     if not draws(op for op in micro.ops if kind[op.id] != UPDATE):
         return None
     keys = [t.name for t in (micro.tensors[i] for i in micro.inputs) if t.dtype.startswith("key<")]
     given = f"the key{'s' if len(keys) > 1 else ''} {', '.join(keys)}" if keys else "a key it is given"
-    return (f"the step draws random numbers (jax.random, e.g. dropout) from {given}: a pipeline runs it once a "
-            "microbatch with that same key, so every microbatch draws the same numbers (the same dropout mask on "
-            "each microbatch's rows), not what the unpipelined step draws over the whole batch. autoshard does not "
-            "yet give each microbatch a key of its own; where it matters, plan without microbatches (the "
-            "intra-operator plan draws as jax.jit does).")
+    return (f"the step draws random numbers (jax.random, e.g. dropout) from {given} in a way a pipeline cannot "
+            "draw as jax.jit does (that needs threefry keys, jax's default, with jax_threefry_partitionable on, "
+            "its default, one key a draw, and every draw's dimension 0 the batch's rows or of the same shape "
+            "for the whole batch): it runs the step once a microbatch with that same key, so every microbatch "
+            "draws the same numbers (the same dropout mask on each microbatch's rows). Where it matters, plan "
+            "without microbatches (the intra-operator plan draws as jax.jit does).")
 
 
 def format_pipeline_plan(plan: PipelinePlan) -> str:

@@ -36,9 +36,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.specs import normalize_key
+from autoshard.pipeline.draws import row_draws
 from autoshard.pipeline.partition import (
     UPDATE,
     WEIGHT,
@@ -65,12 +67,15 @@ class Program:
     out_shardings: tuple[NamedSharding, ...]
     jitted: Any
     stacked: Mapping[int, tuple[str, ...]]  # outputs returned as stacked partial sums -> their axes
+    indexed: bool = False  # takes the microbatch's index first (its draws over the rows: ``pipeline.draws``)
 
 
 def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: SpecMap,
-                   keep: Collection[int] = ()) -> Program:
+                   keep: Collection[int] = (), draws: frozenset[tuple[Scope, int]] = frozenset()) -> Program:
     """One stage program; a per-microbatch one returns the partial sums among ``keep`` (accumulated
-    results no other per-microbatch program reads) stacked, unreduced (``unreduced``)."""
+    results no other per-microbatch program reads) stacked, unreduced (``unreduced``). One running some of
+    ``draws`` (``pipeline.draws.row_draws``) takes the microbatch's index as its first argument and draws
+    that microbatch's rows of jax.jit's numbers."""
     specs = {normalize_key(k): dict(v) for k, v in specs.items()}  # pending sums: emission pins dims only
     top = specs.get((), {})
     ops = [graph.ops[i] for i in seg.ops]
@@ -85,14 +90,21 @@ def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: S
 
     ins = tuple(sharding(t) for t in seg.inputs)
     outs = tuple(sharding(t) for t in seg.outputs)
+    mine = set(seg.ops)
+    interp.draws = frozenset(d for d in draws if (d[0][0][0] if d[0] else d[1]) in mine)
+    indexed = bool(interp.draws) and seg.kind != UPDATE
 
     def fn(*args: Any) -> tuple[Any, ...]:
         interp.reset()
+        if indexed:
+            interp.block, args = args[0], args[1:]
         return tuple(interp.run_ops(graph, ops, seg.inputs, args, seg.outputs))
 
+    whole = NamedSharding(mesh, PartitionSpec())
     return Program(segment=seg, mesh=mesh, in_shardings=ins, out_shardings=outs,
                    stacked={t: stacked[t] for t in seg.outputs if t in stacked},
-                   jitted=jax.jit(fn, in_shardings=ins, out_shardings=outs))
+                   jitted=jax.jit(fn, in_shardings=((whole,) if indexed else ()) + ins, out_shardings=outs),
+                   indexed=indexed)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -127,7 +139,8 @@ class PipelinedStep:
 
     def __init__(self, graph: Graph, parts: StepParts, stage_of_op: Sequence[int], segments: Sequence[Segment],
                  stage_meshes: Sequence[jax.sharding.Mesh], stage_specs: Sequence[SpecMap],
-                 schedule: Schedule, *, update_specs: Sequence[SpecMap] | None = None) -> None:
+                 schedule: Schedule, *, update_specs: Sequence[SpecMap] | None = None,
+                 draws: frozenset[tuple[Scope, int]] = frozenset()) -> None:
         if graph.in_tree is None or graph.out_tree is None:
             raise PipelineError("a pipelined step needs a top-level Graph from autoshard.trace")
         if any(seg.kind == WEIGHT for seg in segments) and not schedule.weight_pass:
@@ -150,7 +163,8 @@ class PipelinedStep:
         for seg in segments:
             specs = update_specs[seg.stage] if seg.kind == UPDATE else stage_specs[seg.stage]
             self.programs[(seg.stage, seg.kind, seg.level)] = _build_program(
-                graph, seg, stage_meshes[seg.stage], specs, keep)
+                graph, seg, stage_meshes[seg.stage], specs, keep, draws)
+        self._indices: dict[tuple[int, jax.sharding.Mesh], Any] = {}  # microbatch indices, placed once
         self.update_order = [p for k, p in sorted(self.programs.items(), key=lambda kv: (kv[0][2], kv[0][0]))
                              if k[1] == UPDATE]
         self._batch = {graph.inputs[i] for i in parts.batch_inputs}
@@ -196,6 +210,13 @@ class PipelinedStep:
             micro[tid] = [x[m * t.shape[0]:(m + 1) * t.shape[0]] for m in range(B)]
         return micro
 
+    def _index(self, m: int, mesh: jax.sharding.Mesh) -> Any:
+        """Microbatch ``m``'s index on ``mesh``'s devices (an indexed program's first argument)."""
+        key = (m, mesh)
+        if key not in self._indices:
+            self._indices[key] = jax.device_put(np.int32(m), NamedSharding(mesh, PartitionSpec()))
+        return self._indices[key]
+
     def compiled_text(self, stage: int, kind: str, level: int = 0) -> str:
         """The compiled HLO of one program (``kind`` "forward", "backward", "update" or "reduce"), compiled
         from abstract inputs: where the collectives are (they show only in compiled text)."""
@@ -209,6 +230,8 @@ class PipelinedStep:
         prog = self.programs[(stage, kind, level)]
         avals = [jax.ShapeDtypeStruct(tensors[t].shape, tensors[t].dtype, sharding=sh)
                  for t, sh in zip(prog.segment.inputs, prog.in_shardings, strict=True)]
+        if prog.indexed:
+            avals.insert(0, jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(prog.mesh, PartitionSpec())))
         return prog.jitted.lower(*avals).compile().as_text()
 
     def __call__(self, *args: Any) -> Any:
@@ -250,6 +273,8 @@ class PipelinedStep:
                 m = action.microbatch
                 seg = prog.segment
                 ins = [fetch(t, m, s) for t, s in zip(seg.inputs, prog.in_shardings, strict=True)]
+                if prog.indexed:
+                    ins.insert(0, self._index(m, prog.mesh))
                 outs = prog.jitted(*ins)
                 for tid, x in zip(seg.outputs, outs, strict=True):
                     if tid in self._accumulated:
@@ -306,9 +331,12 @@ def _mean(x: Any, b: int) -> Any:
     return x
 
 
-def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax.Device]) -> PipelinedStep:
+def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax.Device],
+                         full: Graph | None = None) -> PipelinedStep:
     """The runnable pipeline of ``plan`` for ``graph`` (the step traced at microbatch size) on ``devices``
-    (row-major over the plan's cluster of (hosts, devices per host))."""
+    (row-major over the plan's cluster of (hosts, devices per host)). With ``full`` (the step traced at full
+    size), its random draws over the batch's rows draw jax.jit's numbers (``pipeline.draws``); without, every
+    microbatch draws the first microbatch's."""
     plan.verify(graph)
     if plan.schedule in V_SCHEDULES:
         raise PipelineError(f"the plan's {plan.schedule!r} schedule runs its chunks in a V, which only the SPMD "
@@ -325,9 +353,10 @@ def build_pipelined_step(graph: Graph, plan: PipelinePlan, devices: Sequence[jax
                 for st in plan.stages[:S]]
     meshes = [physical[u % S] for u in range(len(plan.stages))]  # virtual stage u runs on stage u mod S
     sched = plan.program
+    draws = row_draws(graph, full, plan.num_microbatches) if full is not None else None
     return PipelinedStep(graph, parts, stage_of, segments(graph, parts, stage_of, split_weight=sched.weight_pass),
                          meshes, [st.specs for st in plan.stages], sched,
-                         update_specs=[st.update_specs for st in plan.stages])
+                         update_specs=[st.update_specs for st in plan.stages], draws=draws or frozenset())
 
 
 def stage_mesh(devices: Sequence[jax.Device], shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sharding.Mesh:

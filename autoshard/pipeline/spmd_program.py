@@ -95,7 +95,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -106,7 +106,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.emit.interpret import Interpreter
 from autoshard.emit.program import check_leaves, copied_leaves
 from autoshard.emit.specs import named_sharding, normalize_key
-from autoshard.pipeline.partition import split_step
+from autoshard.pipeline.draws import row_draws
+from autoshard.pipeline.partition import batch_rows, split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.schedules import V_SCHEDULES, PipelineProgram, schedule
 from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, cannot_run, price, ticks
@@ -126,6 +127,7 @@ from cost_models import ShardingSpec
 log = logging.getLogger("autoshard")
 
 STAGE_AXIS = "stage"
+BLOCK = -1  # a microbatch's environment: its index, under a key no tensor id takes (``_loop``'s ``run``)
 INNER_AXIS = "inner"
 
 
@@ -186,15 +188,20 @@ class Spread:
     specs: dict[Scope, dict[int, ShardingSpec]]
 
 
+def _top_ops(draws: Collection[tuple[Scope, int]]) -> frozenset[int]:
+    """The top-level ops that run ``draws`` (by scope and op id): the draws' own, or the op whose body holds it."""
+    return frozenset(key[0][0] if key else op_id for key, op_id in draws)
+
+
 def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[int],
-            top: Mapping[int, ShardingSpec], mesh: jax.sharding.Mesh) -> Spread:
+            top: Mapping[int, ShardingSpec], mesh: jax.sharding.Mesh, per_microbatch: Collection[int] = ()) -> Spread:
     """``Spread`` of ``cut``'s tail over ``G`` stages, ``small`` being the step traced at ``1/G`` of the
     microbatch's rows. The two traces come from one function, so what the tail exchanges with the rest pairs
     up by position: the last block's outputs and stream inputs, the step's inputs, the values made before
     the loop, the step's outputs and what the update reads. The tail's own ops may differ (JAX traces a
     dimension of size 1 differently): when they pair up in order the plan's layouts carry over to them,
     else XLA lays the slice out. Anything else (a value whose shape is not the rows over ``G``) is refused
-    with why."""
+    with why. ``per_microbatch``: ``small``'s ops that make values of their own per slice (``uniform_stages``)."""
     rows = {micro.tensors[micro.inputs[i]].shape[0] for i in batch_pos}
     small_rows = {small.tensors[small.inputs[i]].shape[0] for i in batch_pos}
     if len(rows) != 1 or len(small_rows) != 1 or next(iter(rows)) % next(iter(small_rows)):
@@ -205,7 +212,7 @@ def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[
     S = mesh.shape[STAGE_AXIS]
     if not 1 < G <= S:
         raise cannot_run(f"a tail spread over {G} stages needs between 2 and the {S} stages")
-    scut = uniform_stages(small, cut.num_stages, split_step(small))
+    scut = uniform_stages(small, cut.num_stages, split_step(small), per_microbatch)
     last, slast = cut.chunk_f[-1], scut.chunk_f[-1]
     pairs: dict[int, int] = {}  # the tail's boundary, by position
     for xs, ys in ((last.outputs, slast.outputs), (last.inputs, slast.inputs), (micro.inputs, small.inputs),
@@ -315,14 +322,22 @@ class SpmdPipelineStep:
         chunks = num_chunks if schedule_name == "interleaved-1f1b" else 2 if schedule_name in V_SCHEDULES else 1
         self.num_chunks = chunks
         self.parts = split_step(micro)
-        self.cut = uniform_stages(micro, S * chunks, self.parts)  # one template chunk per virtual stage
         self.num_microbatches = M = num_microbatches
+        # draws over the batch's rows, made as jax.jit makes them over the whole batch (``pipeline.draws``),
+        # run with their microbatch (never in ``pre``, once a step); ``self.random_exact``: every draw is jit's
+        # (else each microbatch draws the first one's numbers). ``tail``: the step traced at 1/G of the rows
+        G = max(1, batch_rows(micro) // max(1, batch_rows(tail))) if tail is not None else 1
+        draws = row_draws(micro, full, M)
+        tail_draws = row_draws(tail, full, M * G) if tail is not None else frozenset()
+        self.draws, self.tail_draws = draws or frozenset(), tail_draws or frozenset()
+        self.random_exact = draws is not None and tail_draws is not None
+        self.cut = uniform_stages(micro, S * chunks, self.parts, _top_ops(self.draws))  # a template chunk a virtual stage
         self.batch_pos = self.parts.batch_inputs
         # a spread tail: ``tail`` is the step traced at 1/G of the microbatch's rows (``trace_microbatch`` at
         # ``M·G`` microbatches); its layers after the blocks run on G stages, a slice each (the last G, or in a
         # V, whose last virtual stage is stage 0, the first G: ``Ticks.tail_stages``)
-        self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh) \
-            if tail is not None else None
+        self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh,
+                              _top_ops(self.tail_draws)) if tail is not None else None
         G = self.spread.split if self.spread is not None else 1
         if program is None:  # the schedule's program (a plan's own: ``PipelinePlan.program``)
             program = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1),
@@ -552,8 +567,14 @@ class SpmdPipelineStep:
         # inside the shard_map the stage axis is manual: layouts pin on the mesh as seen from here
         abstract = jax.sharding.get_abstract_mesh()
         interp = Interpreter(abstract, self.specs)
+        interp.draws = self.draws
+
         def unreduced(plan: tuple[dict[int, tuple[str, ...]], dict[int, tuple[str, ...]]]) -> Interpreter:
-            return UnreducedInterpreter(abstract, self.specs, *plan, manual={STAGE_AXIS}) if plan[0] else interp
+            if not plan[0]:
+                return interp
+            by = UnreducedInterpreter(abstract, self.specs, *plan, manual={STAGE_AXIS})
+            by.draws = self.draws
+            return by
 
         held = self.unreduced[0]
         grads_interp = unreduced(self.unreduced)
@@ -617,16 +638,19 @@ class SpmdPipelineStep:
             e = dict(outer)
             for t, x in zip(self._batch_t, batch, strict=True):
                 e[t] = interp.pin(jax.lax.dynamic_index_in_dim(x, jnp.maximum(m, 0), 0, keepdims=False), t)
+            e[BLOCK] = m
             if cut.side.ops:  # side inputs (a padding mask): every stage makes them from its microbatch
                 run(cut.side, e)
-            return {t: e[t] for t in (*self._batch_t, *cut.side.outputs)}
+            return {t: e[t] for t in (*self._batch_t, *cut.side.outputs, BLOCK)}
 
         def micro_env(mb: dict[int, Any]) -> dict[int, Any]:
             return {**outer, **mb}
 
         def run(group: Any, e: dict[int, Any], by: Interpreter | None = None) -> None:
-            outs = (by or interp).run_ops(g, [g.ops[i] for i in group.ops], group.inputs,
-                                          [e[t] for t in group.inputs], group.outputs)
+            by = by or interp
+            by.block = e.get(BLOCK)  # the microbatch's index: its draws over the rows (``pipeline.draws``)
+            outs = by.run_ops(g, [g.ops[i] for i in group.ops], group.inputs, [e[t] for t in group.inputs],
+                              group.outputs)
             e.update(zip(group.outputs, outs, strict=True))
 
         def add_once(c: dict, e: dict[int, Any], group: Any) -> None:
@@ -775,6 +799,7 @@ class SpmdPipelineStep:
             # the stage of the last virtual stage, whose stream is spread, and the first of the G that run slices
             home, first = self.schedule.place(V - 1)[0], T.tail_stages().start
             small_interp = Interpreter(abstract, sp.specs)
+            small_interp.draws = self.tail_draws
             inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
             over_g = lambda x: (x / jnp.asarray(G, x.dtype)).astype(x.dtype) if inexact(x) else x  # noqa: E731
 
@@ -789,6 +814,7 @@ class SpmdPipelineStep:
                     se[t2] = jax.lax.dynamic_slice_in_dim(x, gi * r, r, 0)
                 for (_, t2), x in zip(sp.send, c["tin"], strict=True):
                     se[t2] = x
+                small_interp.block = m * G + gi  # the slice's rows are block m·G + gi of the batch's
                 for grp in (sp.cut.tail_f, sp.cut.tail_b):
                     outs = small_interp.run_ops(sp.graph, [sp.graph.ops[i] for i in grp.ops], grp.inputs,
                                                 [se[x] for x in grp.inputs], grp.outputs)

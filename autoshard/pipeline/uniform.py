@@ -149,9 +149,12 @@ def _one_run(graph: Graph, parts: StepParts, blocks: Sequence[str]) -> None:
                          "which places any layers on any stage")
 
 
-def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None) -> UniformStages:
+def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None,
+                   per_microbatch: Collection[int] = ()) -> UniformStages:
     """Cut ``graph`` (a step traced at microbatch size) into ``num_stages`` uniform stages, or raise a
-    ``PipelineError`` that says why it cannot be (and what to change)."""
+    ``PipelineError`` that says why it cannot be (and what to change). ``per_microbatch``: ops that read no
+    batch value yet make one of their own per microbatch (random draws over the batch's rows,
+    ``pipeline.draws``): cut as if they read the batch, never into ``pre``."""
     parts = parts or split_step(graph)
     S = num_stages
     if S < 2:
@@ -179,9 +182,11 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
     batchy = [False] * n_ops
     after_block = [False] * n_ops
     batch_in = {t for t in graph.inputs if graph.tensors[t].role is Role.BATCH}
+    own = set(per_microbatch)
     for op in graph.ops:
         ins = [graph.tensors[t] for t in op.inputs]
-        batchy[op.id] = any(t.id in batch_in or (t.producer is not None and batchy[t.producer]) for t in ins)
+        batchy[op.id] = op.id in own or any(t.id in batch_in or (t.producer is not None and batchy[t.producer])
+                                            for t in ins)
         after_block[op.id] = op.layer in block_of or any(
             t.producer is not None and after_block[t.producer] for t in ins)
     fwd = parts.ops(FORWARD)
