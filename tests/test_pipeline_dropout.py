@@ -2,8 +2,9 @@
 constant of its own (``uniform.UniformStages.stage_constants``), which the SPMD program feeds per stage as it
 does the weights; the usual loop's key split (one half for dropout, the other returned) runs with the microbatches
 and returns jax.jit's next key; each microbatch draws its rows of jax.jit's dropout mask (``pipeline.draws``), so
-both runtimes give jax.jit's numbers, and a draw that cannot be split so is said; nnx blocks counting their own
-random numbers are refused by name."""
+both runtimes give jax.jit's numbers, and a draw that cannot be split so is said; nnx dropout (each module
+counting its own random numbers) runs as the SPMD program with nnx.jit's numbers; blocks with float state of
+their own are refused by name."""
 
 from __future__ import annotations
 
@@ -171,41 +172,86 @@ def test_the_intra_operator_plan_of_a_dropout_model_draws_as_jit_does(caplog: py
     assert "draws the same numbers" not in caplog.text
 
 
-def test_nnx_blocks_counting_their_own_random_numbers_are_refused_by_the_spmd_program_with_why() -> None:
-    """An nnx ``Dropout`` holds an RNG counter that each block advances (state the blocks hand on, not a
-    gradient): the SPMD program names it and what to do, where it once blamed an auxiliary loss."""
+def _nnx_model(kind: str = "dropout") -> tuple[Any, Any]:
+    """An nnx model with ``Dropout`` before, in and after its 4 blocks (each holds an RNG counter that every call
+    advances: state of its own the step returns); with ``kind`` "norm" a ``BatchNorm`` in each block instead of
+    its dropout, with "count" an integer count of the block's positive outputs kept as its state."""
     from flax import nnx
 
-    from autoshard.pipeline.partition import PipelineError
+    class Count(nnx.Variable):
+        pass
 
     class Block(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.fc = nnx.Linear(16, 16, rngs=rngs)
-            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.drop = nnx.BatchNorm(16, rngs=rngs) if kind == "norm" else nnx.Dropout(0.1, rngs=rngs)
+            self.seen = Count(jnp.zeros((), jnp.int32))
 
         def __call__(self, x: jax.Array) -> jax.Array:
-            return x + self.drop(jnp.tanh(self.fc(x)))
+            y = x + self.drop(jnp.tanh(self.fc(x)))
+            if kind == "count":
+                self.seen[...] = jnp.sum(y > 0).astype(jnp.int32)
+            return y
 
     class Model(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.inp = nnx.Linear(16, 16, rngs=rngs)
-            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.drop_in = nnx.Dropout(0.2, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(4)])
+            self.drop_out = nnx.Dropout(0.3, rngs=rngs)
+            self.out = nnx.Linear(16, 16, rngs=rngs)
 
         def __call__(self, x: jax.Array) -> jax.Array:
+            x = self.drop_in(self.inp(x))
             for b in self.blocks:
-                x = b(self.inp(x) if b is self.blocks[0] else x)
-            return x
-
-    def step(model: Model, opt: nnx.Optimizer, x: jax.Array) -> jax.Array:
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
-        with jax.numpy_dtype_promotion("standard"):
-            opt.update(model, grads)
-        return loss
+                x = b(x)
+            return self.out(self.drop_out(x))
 
     model = Model(nnx.Rngs(0, dropout=1))
-    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    par = autoshard.parallelize(step, runtime="spmd", **dict(PIPE, mesh=(1, 2)))
-    with pytest.raises(PipelineError, match=r"update state of their own .*drop.*uint32.*runtime='mpmd'"):
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+def _nnx_step(model: Any, opt: Any, x: jax.Array) -> jax.Array:
+    from flax import nnx
+
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    with jax.numpy_dtype_promotion("standard"):
+        opt.update(model, grads)
+    return loss
+
+
+def test_nnx_dropout_counting_its_own_random_numbers_runs_as_the_spmd_program_as_nnx_jit() -> None:
+    """Each nnx ``Dropout`` advances an RNG counter of its own every call, the same for every microbatch: the
+    SPMD program keeps each block's (``UniformStages.f_state``) and the head's and tail's (where it once refused
+    the model), and over 2 steps gives ``nnx.jit``'s losses, parameters and counters."""
+    from flax import nnx
+
+    x = jax.random.normal(jax.random.key(3), (8, 16))
+    (m_j, o_j), (m_p, o_p) = _nnx_model(), _nnx_model()
+    par = autoshard.parallelize(_nnx_step, runtime="spmd", **PIPE)
+    for _ in range(2):
+        l_j, l_p = nnx.jit(_nnx_step)(m_j, o_j, x), par(m_p, o_p, x)
+        assert global_rel_error(l_j, l_p) <= TOL
+        assert global_rel_error(nnx.state(m_j, nnx.Param), nnx.state(m_p, nnx.Param)) <= TOL
+        counts = [jax.tree.leaves(nnx.state(m, nnx.RngCount)) for m in (m_j, m_p)]
+        assert all(int(a) == int(b) for a, b in zip(*counts, strict=True)) and int(counts[1][0]) > 0
+    assert isinstance(par.plan, PipelinePlan) and par.plan.spmd
+
+
+@pytest.mark.parametrize("kind,runtime,why", [
+    ("norm", "spmd", "running statistics.*runtime='mpmd' on one process"),
+    ("count", "spmd", "seen.*count of its tokens.*plan without microbatches"),
+    ("count", "mpmd", "seen.*count of its tokens.*plan without microbatches")])
+def test_state_of_a_blocks_own_made_per_microbatch_is_refused_with_why(kind: str, runtime: str, why: str) -> None:
+    """State of each block's own that differs per microbatch: a batch norm's running statistics (floats), which
+    the SPMD program does not average (the MPMD runtime does); a count made from the microbatch (an integer, which
+    an RNG counter is not), which no pipeline can give as the whole batch's (the MPMD runtime kept the first
+    microbatch's, silently): refused by name with what to do."""
+    from autoshard.pipeline.partition import PipelineError
+
+    model, opt = _nnx_model(kind)
+    par = autoshard.parallelize(_nnx_step, runtime=runtime, **PIPE)
+    with pytest.raises(PipelineError, match=why):
         par(model, opt, jnp.ones((8, 16), jnp.float32))
 
 

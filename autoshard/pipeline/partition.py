@@ -187,6 +187,21 @@ def split_step(graph: Graph) -> StepParts:
         if t in batch:
             raise PipelineError(f"the step returns its batch input {graph.tensors[t].name!r}; a pipelined step "
                                 "cannot return per-example values")
+    # an integer handed on is kept from one microbatch (state such as an RNG counter, the same for each); one
+    # made from the batch (a count of its tokens) differs per microbatch, and neither keeping nor averaging it
+    # gives what the whole batch gives
+    made = set(batch)
+    for op in graph.ops:
+        if kind[op.id] != UPDATE and any(t in made for t in op.inputs):
+            made.update(op.outputs)
+    for t in accumulated:
+        ten = graph.tensors[t]
+        if t in made and not ten.inexact:
+            raise PipelineError(
+                f"the step hands on {ten.name!r} ({ten.dtype}) from the microbatched part (the gradient computation "
+                "and what runs with it), an integer made from the batch (a count of its tokens): a pipeline keeps "
+                "an integer from one microbatch and averages floats, so it would be one microbatch's count. Return "
+                "a mean over the batch's rows instead, or plan without microbatches (runtime='mpmd' does not help)")
     positions = tuple(i for i, t in enumerate(graph.inputs) if t in batch)
     _warn_if_normalised_by_the_batch(graph, accumulated, batch)
     return StepParts(kind=tuple(kind), accumulated=tuple(accumulated), batch_inputs=positions)

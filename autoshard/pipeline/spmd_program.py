@@ -492,6 +492,10 @@ class SpmdPipelineStep:
             out_specs=(stage_spec, PartitionSpec()), axis_names={STAGE_AXIS}, check_vma=False)
         self._whole_ids, self._batch_t, self._f_stacked, self._b_stacked = whole_ids, batch_t, f_stacked, b_stacked
         chunk_acc, once_acc = run(stacked, whole, batch, tables)
+        chunk_acc, chunk_state = chunk_acc[:len(cut.acc_out)], chunk_acc[len(cut.acc_out):]
+        for k, pos in enumerate(cut.f_state):  # each chunk's own state, as its forward left it
+            for u in range(V):
+                env[cut.chunk_f[u].outputs[pos]] = chunk_state[k][self.schedule.place(u)]
         held = self.unreduced[0]  # [S, v, D, ...]: the D partial sums of each, added up once a step
         chunk_acc = [a.sum(axis=2) if cut.backward.outputs[p] in held else a
                      for a, p in zip(chunk_acc, cut.acc_out, strict=True)]
@@ -617,7 +621,7 @@ class SpmdPipelineStep:
         carry0 = dict(
             act=[zeros(a, T.act_slots) for a in acts], cot=[zeros(a, T.cot_slots) for a in cots],
             res=[zeros(a, T.res_slots) for a in res], hres=[zeros(a, T.res_slots) for a in head_res],
-            acc=[zeros(a, v) for a in accs],
+            acc=[zeros(a, v) for a in accs], fst=[zeros(aval(f0.outputs[k]), v) for k in cut.f_state],
             once={t: zeros(aval(t), stacked_size(self.mesh, held_once[t]) if t in held_once else None)
                   for t in once_ids},
             g=[] if wp is None else [zeros(aval(wp.input_b[0].outputs[k]), T.g_slots) for k in wp.g_out])
@@ -686,6 +690,8 @@ class SpmdPipelineStep:
                 elif kind == "stacked":
                     fe[tid] = chunk_of(f_w[j], ch)
             run(f0, fe)
+            # the chunk's own state (``cut.f_state``), the same for every microbatch: the last one's kept
+            c = dict(c, fst=[put(b, ch, fe[f0.outputs[k]]) for b, k in zip(c["fst"], cut.f_state, strict=True)])
             slot = tables["res_write"][t, s]
             c = dict(c, res=[put(b, slot, fe[x]) for b, x in zip(c["res"], cut.residuals, strict=True)],
                      hres=[put(b, slot, x) for b, x in zip(c["hres"], hres, strict=True)])
@@ -905,7 +911,7 @@ class SpmdPipelineStep:
             return c, None
 
         c, _ = jax.lax.scan(tick, carry0, jnp.arange(T.num_ticks))
-        chunk_acc = [a[None] for a in c["acc"]]
+        chunk_acc = [a[None] for a in c["acc"]] + [a[None] for a in c["fst"]]
         once = {t: jax.lax.psum(x.sum(axis=0) if t in held_once else x, STAGE_AXIS) for t, x in c["once"].items()}
         return chunk_acc, once
 

@@ -80,7 +80,9 @@ class UniformStages:
     ``stacked_f[j][s]`` / ``stacked_b[j][s]``: the value stage ``s`` reads there. ``act_out[k]``: the forward
     output position of stream channel ``k``; ``cot_out[k]``: the backward output position of cotangent
     channel ``k``; ``residuals[r]``: chunk 0's tensor kept for the backward (a forward output or input).
-    ``acc_out``: the backward output positions that are accumulated (the chunk's weight gradients)."""
+    ``acc_out``: the backward output positions that are accumulated (the chunk's weight gradients);
+    ``f_state``: the forward output positions that are state of the chunk's own the step returns, the same for
+    every microbatch (an nnx ``Dropout``'s RNG counter, one more a call): kept, not summed."""
 
     num_stages: int
     blocks: tuple[str, ...]
@@ -109,6 +111,7 @@ class UniformStages:
     # constants the chunks read at the same place with values of their own (flax's dropout folds each module's
     # path into its key: a literal per block): chunk inputs, stacked per stage like the weights
     stage_constants: frozenset[int] = frozenset()
+    f_state: tuple[int, ...] = ()
 
     @property
     def backward(self) -> Group:
@@ -412,15 +415,22 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         if k not in acc_out and k not in cot_out:
             raise cannot_run(f"a block's backward hands {graph.tensors[t].name!r} to something other than the "
                         "optimizer or the block before")
+    # a block's own integer state made from its weights and state alone (an nnx Dropout's RNG counter, one more
+    # a call) is the same for every microbatch: each chunk keeps its forward's value (``f_state``); one made from
+    # the microbatch (a count of its tokens) or a float one (an auxiliary loss) is refused
+    kept = _from_stacked(graph, chunk_f[0], f_kinds, per_microbatch)
+    f_state = tuple(k for k, t in enumerate(chunk_f[0].outputs) if t in accumulated and not graph.tensors[t].inexact
+                    and t in kept)
     for t in chunk_f[0].outputs:
-        if t in accumulated and not graph.tensors[t].inexact:  # an nnx Dropout's RNG counter, counted per call
-            raise cannot_run(f"its blocks update state of their own ({graph.tensors[t].name!r}, "
-                             f"{graph.tensors[t].dtype}: a random-number counter such as flax nnx's Rngs), which the "
-                             "program does not carry between stages; give the blocks no state of their own (a linen "
-                             "model takes its dropout key as an argument), or run with runtime='mpmd' on one process")
-        if t in accumulated:
-            raise cannot_run(f"a block's forward returns {graph.tensors[t].name!r} from the gradient computation "
-                        "(an auxiliary loss per block is not supported yet)")
+        if t in accumulated and not graph.tensors[t].inexact and t not in kept:
+            raise cannot_run(f"a block's forward returns {graph.tensors[t].name!r} ({graph.tensors[t].dtype}) from "
+                             "the gradient computation, made from each microbatch (a count of its tokens), which "
+                             "the program does not sum over microbatches yet; run with runtime='mpmd' on one process")
+        if t in accumulated and graph.tensors[t].inexact:
+            raise cannot_run(f"a block's forward returns {graph.tensors[t].name!r} ({graph.tensors[t].dtype}) from the "
+                             "gradient computation, a value of its own per microbatch (an auxiliary loss, a batch "
+                             "norm's running statistics) that the program does not average yet; run with "
+                             "runtime='mpmd' on one process")
     head_res = tuple(t for t in head_f.outputs if any(producer_group.get(c) == ("head_b", -1)
                                                         for c in graph.tensors[t].consumers))
     for t in head_f.outputs:
@@ -449,7 +459,21 @@ def uniform_stages(graph: Graph, num_stages: int, parts: StepParts | None = None
         f_kinds=tuple(f_kinds), b_kinds=tuple(b_kinds),
         act_out=tuple(act_out), cot_out=tuple(cot_out), residuals=tuple(res_tensors), acc_out=acc_out,
         head_act=tuple(head_act), tail_cot=tuple(tail_cot), head_res=head_res, side=Group.of(graph, side),
-        template_b=template_b, stage_constants=lifted)
+        template_b=template_b, stage_constants=lifted, f_state=f_state)
+
+
+def _from_stacked(graph: Graph, group: Group, kinds: Sequence[str], per_microbatch: Collection[int]) -> set[int]:
+    """The tensors of ``group`` (a chunk's forward) made from its "stacked" inputs (its weights and state) and
+    constants alone: the same for every microbatch. ``per_microbatch``: ops that make values of their own per
+    microbatch whatever they read (``uniform_stages``)."""
+    made = {t for t, kind in zip(group.inputs, kinds, strict=True) if kind == "stacked"}
+    inputs = set(group.inputs)
+    for i in group.ops:
+        op = graph.ops[i]
+        if i not in per_microbatch and all(t in made or (t not in inputs and graph.tensors[t].producer is None)
+                                           for t in op.inputs):
+            made.update(op.outputs)
+    return made
 
 
 def _stage_constants(graph: Graph, groups: Sequence[Group]) -> set[int]:
