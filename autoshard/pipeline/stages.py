@@ -194,8 +194,9 @@ def plan_pipeline(graph: Graph, cost: CostModel, *, hardware: str = "", memory_b
     module docstring's "Recompute per stage"); the plan's ``recompute`` then says which block does what, and
     ``modes.graph_of(plan.recompute)`` is the graph it plans. ``deadline``: the whole planning call's
     (``planner.deadline``); once it is spent, the layers are priced on one logical layout per submesh
-    shape (not also as 2-D meshes) and the stages' whole solves get the layer solves' least time, each cut
-    recorded on it.
+    shape (not also as 2-D meshes), the layers other than the block only on the shapes priced by then
+    (``price_layers``), and each stage is its layers' plans joined, not solved whole (``_planned_whole``),
+    each cut recorded on it.
 
     The layers' and stages' sub-graphs are cut once each (``partition.subgraph``) and live with ``graph``
     while it is planned here; they are dropped when this returns (the step's graph lives on to be
