@@ -147,9 +147,9 @@ def test_a_step_that_cannot_fit_as_traced_is_pipelined_first_when_the_budget_is_
     microbatch counts, the layers priced on each submesh shape as it is only, the layers other than the
     block on one shape only, the stages their layers' plans joined with no solve. The plan fits, checks
     against its microbatch trace, runs one step with jax.jit's loss and parameters, and its summary lists
-    each cut. With a core free (a step large enough to
-    plan its intra-operator plan in a forked child) alike: a child would be waited for (GPT-1.3B on 2x4,
-    budget 5 s: its intra-operator problem took 13 s to build beside the pipeline's search)."""
+    each cut. With a core free (a step large enough to plan its intra-operator plan in a forked child)
+    alike: a child would be waited for (GPT-1.3B on 2x4, budget 5 s: its intra-operator problem took 13 s
+    to build beside the pipeline's search)."""
     if core_free:
         monkeypatch.setattr("autoshard.choose.BESIDE_MIN_OPS", 0)
         monkeypatch.setattr("autoshard.choose.can_fork", lambda: True)
