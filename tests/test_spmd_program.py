@@ -403,6 +403,19 @@ def test_llama_and_models_in_two_styles_run_across_two_processes_as_jit(tmp_path
         _across_processes_as_jit(tmp_path / str(k), form, name, [r[k] for r in reports])
 
 
+@pytest.mark.slow  # multi-process (CI time): one process, both runtimes, in test_pipeline_dropout
+def test_a_dropout_model_runs_across_two_processes_with_jits_masks(tmp_path: Path) -> None:
+    # dropout on the embedding, in every block and before the head, the key split each step: across two
+    # processes (each with its own rows of the batch) every microbatch draws its rows of jax.jit's masks
+    # (``pipeline.draws``), and 3 steps equal jax.jit's on one process, under 1F1B and ZB-H1
+    cases = [("dropout", name) for name in ("1f1b", "zb-h1")]
+    with multiproc.running("pipeline_worker.py", tmp_path, *[x for form, name in cases for x in (name, form)]) as procs:
+        _jit_steps("dropout")
+        reports = multiproc.reports(procs, timeout=1500)
+    for k, (form, name) in enumerate(cases):
+        _across_processes_as_jit(tmp_path / str(k), form, name, [r[k] for r in reports])
+
+
 def _across_processes_as_jit(out: Path, form: str, name: str, reports: list[dict]) -> None:
     """A case of ``pipeline_worker`` (its output ``out``, each process's report of it) ran as one program
     across both processes, planned as ``name``, and its 3 steps equal ``jax.jit``'s on one process."""

@@ -5,7 +5,8 @@ plain optax, the optimizer closed over; either with ``:scan`` (``state:scan``): 
 ``nn.scan`` (``scan_layers=true``). ``llama``: ``examples/llama.py`` (tiny); ``style:NAME``: the example GPT
 with 4 blocks written in another style (``tests/style_models.py``: ``numbered``, ``unnumbered``, ...).
 ``mlp``: four residual MLP blocks after an input projection; ``mlp:batch``: the same with no projection, the
-first block reading the batch directly."""
+first block reading the batch directly. ``dropout``: a linen LM with dropout on the embedding, in its 4 blocks
+and before its head, ``step(state, key, batch)`` splitting a legacy ``PRNGKey`` and returning the other half."""
 
 from __future__ import annotations
 
@@ -54,9 +55,45 @@ def residual_mlp(embed: bool) -> tuple[Any, tuple[Any, ...], Any]:
     return train_step, (state,), {"x": x}
 
 
+def dropout_lm() -> tuple[Any, tuple[Any, ...], Any]:
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+            h = nn.Dense(64, name="up")(nn.LayerNorm(name="ln")(x))
+            return x + nn.Dense(32, name="down")(nn.Dropout(0.1)(jax.nn.gelu(h), deterministic=not train))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids: jax.Array, train: bool = False) -> jax.Array:
+            x = nn.Dropout(0.1)(nn.Embed(64, 32, name="embed")(ids), deterministic=not train)
+            for i in range(4):
+                x = Block(name=f"block_{i}")(x, train)
+            return nn.Dense(64, name="head")(nn.Dropout(0.2)(x, deterministic=not train))
+
+    model = Model()
+    ids = jax.random.randint(jax.random.key(5), (16, 16), 0, 64, jnp.int32)
+    state = TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), ids)["params"],
+                              tx=optax.adam(1e-3))
+
+    def train_step(state: TrainState, key: jax.Array, batch: dict) -> tuple[TrainState, jax.Array, dict]:
+        key, sub = jax.random.split(key)
+
+        def loss_fn(p: Any) -> jax.Array:
+            logits = state.apply_fn({"params": p}, batch["ids"], True, rngs={"dropout": sub})
+            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["ids"][:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes a Python float and an int32 count
+            return state.apply_gradients(grads=grads), key, {"loss": loss}
+
+    return train_step, (state, jax.random.PRNGKey(1)), {"ids": ids}
+
+
 def make(form: str, **overrides: Any) -> tuple[Any, tuple[Any, ...], Any]:
     if form in ("mlp", "mlp:batch"):
         return residual_mlp(embed=form == "mlp")
+    if form == "dropout":
+        return dropout_lm()
     if form == "llama":  # examples/llama.py: layers/0.., a padding mask and RoPE tables read by every block
         ex = load_example(ROOT / "examples" / "llama.py", "tiny", [], abstract=False)
         state, batch = ex.args
