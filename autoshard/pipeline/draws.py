@@ -94,3 +94,10 @@ def row_draws(small: Graph, full: Graph, blocks: int) -> frozenset[tuple[Scope, 
     return frozenset(out)
 
 
+def row_shaped(graph: Graph) -> frozenset[int]:
+    """The top-level ops of ``graph`` (a step traced at microbatch size) that hold a draw whose dimension 0 is
+    the microbatch's rows: ``row_draws``' guess from this trace alone, where the full-size one is not at hand
+    (the planner's own cut of uniform stages, which must be the cut the SPMD program makes)."""
+    rows = batch_rows(graph)
+    return frozenset(key[0][0] if key else op.id for key, op in _draws(graph)
+                     if rows and (shape := op.eqn.params["shape"]) and int(shape[0]) == rows)

@@ -105,6 +105,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autoshard.pipeline.draws import row_shaped
 from autoshard.pipeline.host import HostCosts, HostWork, host_work
 from autoshard.pipeline.layer_prices import (
     LayerPrices,
@@ -654,7 +655,7 @@ def _assembled(st: _Setting, cut: _Chosen, planned: Mapping[int, Part], prices: 
             "stage, or another schedule")
     if st.uniform:  # the cut the SPMD program makes of these stages must be one it runs (``uniform_stages``):
         # the same blocks a stage, differing only in their weights (a ResNet's downsampling first blocks fail)
-        uniform_stages(graph, len(chosen), parts)
+        uniform_stages(graph, len(chosen), parts, row_shaped(graph))
     report = PipelineReport(dp_cost=cut.dp_cost, layer_solves=prices.solves, distinct_layers=prices.distinct,
                             dp_seconds=cut.dp_seconds, dp_candidates=cut.dp_candidates,
                             stage_costing_seconds=t_dp, planning_seconds=time.perf_counter() - st.t_start,

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from autoshard.pipeline.draws import row_shaped
 from autoshard.pipeline.partition import (
     BACKWARD,
     FORWARD,
@@ -735,7 +736,7 @@ def tail_spreadable(graph: Graph, parts: StepParts | None = None) -> int:
         return 0
     R = next(iter(rows))
     try:
-        cut = uniform_stages(graph, S, parts)
+        cut = uniform_stages(graph, S, parts, row_shaped(graph))
     except PipelineError:
         return 0
     from_blocks = cut.from_last_block()
