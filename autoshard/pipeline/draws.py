@@ -28,7 +28,7 @@ traced at ``1/n`` of the batch runs block ``i`` with offset ``i·b'·R``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import jax
 
@@ -94,10 +94,20 @@ def row_draws(small: Graph, full: Graph, blocks: int) -> frozenset[tuple[Scope, 
     return frozenset(out)
 
 
+def top_op(draw: tuple[Scope, int]) -> int:
+    """The top-level op that runs ``draw`` (its scope and op id): the draw itself, or the op whose body holds it."""
+    key, op_id = draw
+    return key[0][0] if key else op_id
+
+
+def top_ops(draws: Iterable[tuple[Scope, int]]) -> frozenset[int]:
+    return frozenset(map(top_op, draws))
+
+
 def row_shaped(graph: Graph) -> frozenset[int]:
     """The top-level ops of ``graph`` (a step traced at microbatch size) that hold a draw whose dimension 0 is
     the microbatch's rows: ``row_draws``' guess from this trace alone, where the full-size one is not at hand
     (the planner's own cut of uniform stages, which must be the cut the SPMD program makes)."""
     rows = batch_rows(graph)
-    return frozenset(key[0][0] if key else op.id for key, op in _draws(graph)
-                     if rows and (shape := op.eqn.params["shape"]) and int(shape[0]) == rows)
+    return top_ops((key, op.id) for key, op in _draws(graph)
+                   if rows and (shape := op.eqn.params["shape"]) and int(shape[0]) == rows)

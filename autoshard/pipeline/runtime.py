@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.emit.specs import normalize_key
-from autoshard.pipeline.draws import row_draws
+from autoshard.pipeline.draws import row_draws, top_op
 from autoshard.pipeline.partition import (
     UPDATE,
     WEIGHT,
@@ -91,7 +91,7 @@ def _build_program(graph: Graph, seg: Segment, mesh: jax.sharding.Mesh, specs: S
     ins = tuple(sharding(t) for t in seg.inputs)
     outs = tuple(sharding(t) for t in seg.outputs)
     mine = set(seg.ops)
-    interp.draws = frozenset(d for d in draws if (d[0][0][0] if d[0] else d[1]) in mine)
+    interp.draws = frozenset(d for d in draws if top_op(d) in mine)
     indexed = bool(interp.draws) and seg.kind != UPDATE
 
     def fn(*args: Any) -> tuple[Any, ...]:

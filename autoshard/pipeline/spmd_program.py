@@ -95,7 +95,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -106,8 +106,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.emit.interpret import Interpreter
 from autoshard.emit.program import check_leaves, copied_leaves
 from autoshard.emit.specs import named_sharding, normalize_key
-from autoshard.pipeline.draws import row_draws
-from autoshard.pipeline.partition import batch_rows, split_step
+from autoshard.pipeline.draws import row_draws, top_ops
+from autoshard.pipeline.partition import split_step
 from autoshard.pipeline.pipeline_plan import PipelinePlan
 from autoshard.pipeline.schedules import V_SCHEDULES, PipelineProgram, schedule
 from autoshard.pipeline.ticks import DISPATCH_S, SCHEDULES, SpmdTime, cannot_run, price, ticks
@@ -186,22 +186,19 @@ class Spread:
     once: tuple[tuple[int, int], ...]
     cot: tuple[int, ...]
     specs: dict[Scope, dict[int, ShardingSpec]]
-
-
-def _top_ops(draws: Collection[tuple[Scope, int]]) -> frozenset[int]:
-    """The top-level ops that run ``draws`` (by scope and op id): the draws' own, or the op whose body holds it."""
-    return frozenset(key[0][0] if key else op_id for key, op_id in draws)
+    draws: frozenset[tuple[Scope, int]] | None  # ``graph``'s draws over the rows (``row_draws``; None: not jit's)
 
 
 def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[int],
-            top: Mapping[int, ShardingSpec], mesh: jax.sharding.Mesh, per_microbatch: Collection[int] = ()) -> Spread:
+            top: Mapping[int, ShardingSpec], mesh: jax.sharding.Mesh, full: Graph, num_microbatches: int) -> Spread:
     """``Spread`` of ``cut``'s tail over ``G`` stages, ``small`` being the step traced at ``1/G`` of the
     microbatch's rows. The two traces come from one function, so what the tail exchanges with the rest pairs
     up by position: the last block's outputs and stream inputs, the step's inputs, the values made before
     the loop, the step's outputs and what the update reads. The tail's own ops may differ (JAX traces a
     dimension of size 1 differently): when they pair up in order the plan's layouts carry over to them,
     else XLA lays the slice out. Anything else (a value whose shape is not the rows over ``G``) is refused
-    with why. ``per_microbatch``: ``small``'s ops that make values of their own per slice (``uniform_stages``)."""
+    with why. ``full``: the step traced at full size, against which ``small``'s draws over the rows are found
+    (``Spread.draws``; ``num_microbatches``: the microbatches of ``micro``)."""
     rows = {micro.tensors[micro.inputs[i]].shape[0] for i in batch_pos}
     small_rows = {small.tensors[small.inputs[i]].shape[0] for i in batch_pos}
     if len(rows) != 1 or len(small_rows) != 1 or next(iter(rows)) % next(iter(small_rows)):
@@ -212,7 +209,8 @@ def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[
     S = mesh.shape[STAGE_AXIS]
     if not 1 < G <= S:
         raise cannot_run(f"a tail spread over {G} stages needs between 2 and the {S} stages")
-    scut = uniform_stages(small, cut.num_stages, split_step(small), per_microbatch)
+    draws = row_draws(small, full, num_microbatches * G)  # slice g of microbatch m: rows block m·G + g
+    scut = uniform_stages(small, cut.num_stages, split_step(small), top_ops(draws or ()))
     last, slast = cut.chunk_f[-1], scut.chunk_f[-1]
     pairs: dict[int, int] = {}  # the tail's boundary, by position
     for xs, ys in ((last.outputs, slast.outputs), (last.inputs, slast.inputs), (micro.inputs, small.inputs),
@@ -268,7 +266,7 @@ def _spread(micro: Graph, cut: UniformStages, small: Graph, batch_pos: Sequence[
         log.info("the tail traces to %d ops at %d rows and %d at %d: XLA lays out its slices",
                  len(ops1), R, len(ops2), r)
     return Spread(split=G, graph=small, cut=scut, send=tuple(send), batch=tuple(batch), outside=tuple(outside),
-                  pre=tuple(pre), once=once, cot=tuple(scut.tail_cot), specs={(): specs})
+                  pre=tuple(pre), once=once, cot=tuple(scut.tail_cot), specs={(): specs}, draws=draws)
 
 
 STAGE_ACTIONS = "stage_actions"
@@ -324,21 +322,19 @@ class SpmdPipelineStep:
         self.parts = split_step(micro)
         self.num_microbatches = M = num_microbatches
         # draws over the batch's rows, made as jax.jit makes them over the whole batch (``pipeline.draws``),
-        # run with their microbatch (never in ``pre``, once a step); ``self.random_exact``: every draw is jit's
-        # (else each microbatch draws the first one's numbers). ``tail``: the step traced at 1/G of the rows
-        G = max(1, batch_rows(micro) // max(1, batch_rows(tail))) if tail is not None else 1
+        # run with their microbatch (never in ``pre``, once a step)
         draws = row_draws(micro, full, M)
-        tail_draws = row_draws(tail, full, M * G) if tail is not None else frozenset()
-        self.draws, self.tail_draws = draws or frozenset(), tail_draws or frozenset()
-        self.random_exact = draws is not None and tail_draws is not None
-        self.cut = uniform_stages(micro, S * chunks, self.parts, _top_ops(self.draws))  # a template chunk a virtual stage
+        self.draws = draws or frozenset()
+        self.cut = uniform_stages(micro, S * chunks, self.parts, top_ops(self.draws))  # a template chunk a virtual stage
         self.batch_pos = self.parts.batch_inputs
         # a spread tail: ``tail`` is the step traced at 1/G of the microbatch's rows (``trace_microbatch`` at
         # ``M·G`` microbatches); its layers after the blocks run on G stages, a slice each (the last G, or in a
         # V, whose last virtual stage is stage 0, the first G: ``Ticks.tail_stages``)
-        self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh,
-                              _top_ops(self.tail_draws)) if tail is not None else None
+        self.spread = _spread(micro, self.cut, tail, self.batch_pos, self.specs.get((), {}), mesh, full, M) \
+            if tail is not None else None
         G = self.spread.split if self.spread is not None else 1
+        # every draw is jit's (else each microbatch draws the first one's numbers)
+        self.random_exact = draws is not None and (self.spread is None or self.spread.draws is not None)
         if program is None:  # the schedule's program (a plan's own: ``PipelinePlan.program``)
             program = schedule(schedule_name, S, M, chunks, tail_gap=int(G > 1),
                                fused=fused and schedule_name == "1f1b")
@@ -805,7 +801,7 @@ class SpmdPipelineStep:
             # the stage of the last virtual stage, whose stream is spread, and the first of the G that run slices
             home, first = self.schedule.place(V - 1)[0], T.tail_stages().start
             small_interp = Interpreter(abstract, sp.specs)
-            small_interp.draws = self.tail_draws
+            small_interp.draws = sp.draws or frozenset()
             inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
             over_g = lambda x: (x / jnp.asarray(G, x.dtype)).astype(x.dtype) if inexact(x) else x  # noqa: E731
 
