@@ -438,21 +438,18 @@ def price_layers(graph: Graph, micro_ops: Sequence[Sequence[int]], update_ops: S
     rest = [ell for ell in order if signatures[ell] != signatures[order[0]]]
     ranked = _ranked_shapes(out[0][order[0]] + out[2][order[0]] / max(1, num_microbatches), costs, num_devices,
                             num_microbatches)
-    skipped: list[int] = []
     for k, m in enumerate(ranked):
         if (k > 0 and deadline is not None and deadline.spent() and rest
                 and all(np.isfinite(out[0][ell, ranked[:k]] + out[2][ell, ranked[:k]]).any() for ell in rest)):
             # the call's budget is spent and every layer has a price somewhere: the shapes its block runs least
-            # efficiently on are left out (the stage DP cannot choose them)
-            skipped = list(ranked[k:])
+            # efficiently on are left out (infinite: the stage DP cannot choose them)
+            for a in out:
+                a[np.ix_(rest, ranked[k:])] = math.inf
             deadline.cut(f"the pipeline's layers were priced on {k} of {num_shapes} submesh shapes (the block's "
                          "most efficient first)")
             break
         for ell in rest:
             price(ell, m)
-    for m in skipped:
-        for ell in rest:
-            out[0][ell, m] = out[1][ell, m] = out[2][ell, m] = out[3][ell, m] = math.inf
     return LayerPrices(*out, solves=solves, distinct=distinct, parts=tuple(tuple(p) for p in parts),
                        micro_transient=transient)
 
